@@ -1,0 +1,255 @@
+"""Supervised fine-tuning (SFT) of a causal language model with Accelerate and FSDP2.
+
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/sft.py \
+        --config recipes/configs/sft/demo_reverse.yaml [--field value ...]
+
+What it does, top to bottom:
+- config: a YAML file plus `--field value` overrides; unknown keys and bad values are reported together.
+- accelerator: FSDP settings (wrap class, sharding, offload, state-dict type, precision) come only from the Accelerate
+  YAML. On a machine without GPUs an FSDP2 launch still shards for real, over gloo; a launch that would degrade
+  into independent processes is refused.
+- data: `messages` or `prompt`/`completion` data from the Hub or local files; loss on assistant/completion tokens
+  only (switchable); packing without attention across examples; a held-out split for eval loss.
+- model: a Hub id or folder (`model_name_or_path`), or a config to initialise from (`model_config`).
+- loop: global batch = per_device_train_batch_size x processes x gradient_accumulation_steps rows; the loss is the
+  mean over every target token of that global batch, so it does not depend on how the batch is split. Warmup and
+  schedule, clipping, eval every `eval_steps`, logs to stdout and output_dir/metrics.jsonl.
+- export: output_dir becomes a Hugging Face model folder (safetensors, config, tokenizer, model card), whatever the
+  state-dict type, checked after writing, and optionally pushed to the Hub.
+
+Errors raised before any weights load: bad config, non-empty or unwritable output_dir, missing Hub token with
+push_to_hub, degraded launch, FSDP1 on CPU, wrap class absent from the model, no chat template, dataset without
+the needed columns, empty dataset.
+
+This file is meant to be copied and edited: the distributed details live in `fsdp_recipes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from fsdp_recipes.config import SFTConfig, config_to_dict, parse_config
+from fsdp_recipes.data import (
+    RowCollator,
+    build_rows,
+    load_raw_dataset,
+    split_train_eval,
+    tokenize_dataset,
+)
+from fsdp_recipes.distributed import build_accelerator, describe_run, launch_environment, on_every_rank_together
+from fsdp_recipes.errors import ConfigError, exit_on_user_error
+from fsdp_recipes.export import export_model_folder
+from fsdp_recipes.hub import push_folder_to_hub, require_hub_token
+from fsdp_recipes.metrics import MetricsLog, write_json
+from fsdp_recipes.modeling import (
+    check_tokenizer_fits_model,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_wrap_classes,
+)
+from fsdp_recipes.outputs import output_dir_problem
+from fsdp_recipes.training import (
+    build_optimizer,
+    build_scheduler,
+    count_targets,
+    endless_batches,
+    evaluate_loss,
+    exact_match_accuracy,
+    generation_examples,
+    global_sum,
+    loss_scale,
+    summed_token_loss,
+    total_optimizer_steps,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(SFTConfig, argv)
+
+    # --- accelerator, and every check that needs no weights ------------------------------------------------------
+    accelerator = build_accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(config.seed)
+
+    def preflight():
+        problem = output_dir_problem(config.output_dir, overwrite=config.overwrite_output_dir)
+        if problem:
+            raise ConfigError(problem)
+        hub_token = require_hub_token() if config.push_to_hub else None
+        tokenizer = load_tokenizer(
+            config.tokenizer_name_or_path or config.model_name_or_path,
+            revision=config.model_revision,
+            trust_remote_code=config.trust_remote_code,
+            chat_template=config.chat_template,
+        )
+        model_config = load_model_config(
+            config.model_name_or_path, config.model_config,
+            revision=config.model_revision, trust_remote_code=config.trust_remote_code,
+        )
+        check_tokenizer_fits_model(tokenizer, model_config)
+        wrap_classes = resolve_wrap_classes(accelerator, model_config, trust_remote_code=config.trust_remote_code)
+        return hub_token, tokenizer, model_config, wrap_classes
+
+    hub_token, tokenizer, model_config, wrap_classes = on_every_rank_together(accelerator, preflight)
+    if accelerator.is_main_process:
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+
+    # --- data -----------------------------------------------------------------------------------------------------
+    def prepare_data():
+        raw = load_raw_dataset(config.dataset_name, config.dataset_config)
+        train_raw, eval_raw = split_train_eval(
+            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+        )
+        options = dict(
+            assistant_only_loss=config.assistant_only_loss, completion_only_loss=config.completion_only_loss,
+            max_length=config.max_length, num_proc=config.dataset_num_proc,
+        )
+        train_tokens, train_stats = tokenize_dataset(train_raw, tokenizer, name="train", **options)
+        train_rows = build_rows(train_tokens, max_length=config.max_length, packing=config.packing)
+        eval_rows = None
+        if eval_raw is not None:
+            eval_tokens, _ = tokenize_dataset(eval_raw, tokenizer, name="eval", **options)
+            eval_rows = build_rows(eval_tokens, max_length=config.max_length, packing=False)
+        return eval_raw, train_rows, eval_rows, train_stats
+
+    eval_raw, train_rows, eval_rows, train_stats = on_every_rank_together(
+        accelerator, prepare_data, main_process_first=True
+    )
+    train_loader = DataLoader(
+        train_rows, batch_size=config.per_device_train_batch_size, shuffle=True,
+        collate_fn=RowCollator(tokenizer.pad_token_id), drop_last=False,
+    )
+
+    # --- model, optimizer, schedule -------------------------------------------------------------------------------
+    model = load_model(
+        model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
+        attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
+    )
+    optimizer = build_optimizer(
+        model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+    )
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    total_steps = total_optimizer_steps(
+        len(train_loader), config.gradient_accumulation_steps, max_steps=config.max_steps, epochs=config.num_train_epochs
+    )
+    scheduler = build_scheduler(
+        optimizer, config.lr_scheduler_type, total_steps=total_steps,
+        warmup_steps=config.warmup_steps, warmup_ratio=config.warmup_ratio,
+    )
+
+    summary = describe_run(accelerator, model, wrap_classes)
+    summary.update(
+        train_rows=len(train_rows), eval_rows=len(eval_rows) if eval_rows is not None else 0,
+        data=train_stats, optimizer_steps=total_steps,
+        global_batch_rows=config.per_device_train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps,
+    )
+    log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write)
+    if accelerator.is_main_process:
+        write_json(f"{config.output_dir}/run_summary.json", summary)
+        accelerator.print("run summary: " + " ".join(f"{k}={v}" for k, v in summary.items()))
+
+    exact_match_examples = []
+    if config.exact_match_eval_samples and eval_raw is not None:
+        exact_match_examples = generation_examples(eval_raw, tokenizer, config.exact_match_eval_samples)
+    results = {}
+    if exact_match_examples:
+        before = exact_match_accuracy(
+            accelerator, model, tokenizer, exact_match_examples,
+            max_new_tokens=config.max_new_tokens, batch_size=config.per_device_eval_batch_size,
+        )
+        results["exact_match_before"] = before["exact_match"]
+        accelerator.print(f"exact match before training: {before['exact_match']:.1%} of {before['num_examples']}")
+
+    def run_eval(step: int) -> None:
+        if eval_rows is None:
+            return
+        eval_loss = evaluate_loss(
+            accelerator, model, eval_rows, batch_size=config.per_device_eval_batch_size,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        log.log({"step": step, "eval_loss": eval_loss})
+
+    # --- training loop --------------------------------------------------------------------------------------------
+    model.train()
+    batches = endless_batches(train_loader)
+    progress = tqdm(total=total_steps, disable=not accelerator.is_main_process, desc="sft")
+    window_start, window_tokens = time.perf_counter(), 0.0
+    for step in range(1, total_steps + 1):
+        micro_batches = [next(batches) for _ in range(config.gradient_accumulation_steps)]
+        epoch = micro_batches[-1][0]
+        global_targets = global_sum(accelerator, sum(count_targets(batch) for _, batch in micro_batches))
+        scale = loss_scale(accelerator, global_targets)
+        step_loss = 0.0
+        for index, (_, batch) in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            # Gradients are reduced across ranks once per optimizer step, on the last micro-batch.
+            with accelerator.no_sync(model) if not last else contextlib.nullcontext():
+                loss_sum = summed_token_loss(model, batch)
+                accelerator.backward(loss_sum * scale)
+            step_loss += loss_sum.item()
+            window_tokens += int(batch["real_tokens"].sum())
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm > 0 else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.update(1)
+
+        if step % config.logging_steps == 0 or step == total_steps:
+            elapsed = time.perf_counter() - window_start
+            tokens = global_sum(accelerator, window_tokens)
+            log.log({
+                "step": step,
+                "epoch": epoch,
+                "loss": global_sum(accelerator, step_loss) / max(global_targets, 1.0),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "tokens_per_second": tokens / elapsed,
+            })
+            window_start, window_tokens = time.perf_counter(), 0.0
+        if config.eval_steps and step % config.eval_steps == 0 and step != total_steps:
+            run_eval(step)
+    progress.close()
+    run_eval(total_steps)
+
+    if exact_match_examples:
+        after = exact_match_accuracy(
+            accelerator, model, tokenizer, exact_match_examples,
+            max_new_tokens=config.max_new_tokens, batch_size=config.per_device_eval_batch_size,
+        )
+        results["exact_match_after"] = after["exact_match"]
+        accelerator.print(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
+        for sample in after["samples"]:
+            accelerator.print(f"  reference={sample['reference']!r} generated={sample['generated']!r}")
+
+    # --- export -----------------------------------------------------------------------------------------------------
+    final_metrics = {"train_loss": log.last("loss"), "eval_loss": log.last("eval_loss"), **results}
+    folder = export_model_folder(
+        accelerator, model, tokenizer, config.output_dir,
+        card=dict(
+            recipe="sft", recipe_config=config_to_dict(config),
+            accelerate_config={"launch_environment": launch_environment(), "resolved": summary},
+            metrics={k: v for k, v in final_metrics.items() if v is not None},
+            base_model=config.model_name_or_path, dataset=config.dataset_name, hub_model_id=config.hub_model_id,
+        ),
+    )
+    if accelerator.is_main_process:
+        if results:
+            write_json(folder / "eval_results.json", results)
+        if config.push_to_hub:
+            url = push_folder_to_hub(folder, config.hub_model_id, token=hub_token, private=config.hub_private_repo)
+            accelerator.print(f"pushed to the Hub: {url}")
+        accelerator.print(f"model exported to {folder.resolve()}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(lambda: main(sys.argv[1:]))

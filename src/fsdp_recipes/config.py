@@ -1,0 +1,223 @@
+"""Recipe configuration: a dataclass per recipe, filled from a YAML file plus `--field value` overrides.
+
+Every problem found is collected and reported together, before any model or data is touched. Field names follow
+`transformers.TrainingArguments` / TRL `SFTConfig` where one exists, so a user's existing YAML mostly carries over.
+FSDP settings are deliberately absent: they come from the Accelerate YAML given to `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser, SchedulerType
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """Settings of the SFT recipe. Comments say what each knob trades."""
+
+    # --- model -------------------------------------------------------------------------------------------------
+    model_name_or_path: str | None = None  # Hub id or local folder with pretrained weights
+    model_config: str | None = None  # instead: a config.json to initialise a model from scratch (demos, tests)
+    model_revision: str = "main"  # Hub branch, tag or commit of model and tokenizer
+    tokenizer_name_or_path: str | None = None  # defaults to model_name_or_path
+    chat_template: str | None = None  # Jinja text or a path to a .jinja file; overrides the tokenizer's own
+    trust_remote_code: bool = False  # runs Python code from the model repo: only for repos you trust
+    attn_implementation: str = "sdpa"  # "sdpa" (any device), "eager" (slow, exact), "flash_attention_2" (GPU)
+    # --- data ----------------------------------------------------------------------------------------------------
+    dataset_name: str | None = None  # Hub id, a local .json/.jsonl/.parquet file, or a folder of them
+    dataset_config: str | None = None  # Hub dataset configuration name
+    dataset_train_split: str = "train"
+    dataset_test_split: str | None = "test"  # held-out split; if the dataset lacks it, eval_split_size is carved out
+    eval_split_size: float = 0.05  # fraction of train held out when there is no test split (0 disables eval)
+    max_length: int = 1024  # tokens per example (longer ones are truncated) and per packed row
+    packing: bool = True  # pack several examples per row: less padding; examples never attend to each other
+    assistant_only_loss: bool = True  # conversational data: loss only on assistant turns
+    completion_only_loss: bool = True  # prompt/completion data: loss only on the completion
+    dataset_num_proc: int | None = None  # processes for tokenisation (None: in-process)
+    # --- training ------------------------------------------------------------------------------------------------
+    output_dir: str = "outputs/sft"
+    overwrite_output_dir: bool = False  # allow writing into a non-empty output_dir (its files may be replaced)
+    seed: int = 42
+    num_train_epochs: float = 1.0
+    max_steps: int = -1  # optimizer steps; > 0 overrides num_train_epochs
+    per_device_train_batch_size: int = 8  # rows per process per micro-step
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1  # global batch = per_device_train_batch_size * processes * this
+    learning_rate: float = 2e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler_type: str = "cosine"  # any transformers SchedulerType: linear, cosine, constant_with_warmup, ...
+    warmup_ratio: float = 0.0  # fraction of steps spent warming up (ignored if warmup_steps > 0)
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0  # gradient clipping; 0 disables it
+    logging_steps: int = 10
+    eval_steps: int | None = None  # evaluate every N steps (None: only at the end)
+    # --- generation check (exact match of greedy completions on held-out examples) --------------------------------
+    exact_match_eval_samples: int = 0  # 0 disables; costs one greedy generation per sample, before and after
+    max_new_tokens: int = 64
+    # --- Hub ---------------------------------------------------------------------------------------------------
+    push_to_hub: bool = False  # upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)
+    hub_model_id: str | None = None  # "user/name" or "org/name"
+    hub_private_repo: bool = True  # create the repo private; flip for public releases
+
+    def validate(self) -> list[str]:
+        """Problems with the values themselves (no file system or network access)."""
+        problems = []
+        if (self.model_name_or_path is None) == (self.model_config is None):
+            problems.append(
+                "set exactly one of model_name_or_path (pretrained weights) and model_config (initialise from a "
+                "config.json)"
+            )
+        if self.model_config is not None and not Path(self.model_config).is_file():
+            problems.append(f"model_config: no such file {self.model_config!r}")
+        if self.model_config is not None and self.tokenizer_name_or_path is None:
+            problems.append("model_config needs tokenizer_name_or_path: a model built from a config has no tokenizer")
+        if not self.dataset_name:
+            problems.append("dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path")
+        for name in ("max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps", "logging_steps"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_steps is not None and self.eval_steps < 1:
+            problems.append(f"eval_steps must be >= 1 or null, got {self.eval_steps}")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            problems.append("set max_steps > 0 or num_train_epochs > 0")
+        if self.learning_rate < 0:
+            problems.append(f"learning_rate must be >= 0, got {self.learning_rate}")
+        if not 0 <= self.warmup_ratio < 1:
+            problems.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.eval_split_size < 1:
+            problems.append(f"eval_split_size must be in [0, 1), got {self.eval_split_size}")
+        schedulers = [s.value for s in SchedulerType]
+        if self.lr_scheduler_type not in schedulers:
+            problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
+        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
+            problems.append(
+                f"attn_implementation {self.attn_implementation!r} is not supported: use sdpa, eager, "
+                "flash_attention_2, flash_attention_3 or flex_attention"
+            )
+        if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
+            problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
+        if self.push_to_hub and not self.hub_model_id:
+            problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
+        return problems
+
+
+def _field_kinds(cls) -> dict[str, tuple[type, bool]]:
+    """field name -> (base type, accepts None)."""
+    hints = typing.get_type_hints(cls)
+    kinds = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            base = next(a for a in args if a is not type(None))
+            kinds[field.name] = (base, type(None) in args)
+        else:
+            kinds[field.name] = (hint, False)
+    return kinds
+
+
+def _coerce(value: Any, base: type, nullable: bool) -> Any:
+    """YAML value -> field type. YAML reads `1e-5` as a string, so numbers written that way are converted."""
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError("may not be null")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expected true or false, got {value!r}")
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(value)
+    if base is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        return float(value)
+    if base is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"expected a string, got {type(value).__name__}")
+        return str(value)
+    return value
+
+
+def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the valid ones"
+    return f"unknown key {key!r} in {where}{hint}"
+
+
+def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {str(path)!r} must be a mapping of key: value, got {type(values).__name__}")
+    return values
+
+
+def parse_config(cls, argv: list[str] | None = None):
+    """`--config FILE` plus `--field value` overrides -> a validated `cls` instance, or ConfigError listing all
+    problems. Command-line values win over the file."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    file_values = load_yaml_mapping(known.config) if known.config else {}
+    where = f"config file {known.config!r}"
+
+    kinds = _field_kinds(cls)
+    problems, defaults = [], {}
+    for key, value in file_values.items():
+        if key not in kinds:
+            problems.append(_unknown_key_message(key, list(kinds), where))
+            continue
+        try:
+            defaults[key] = _coerce(value, *kinds[key])
+        except ValueError as err:
+            problems.append(f"{key} in {where}: {err}")
+
+    parser = HfArgumentParser(cls)
+    parser.add_argument("--config", help="YAML file with the recipe's settings; command-line flags override it")
+    parser.set_defaults(**defaults)
+    try:
+        *parsed, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    except SystemExit as err:  # argparse already printed what was wrong with the value
+        if err.code == 0:  # --help
+            raise
+        raise ConfigError("invalid command-line value (see the message above)") from None
+    for arg in remaining:
+        if arg.startswith("--"):
+            problems.append(_unknown_key_message(arg[2:].split("=")[0], list(kinds), "the command line"))
+        else:
+            problems.append(f"unexpected command-line argument {arg!r}: flags take the form --field value")
+    config = parsed[0]
+    if not problems:
+        problems.extend(config.validate())
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def config_to_dict(config) -> dict[str, Any]:
+    return dataclasses.asdict(config)

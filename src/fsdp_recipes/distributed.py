@@ -1,0 +1,180 @@
+"""Building the Accelerator from what `accelerate launch` exported, including real FSDP2 on CPU.
+
+On a GPU machine this is plain `Accelerator()`: accelerate reads the FSDP_* environment that the launcher wrote from
+the Accelerate YAML.
+
+On a machine with no accelerator device, accelerate will not do FSDP: under `accelerate launch` each process would
+silently become its own "rank 0" and train alone. PyTorch's FSDP2 itself runs fine on CPU with gloo, so for FSDP2
+launches we let accelerate form a real gloo group (`cpu=True`) and then switch its state to FSDP, so that
+`accelerator.prepare` shards the model with accelerate's own FSDP2 code, exactly as on GPUs. This relies on two private
+attributes of accelerate's state objects (checked on accelerate 1.15); `_switch_state_to_fsdp` verifies the switch
+took and fails loudly otherwise, and tests/test_distributed.py runs it under real processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, gather_object
+
+from .errors import DistributedSetupError, UserError
+
+T = TypeVar("T")
+
+
+def launched_world_size() -> int:
+    """Number of processes the launcher started (torchrun's WORLD_SIZE), whatever accelerate made of it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fsdp_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def has_accelerator_device() -> bool:
+    return torch.accelerator.is_available()
+
+
+def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
+    """The Accelerator for this launch: real FSDP on GPUs, real FSDP2 over gloo on CPU, and never a degraded launch.
+
+    Keyword arguments go to `Accelerator` (mixed precision, FSDP settings and the like come from the launcher's
+    environment, i.e. from the Accelerate YAML, and should not be passed here).
+    """
+    if fsdp_requested() and not has_accelerator_device():
+        accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
+    else:
+        accelerator = Accelerator(**accelerator_kwargs)
+    refuse_degraded_launch(accelerator)
+    return accelerator
+
+
+def _build_cpu_fsdp2_accelerator(**accelerator_kwargs: Any) -> Accelerator:
+    plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* environment
+    if plugin.fsdp_version != 2:
+        raise DistributedSetupError(
+            "FSDP1 cannot run on CPU (PyTorch's FSDP1 needs an accelerator device). To rehearse on CPU, use an "
+            "Accelerate config with `fsdp_version: 2`; FSDP1 configs run on GPU machines only."
+        )
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, **accelerator_kwargs)
+    if accelerator.num_processes == 1:
+        # One CPU process: there is nothing to shard over and no process group; train unsharded.
+        return accelerator
+    _switch_state_to_fsdp(accelerator, plugin)
+    return accelerator
+
+
+def _switch_state_to_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+    # Both shared-state objects must say FSDP: AcceleratorState copies PartialState's value back on re-creation.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    if not (accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2):
+        raise DistributedSetupError(
+            "could not switch accelerate to FSDP2 on CPU: accelerate's internals changed (this was written for "
+            f"accelerate 1.15; installed: {_accelerate_version()}). Pin accelerate==1.15.0 or update "
+            "fsdp_recipes/distributed.py."
+        )
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return accelerate.__version__
+
+
+def refuse_degraded_launch(accelerator: Accelerator) -> None:
+    """Fail if the launcher started several processes but accelerate did not join them into one group: each would
+    then train alone and they would all write to the same output_dir."""
+    world_size = launched_world_size()
+    if world_size > 1 and accelerator.num_processes != world_size:
+        raise DistributedSetupError(
+            f"the launcher started {world_size} processes but accelerate joined {accelerator.num_processes} "
+            f"(distributed type {accelerator.distributed_type.value}): every process would train alone. This happens "
+            "when the Accelerate config asks for a GPU setup on a machine without GPUs. Use an FSDP2 config "
+            "(fsdp_version: 2), which also runs on CPU, or launch on a machine with accelerators."
+        )
+
+
+def on_every_rank_together(accelerator: Accelerator, step: Callable[[], T], *, main_process_first: bool = False) -> T:
+    """Runs `step` on every rank (the main process first, e.g. to fill the datasets cache, if asked); if it fails on
+    any rank, it fails on every rank, with the failing rank's message. Without this, one rank raising while the others
+    enter the next collective leaves them waiting until the collective timeout (30 minutes by default)."""
+    result, failure = None, None
+    context = accelerator.main_process_first() if main_process_first else contextlib.nullcontext()
+    with context:
+        try:
+            result = step()
+        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+            failure = error
+    message = f"{type(failure).__name__}: {failure}" if failure is not None else None
+    messages = gather_object([message]) if accelerator.num_processes > 1 else [message]
+    if failure is not None:
+        raise failure
+    failed = [(rank, text) for rank, text in enumerate(messages) if text]
+    if failed:
+        rank, text = failed[0]
+        raise PeerRankFailed(f"rank {rank} failed: {text}")
+    return result
+
+
+class PeerRankFailed(UserError):
+    """Another rank failed; this one stops with it instead of waiting in a collective."""
+
+
+def local_and_total_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole model). Under FSDP2 parameters are DTensors whose local
+    shard is what the rank stores."""
+    local = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        local += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+    return local, total
+
+
+def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes: list[str] | None) -> dict[str, Any]:
+    """Collective: what this launch really does (from accelerate's resolved state, not from the YAML text)."""
+    local, total = local_and_total_parameters(model)
+    per_rank = gather_object([local]) if accelerator.num_processes > 1 else [local]
+    summary: dict[str, Any] = {
+        "world_size": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+        "device": str(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+        "parameters_total": total,
+        "parameters_per_rank": per_rank,
+        "fsdp": None,
+    }
+    if accelerator.distributed_type == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        summary["fsdp"] = {
+            "version": plugin.fsdp_version,
+            "reshard_after_forward" if plugin.fsdp_version == 2 else "sharding_strategy": str(
+                plugin.reshard_after_forward if plugin.fsdp_version == 2 else plugin.sharding_strategy
+            ),
+            "wrap_classes": wrap_classes,
+            "cpu_offload": _offloads_parameters(plugin),
+            "state_dict_type": getattr(plugin.state_dict_type, "name", str(plugin.state_dict_type)),
+            "activation_checkpointing": bool(plugin.activation_checkpointing),
+        }
+    return summary
+
+
+def _offloads_parameters(plugin: FullyShardedDataParallelPlugin) -> bool:
+    # FSDP2 holds an OffloadPolicy (no offload) or a CPUOffloadPolicy; FSDP1 a CPUOffload with a flag.
+    policy = plugin.cpu_offload
+    return type(policy).__name__ == "CPUOffloadPolicy" or bool(getattr(policy, "offload_params", False))
+
+
+def launch_environment() -> dict[str, str]:
+    """The Accelerate/FSDP settings the launcher exported: the Accelerate config as this run received it."""
+    prefixes = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+    return {key: value for key, value in sorted(os.environ.items()) if key.startswith(prefixes)}

@@ -1,0 +1,56 @@
+"""Errors a user can fix, and how a recipe reports them: one message naming the problem and the fix, a nonzero
+exit, no traceback, printed once rather than by every rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+USER_ERROR_EXIT_CODE = 2
+
+
+class UserError(Exception):
+    """Bad input or setup, as opposed to a bug: reported without a traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A problem in the recipe config or command line; several are reported together."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
+
+
+class DataError(UserError, ValueError):
+    """A problem with the dataset."""
+
+
+class DistributedSetupError(UserError, RuntimeError):
+    """The launch cannot give the training that was asked for."""
+
+
+def is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def exit_on_user_error(main: Callable[[], object]) -> None:
+    """Runs `main`; a UserError becomes `error: <message>` on stderr (main rank only) and exit status 2."""
+    try:
+        main()
+    except UserError as error:
+        if is_main_rank():
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        _destroy_process_group()
+        sys.exit(USER_ERROR_EXIT_CODE)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

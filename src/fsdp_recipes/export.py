@@ -1,0 +1,161 @@
+"""The Hugging Face model folder written at the end of training, whatever the FSDP state-dict type.
+
+With SHARDED_STATE_DICT, `save_model`/`save_pretrained` on an FSDP model leaves no usable weights; here the full
+state dict is gathered (a collective), written by the main process as safetensors next to config, generation config,
+tokenizer and a model card, then read back and checked tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from accelerate import Accelerator
+from huggingface_hub import ModelCard, ModelCardData
+from safetensors import safe_open
+
+
+class ExportVerificationError(RuntimeError):
+    """The weights read back from disk differ from the ones that were saved."""
+
+
+def export_model_folder(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    tokenizer,
+    output_dir: str | Path,
+    *,
+    card: dict[str, Any],
+) -> Path | None:
+    """Collective: every rank must call it. Returns the folder on the main process, None elsewhere."""
+    state_dict = accelerator.get_state_dict(model)  # full tensors on the main process, on CPU
+    output_dir = Path(output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        unwrapped = accelerator.unwrap_model(model)
+        # A shallow copy: save_pretrained pops entries as it writes them, and verification needs them all.
+        unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)
+        tokenizer.save_pretrained(output_dir)
+        verify_saved_weights(output_dir, state_dict)
+        write_model_card(output_dir, **card)
+    accelerator.wait_for_everyone()
+    return output_dir if accelerator.is_main_process else None
+
+
+def verify_saved_weights(folder: str | Path, state_dict: dict[str, torch.Tensor]) -> int:
+    """Every tensor in the folder's safetensors files equals (shape, dtype, values) the state-dict entry it was
+    written from, and every entry is on disk, except tied duplicates, which must equal a tensor that is. Reads one
+    tensor at a time. Returns the number of tensors checked."""
+    problems, checked = [], 0
+    on_disk_keys: set[str] = set()
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ExportVerificationError(f"no safetensors weights were written to {folder}")
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            for key in reader.keys():
+                on_disk_keys.add(key)
+                expected = state_dict.get(key)
+                if expected is None:
+                    problems.append(f"{key}: on disk but not in the model's state dict")
+                    continue
+                saved = reader.get_tensor(key)
+                checked += 1
+                if saved.shape != expected.shape or saved.dtype != expected.dtype:
+                    problems.append(
+                        f"{key}: {tuple(saved.shape)} {saved.dtype} on disk, {tuple(expected.shape)} {expected.dtype} saved"
+                    )
+                elif not torch.equal(saved, expected.cpu()):
+                    problems.append(f"{key}: values on disk differ from the trained weights")
+    for key in sorted(state_dict.keys() - on_disk_keys):
+        tensor = state_dict[key].cpu()
+        twins = [k for k in on_disk_keys if state_dict.get(k) is not None and state_dict[k].shape == tensor.shape]
+        if not any(torch.equal(state_dict[k].cpu(), tensor) for k in twins):
+            problems.append(f"{key}: missing from the saved files")
+    if problems:
+        raise ExportVerificationError("export verification failed:\n  " + "\n  ".join(problems))
+    return checked
+
+
+_CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+Fine-tuned with the FSDP Recipes `{{ recipe }}` recipe{% if base_model %} from [{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %} from a model initialised from a config{% endif %}{% if dataset %} on `{{ dataset }}`{% endif %}.
+
+## Results
+
+{{ results }}
+
+## Recipe configuration
+
+```yaml
+{{ recipe_config }}
+```
+
+## Accelerate configuration used
+
+The Accelerate/FSDP settings this run received from `accelerate launch`, and what they resolved to:
+
+```yaml
+{{ accelerate_config }}
+```
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{{ model_path }}")
+tokenizer = AutoTokenizer.from_pretrained("{{ model_path }}")
+```
+"""
+
+
+def write_model_card(
+    folder: str | Path,
+    *,
+    recipe: str,
+    recipe_config: dict[str, Any],
+    accelerate_config: dict[str, Any],
+    metrics: dict[str, Any],
+    base_model: str | None,
+    dataset: str | None,
+    hub_model_id: str | None = None,
+) -> Path:
+    folder = Path(folder)
+    dataset_id = dataset if dataset and not Path(dataset).exists() else None  # local paths are not Hub datasets
+    card_data = ModelCardData(
+        library_name="transformers",
+        base_model=base_model if base_model and not Path(base_model).exists() else None,
+        datasets=[dataset_id] if dataset_id else None,
+        tags=["fsdp-recipes", recipe, "fsdp"],
+        pipeline_tag="text-generation",
+    )
+    results = "\n".join(f"| {key} | {_format(value)} |" for key, value in metrics.items())
+    card = ModelCard.from_template(
+        card_data,
+        template_str=_CARD_TEMPLATE,
+        model_name=hub_model_id or folder.name,
+        recipe=recipe,
+        base_model=card_data.base_model,
+        dataset=dataset,
+        results=("| metric | value |\n|---|---|\n" + results) if results else "No metrics were recorded.",
+        recipe_config=yaml.safe_dump(recipe_config, sort_keys=False).strip(),
+        accelerate_config=yaml.safe_dump(accelerate_config, sort_keys=False).strip(),
+        model_path=hub_model_id or str(folder),
+    )
+    path = folder / "README.md"
+    card.save(path)
+    return path
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)

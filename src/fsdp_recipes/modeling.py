@@ -1,0 +1,115 @@
+"""Tokenizer and model loading (Hub id, local folder, or a config to initialise from), and the FSDP wrap classes
+resolved against the real model before any weights are read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from .errors import ConfigError
+
+
+def load_tokenizer(
+    name_or_path: str,
+    *,
+    revision: str = "main",
+    trust_remote_code: bool = False,
+    chat_template: str | None = None,
+) -> PreTrainedTokenizerBase:
+    """The tokenizer, with a chat template guaranteed (the config's, else the tokenizer's own) and a pad token."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        template_path = Path(chat_template)
+        tokenizer.chat_template = template_path.read_text() if template_path.is_file() else chat_template
+    if not tokenizer.chat_template:
+        raise ConfigError(
+            f"tokenizer {name_or_path!r} has no chat template, so conversations cannot be formatted. Set "
+            "chat_template in the recipe config to a Jinja template (a path to a .jinja file or the text itself), "
+            "or use a tokenizer that ships one."
+        )
+    if tokenizer.pad_token is None:
+        # Padding never carries loss and never attends to real tokens, so any id will do; eos is always there.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model_config(
+    model_name_or_path: str | None, model_config: str | None, *, revision: str = "main", trust_remote_code: bool = False
+) -> PretrainedConfig:
+    if model_config is not None:
+        return AutoConfig.from_pretrained(model_config, trust_remote_code=trust_remote_code)
+    return AutoConfig.from_pretrained(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def module_class_names(config: PretrainedConfig, *, trust_remote_code: bool = False) -> tuple[set[str], list[str]]:
+    """(class names of every submodule, the model's `_no_split_modules`) from a weightless copy on the meta device."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names = {type(module).__name__ for module in model.modules()}
+    return names, list(getattr(model, "_no_split_modules", None) or [])
+
+
+def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, trust_remote_code: bool = False):
+    """The transformer-layer classes FSDP will wrap, checked against the model. Raises ConfigError before any weights
+    load if the Accelerate config names a class the model does not contain. None when not wrapping by class."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.auto_wrap_policy
+    policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", str(policy))
+    if "transformer" not in str(policy_name).lower():
+        return None
+    present, no_split = module_class_names(config, trust_remote_code=trust_remote_code)
+    requested = plugin.transformer_cls_names_to_wrap or no_split
+    if not requested:
+        raise ConfigError(
+            f"the Accelerate config wraps by transformer layer class but names none, and {config.model_type} models "
+            "declare no _no_split_modules: set fsdp_transformer_layer_cls_to_wrap to the model's decoder layer class."
+        )
+    missing = [name for name in requested if name not in present]
+    if missing:
+        suggestion = ", ".join(no_split) if no_split else "its decoder layer class"
+        raise ConfigError(
+            f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which this {config.model_type} model "
+            f"does not contain. Set it to {suggestion} in the Accelerate config (or omit it to use the model's "
+            "_no_split_modules)."
+        )
+    return list(requested)
+
+
+def load_model(
+    config: PretrainedConfig,
+    *,
+    model_name_or_path: str | None,
+    revision: str = "main",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """Weights in fp32: FSDP's mixed-precision policy (from the Accelerate YAML) casts for compute and keeps fp32
+    master weights. Create the Accelerator first, so that low-RAM loading under FSDP can see the process group."""
+    if model_name_or_path is None:
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, dtype=torch.float32
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        model_name_or_path,
+        config=config,
+        revision=revision,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        dtype=torch.float32,
+    )
+
+
+def check_tokenizer_fits_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab_size} rows: token ids "
+            "past the embedding would crash training. Use the tokenizer that belongs to the model, or a model_config "
+            f"with vocab_size >= {len(tokenizer)}."
+        )

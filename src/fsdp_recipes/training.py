@@ -1,0 +1,169 @@
+"""Pieces of a training loop that are easy to get subtly wrong under data parallelism: loss normalisation across
+ranks and accumulation steps, the step count, evaluation that every rank runs in lockstep."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import get_scheduler
+
+from .data import IGNORE_INDEX, collate_rows
+
+
+def build_optimizer(model: torch.nn.Module, *, learning_rate: float, weight_decay: float, betas, eps: float):
+    """AdamW; weight decay on matrices only (not on norms and biases). Build it on the unprepared model and pass
+    both to `accelerator.prepare` together: FSDP2 then points it at the sharded parameters."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+
+
+def total_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: int, *, max_steps: int, epochs: float) -> int:
+    if max_steps > 0:
+        return max_steps
+    steps_per_epoch = max(1, batches_per_epoch // gradient_accumulation_steps)
+    return max(1, math.ceil(epochs * steps_per_epoch))
+
+
+def build_scheduler(optimizer, name: str, *, total_steps: int, warmup_steps: int, warmup_ratio: float):
+    warmup = warmup_steps if warmup_steps > 0 else math.ceil(warmup_ratio * total_steps)
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def endless_batches(dataloader: DataLoader) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(epoch, batch) forever, re-shuffling every epoch."""
+    epoch = 0
+    while True:
+        if hasattr(dataloader, "set_epoch"):
+            dataloader.set_epoch(epoch)
+        for batch in dataloader:
+            yield epoch, batch
+        epoch += 1
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["targets"] != IGNORE_INDEX).sum())
+
+
+def global_sum(accelerator: Accelerator, value: float | int) -> float:
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(tensor, reduction="sum")) if accelerator.num_processes > 1 else float(tensor)
+
+
+def summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of per-token cross-entropy over the batch's targets.
+
+    No attention mask and `use_cache=False`: with position_ids alone, transformers isolates packed examples; with a
+    cache it would silently let them attend to each other."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def loss_scale(accelerator: Accelerator, global_target_count: float) -> float:
+    """Factor turning a rank's summed loss into its share of the global mean: FSDP/DDP average gradients over
+    ranks, so each rank scales by world_size / (targets in the whole optimizer step, all ranks and micro-batches).
+    The result is the same gradient whatever the split of the global batch into ranks and micro-batches."""
+    return accelerator.num_processes / max(global_target_count, 1.0)
+
+
+@torch.no_grad()
+def evaluate_loss(accelerator: Accelerator, model: torch.nn.Module, rows, *, batch_size: int, pad_token_id: int) -> float:
+    """Mean per-token loss over all held-out rows, each counted once. Every rank runs the same number of forward
+    passes (FSDP needs all ranks in every all-gather); a rank out of rows runs a masked copy of a row."""
+    model.eval()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(rows), world))
+    batches = math.ceil(math.ceil(len(rows) / world) / batch_size)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for index in range(batches):
+        chosen = mine[index * batch_size : (index + 1) * batch_size]
+        batch = collate_rows([rows[i] for i in (chosen or [0])], pad_token_id)
+        if not chosen:
+            batch["targets"].fill_(IGNORE_INDEX)
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        loss_sum += summed_token_loss(model, batch).double()
+        count += count_targets(batch)
+    if world > 1:
+        loss_sum, count = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(count, "sum")
+    model.train()
+    return float(loss_sum / count.clamp(min=1))
+
+
+@torch.no_grad()
+def exact_match_accuracy(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    tokenizer,
+    examples: list[dict[str, Any]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Share of held-out examples whose greedy completion equals the reference exactly (after stripping spaces).
+
+    Examples are `{"prompt_ids": [...], "reference": str}`. Ranks split the examples and generate in lockstep
+    (`synced_gpus`), since under FSDP every forward pass is a collective."""
+    model.eval()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(examples), world))
+    batches = math.ceil(math.ceil(len(examples) / world) / batch_size)
+    correct = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    samples = []
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        for index in range(batches):
+            chosen = mine[index * batch_size : (index + 1) * batch_size]
+            batch_examples = [examples[i] for i in (chosen or [0])]
+            inputs = tokenizer.pad({"input_ids": [e["prompt_ids"] for e in batch_examples]}, return_tensors="pt")
+            inputs = {key: value.to(accelerator.device) for key, value in inputs.items()}
+            output = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                synced_gpus=world > 1,
+            )
+            texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+            if not chosen:
+                continue
+            for example, text in zip(batch_examples, texts):
+                hit = text.strip() == example["reference"].strip()
+                correct += hit
+                if len(samples) < 3:
+                    samples.append({"reference": example["reference"], "generated": text.strip(), "correct": hit})
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train()
+    if world > 1:
+        correct = accelerator.reduce(correct, "sum")
+    return {"exact_match": float(correct) / max(len(examples), 1), "num_examples": len(examples), "samples": samples}
+
+
+def generation_examples(dataset, tokenizer, limit: int) -> list[dict[str, Any]]:
+    """Prompts (everything before the last assistant turn, or the prompt) and references from held-out raw data."""
+    examples = []
+    for record in dataset.select(range(min(limit, len(dataset)))):
+        if "messages" in record:
+            messages = record["messages"]
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompt_ids = tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True)["input_ids"]
+            reference = messages[last]["content"]
+        elif isinstance(record["prompt"], list):
+            prompt_ids = tokenizer.apply_chat_template(record["prompt"], add_generation_prompt=True)["input_ids"]
+            reference = record["completion"][-1]["content"]
+        else:
+            prompt_ids = tokenizer(record["prompt"])["input_ids"]
+            reference = record["completion"]
+        examples.append({"prompt_ids": prompt_ids, "reference": reference})
+    return examples
