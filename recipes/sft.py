@@ -99,8 +99,6 @@ def main(argv: list[str] | None = None) -> None:
         return hub_token, tokenizer, model_config, wrap_classes
 
     hub_token, tokenizer, model_config, wrap_classes = on_every_rank_together(accelerator, preflight)
-    if accelerator.is_main_process:
-        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
 
     # --- data -----------------------------------------------------------------------------------------------------
     def prepare_data():
@@ -154,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write)
     if accelerator.is_main_process:
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         write_json(f"{config.output_dir}/run_summary.json", summary)
         accelerator.print("run summary: " + " ".join(f"{k}={v}" for k, v in summary.items()))
 

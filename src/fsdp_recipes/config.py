@@ -157,6 +157,11 @@ def _coerce(value: Any, base: type, nullable: bool) -> Any:
 
 
 def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
+    if key.startswith("fsdp") or key in ("mixed_precision", "num_processes", "distributed_type"):
+        return (
+            f"{key!r} in {where} is an Accelerate setting: FSDP and precision settings live only in the Accelerate "
+            "config (accelerate launch --config_file accelerate_configs/<topology>.yaml); remove it here"
+        )
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the valid ones"
     return f"unknown key {key!r} in {where}{hint}"
@@ -197,7 +202,7 @@ def parse_config(cls, argv: list[str] | None = None):
         except ValueError as err:
             problems.append(f"{key} in {where}: {err}")
 
-    parser = HfArgumentParser(cls)
+    parser = HfArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps
     parser.add_argument("--config", help="YAML file with the recipe's settings; command-line flags override it")
     parser.set_defaults(**defaults)
     try:
@@ -206,11 +211,15 @@ def parse_config(cls, argv: list[str] | None = None):
         if err.code == 0:  # --help
             raise
         raise ConfigError("invalid command-line value (see the message above)") from None
+    previous_was_flag = False
     for arg in remaining:
         if arg.startswith("--"):
             problems.append(_unknown_key_message(arg[2:].split("=")[0], list(kinds), "the command line"))
-        else:
+            previous_was_flag = "=" not in arg
+        elif not previous_was_flag:  # a value right after an unknown flag is that flag's value
             problems.append(f"unexpected command-line argument {arg!r}: flags take the form --field value")
+        else:
+            previous_was_flag = False
     config = parsed[0]
     if not problems:
         problems.extend(config.validate())

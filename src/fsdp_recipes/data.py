@@ -34,6 +34,8 @@ def load_raw_dataset(dataset_name: str, dataset_config: str | None = None) -> Da
         builder = _LOCAL_FORMATS.get(path.suffix)
         if builder is None:
             raise DataError(f"{dataset_name}: unsupported file type {path.suffix!r}; use one of {sorted(_LOCAL_FORMATS)}")
+        if path.stat().st_size == 0:
+            raise DataError(f"{dataset_name} is empty: there is nothing to train on. Point dataset_name at the data.")
         return load_dataset(builder, data_files={"train": str(path)})
     return load_dataset(dataset_name, dataset_config)
 

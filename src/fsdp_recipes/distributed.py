@@ -56,12 +56,12 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
 
 
 def _build_cpu_fsdp2_accelerator(**accelerator_kwargs: Any) -> Accelerator:
-    plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* environment
-    if plugin.fsdp_version != 2:
+    if os.environ.get("FSDP_VERSION", "1") != "2":  # checked first: building an FSDP1 plugin needs a device
         raise DistributedSetupError(
             "FSDP1 cannot run on CPU (PyTorch's FSDP1 needs an accelerator device). To rehearse on CPU, use an "
             "Accelerate config with `fsdp_version: 2`; FSDP1 configs run on GPU machines only."
         )
+    plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* environment
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, **accelerator_kwargs)
     if accelerator.num_processes == 1:
         # One CPU process: there is nothing to shard over and no process group; train unsharded.

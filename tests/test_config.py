@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from fsdp_recipes.config import SFTConfig, parse_config
+from fsdp_recipes.errors import ConfigError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BASE = "model_name_or_path: some/model\ndataset_name: some/data\n"
+
+
+def test_yaml_values_and_command_line_overrides(tmp_path):
+    path = write(tmp_path, BASE + "learning_rate: 1e-5\nmax_steps: 3\npacking: false\n")
+    config = parse_config(SFTConfig, ["--config", path, "--max_steps", "7"])
+    assert config.learning_rate == 1e-5  # YAML reads 1e-5 as a string; it must come out a float
+    assert config.max_steps == 7  # the command line wins
+    assert config.packing is False
+    assert config.trust_remote_code is False
+
+
+def test_unknown_keys_are_reported_with_the_closest_valid_key(tmp_path):
+    path = write(tmp_path, BASE + "learning_rat: 1e-3\nfsdp_config: {}\n")
+    with pytest.raises(ConfigError) as error:
+        parse_config(SFTConfig, ["--config", path, "--max_step", "3"])
+    text = str(error.value)
+    assert "3 problems" in text
+    assert "'learning_rat'" in text and "did you mean 'learning_rate'" in text
+    assert "'fsdp_config'" in text and "Accelerate config" in text  # FSDP settings live there only
+    assert "'max_step'" in text and "the command line" in text
+
+
+def test_all_value_problems_are_reported_together(tmp_path):
+    path = write(tmp_path, "dataset_name: d\nlearning_rate: -1\nlr_scheduler_type: cosinus\npush_to_hub: true\n")
+    with pytest.raises(ConfigError) as error:
+        parse_config(SFTConfig, ["--config", path])
+    problems = error.value.problems
+    assert any("model_name_or_path" in p for p in problems)
+    assert any("learning_rate" in p for p in problems)
+    assert any("cosinus" in p for p in problems)
+    assert any("hub_model_id" in p for p in problems)
+
+
+def test_type_errors_in_yaml(tmp_path):
+    path = write(tmp_path, BASE + "packing: maybe\nmax_steps: [1]\n")
+    with pytest.raises(ConfigError) as error:
+        parse_config(SFTConfig, ["--config", path])
+    assert "packing" in str(error.value) and "max_steps" in str(error.value)
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_config(SFTConfig, ["--config", write(tmp_path, "a: [1, 2\n")])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(SFTConfig, ["--config", str(tmp_path / "nope.yaml")])

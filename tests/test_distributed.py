@@ -1,0 +1,70 @@
+"""The CPU FSDP2 route and the degraded-launch guard, under real `accelerate launch` / torchrun processes.
+
+If an accelerate upgrade breaks the private switch in fsdp_recipes/distributed.py, these tests fail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FSDP_CPU_CONFIG, REPO, SFT, base_recipe_values, free_port, launch, recipe_config
+
+pytestmark = pytest.mark.slow
+SHARD_REPORT = REPO / "tests" / "scripts" / "shard_report.py"
+
+
+def reports(stdout: str) -> list[dict]:
+    return sorted((json.loads(line[len("REPORT "):]) for line in stdout.splitlines() if line.startswith("REPORT ")),
+                  key=lambda r: r["rank"])
+
+
+def test_fsdp2_yaml_on_cpu_really_shards_over_gloo(tiny_model_config):
+    result = launch(SHARD_REPORT, [str(tiny_model_config)])
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = reports(result.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for report in ranks:
+        assert report["distributed_type"] == "FSDP"
+        assert report["placements"] == ["(Shard(dim=0),)"]  # every parameter is a DTensor shard
+        assert report["local"] < report["total"]
+    assert sum(r["local"] for r in ranks) == ranks[0]["total"]
+
+
+def test_fsdp1_yaml_on_cpu_is_refused_with_a_clear_error(tmp_path, tiny_model_config):
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text(
+        FSDP_CPU_CONFIG.read_text()
+        .replace("fsdp_version: 2", "fsdp_version: 1")
+        .replace("fsdp_reshard_after_forward: true", "fsdp_sharding_strategy: FULL_SHARD")
+    )
+    result = launch(SHARD_REPORT, [str(tiny_model_config)], accelerate_config=fsdp1, timeout=120)
+    assert result.returncode != 0
+    assert "error: FSDP1 cannot run on CPU" in result.stderr
+    assert "fsdp_version: 2" in result.stderr
+
+
+def test_guard_refuses_a_launch_that_degraded_into_independent_processes(tmp_path):
+    # Plain Accelerator() under torchrun on a machine without GPUs: each process is its own rank 0.
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from accelerate import Accelerator\n"
+        "from fsdp_recipes.distributed import refuse_degraded_launch\n"
+        "from fsdp_recipes.errors import exit_on_user_error\n"
+        "exit_on_user_error(lambda: refuse_degraded_launch(Accelerator()))\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "error: the launcher started 2 processes but accelerate joined 1" in result.stderr
+
+
+def test_recipe_refuses_a_multi_gpu_launch_on_a_machine_without_gpus(tmp_path, tiny_model_config, chat_data):
+    values = base_recipe_values(tiny_model_config, chat_data, tmp_path / "out")
+    config = recipe_config(tmp_path / "recipe.yaml", **values)
+    result = launch(SFT, ["--config", str(config)], accelerate_config=None, launcher_args=["--multi_gpu"], timeout=120)
+    assert result.returncode != 0
+    assert "every process would train alone" in result.stderr
+    assert not (tmp_path / "out").exists()
