@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +106,22 @@ def launch(
         command += ["--main_process_port", str(free_port())]
     command += [*launcher_args, str(script), *args]
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    return run_process_group(command, timeout=timeout, env=full_env)
+
+
+def run_process_group(command: list[str], *, timeout: float, env: dict[str, str] | None = None):
+    """subprocess.run, but a timeout kills the launcher's whole process group: ranks left behind would keep the
+    CPU busy for the rest of the suite."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def free_port() -> int:

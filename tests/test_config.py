@@ -58,3 +58,15 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         parse_config(SFTConfig, ["--config", write(tmp_path, "a: [1, 2\n")])
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(SFTConfig, ["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_every_shipped_recipe_config_parses_and_says_how_to_launch_it(monkeypatch):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # configs name repo files relative to the root, where the commands are run
+    configs = sorted((repo / "recipes" / "configs").rglob("*.yaml"))
+    assert configs
+    for path in configs:
+        assert "accelerate launch" in path.read_text().split("\n\n")[0], f"{path} does not open with its command"
+        parse_config(SFTConfig, ["--config", str(path)])

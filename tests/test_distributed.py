@@ -5,12 +5,11 @@ If an accelerate upgrade breaks the private switch in fsdp_recipes/distributed.p
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import FSDP_CPU_CONFIG, REPO, SFT, base_recipe_values, free_port, launch, recipe_config
+from conftest import FSDP_CPU_CONFIG, REPO, SFT, base_recipe_values, free_port, launch, recipe_config, run_process_group
 
 pytestmark = pytest.mark.slow
 SHARD_REPORT = REPO / "tests" / "scripts" / "shard_report.py"
@@ -56,7 +55,7 @@ def test_guard_refuses_a_launch_that_degraded_into_independent_processes(tmp_pat
         "exit_on_user_error(lambda: refuse_degraded_launch(Accelerator()))\n"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    result = run_process_group(command, timeout=120)
     assert result.returncode != 0
     assert "error: the launcher started 2 processes but accelerate joined 1" in result.stderr
 

@@ -1,0 +1,32 @@
+# Two commands work on a fresh machine (Python 3.10+ with venv): `make demo` and `make test`.
+# Each creates .venv from requirements.txt on first use; nothing else needs installing by hand.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
+DEMO_OUTPUT := outputs/demo_reverse/$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: demo test test-fast venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# SFT of a tiny model on the bundled string-reversal chat data, 2 CPU processes under FSDP2 (a few minutes).
+demo: venv
+	$(BIN)/accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml \
+		recipes/sft.py --config recipes/configs/sft/demo_reverse.yaml --output_dir $(DEMO_OUTPUT)
+
+test: venv
+	$(BIN)/python -m pytest
+
+# Unit tests only: skips the multi-process launches.
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) outputs
