@@ -36,6 +36,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from fsdp_recipes.checkpoint import TrainingProgress, load_checkpoint, resolve_checkpoint, save_checkpoint
 from fsdp_recipes.config import SFTConfig, config_to_dict, parse_config
 from fsdp_recipes.data import (
     RowCollator,
@@ -47,6 +48,7 @@ from fsdp_recipes.data import (
 from fsdp_recipes.distributed import build_accelerator, describe_run, launch_environment, on_every_rank_together
 from fsdp_recipes.errors import ConfigError, exit_on_user_error
 from fsdp_recipes.export import export_model_folder
+from fsdp_recipes.faults import inject_fault
 from fsdp_recipes.hub import push_folder_to_hub, require_hub_token
 from fsdp_recipes.metrics import MetricsLog, write_json
 from fsdp_recipes.modeling import (
@@ -58,10 +60,10 @@ from fsdp_recipes.modeling import (
 )
 from fsdp_recipes.outputs import output_dir_problem
 from fsdp_recipes.training import (
+    BatchStream,
     build_optimizer,
     build_scheduler,
     count_targets,
-    endless_batches,
     evaluate_loss,
     exact_match_accuracy,
     generation_examples,
@@ -80,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     set_seed(config.seed)
 
     def preflight():
-        problem = output_dir_problem(config.output_dir, overwrite=config.overwrite_output_dir)
+        checkpoint = resolve_checkpoint(config.output_dir, config.resume_from_checkpoint) if config.resume_from_checkpoint else None
+        resuming_here = checkpoint is not None and Path(config.output_dir).resolve() in checkpoint.resolve().parents
+        problem = output_dir_problem(config.output_dir, overwrite=config.overwrite_output_dir or resuming_here)
         if problem:
             raise ConfigError(problem)
         hub_token = require_hub_token() if config.push_to_hub else None
@@ -96,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         check_tokenizer_fits_model(tokenizer, model_config)
         wrap_classes = resolve_wrap_classes(accelerator, model_config, trust_remote_code=config.trust_remote_code)
-        return hub_token, tokenizer, model_config, wrap_classes
+        return checkpoint, hub_token, tokenizer, model_config, wrap_classes
 
-    hub_token, tokenizer, model_config, wrap_classes = on_every_rank_together(accelerator, preflight)
+    checkpoint, hub_token, tokenizer, model_config, wrap_classes = on_every_rank_together(accelerator, preflight)
 
     # --- data -----------------------------------------------------------------------------------------------------
     def prepare_data():
@@ -143,6 +147,16 @@ def main(argv: list[str] | None = None) -> None:
         optimizer, config.lr_scheduler_type, total_steps=total_steps,
         warmup_steps=config.warmup_steps, warmup_ratio=config.warmup_ratio,
     )
+    accelerator.register_for_checkpointing(scheduler)
+    batches = BatchStream(accelerator, train_loader)
+    start_step = 1
+    if checkpoint is not None:
+        progress = load_checkpoint(accelerator, checkpoint)
+        batches = BatchStream(
+            accelerator, train_loader, epoch=progress.epoch,
+            batches_into_epoch=progress.batches_into_epoch_for(accelerator.num_processes, config.per_device_train_batch_size),
+        )
+        start_step = progress.step + 1
 
     summary = describe_run(accelerator, model, wrap_classes)
     summary.update(
@@ -156,11 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         write_json(f"{config.output_dir}/run_summary.json", summary)
         accelerator.print("run summary: " + " ".join(f"{k}={v}" for k, v in summary.items()))
 
+    if checkpoint is not None:
+        log.log({"step": start_step - 1, "event": "resumed", "checkpoint": str(checkpoint), "world_size": accelerator.num_processes})
+
     exact_match_examples = []
     if config.exact_match_eval_samples and eval_raw is not None:
         exact_match_examples = generation_examples(eval_raw, tokenizer, config.exact_match_eval_samples)
     results = {}
-    if exact_match_examples:
+    if exact_match_examples and checkpoint is None:
         before = exact_match_accuracy(
             accelerator, model, tokenizer, exact_match_examples,
             max_new_tokens=config.max_new_tokens, batch_size=config.per_device_eval_batch_size,
@@ -178,17 +195,26 @@ def main(argv: list[str] | None = None) -> None:
         log.log({"step": step, "eval_loss": eval_loss})
 
     # --- training loop --------------------------------------------------------------------------------------------
+    def save(step: int) -> None:
+        position = TrainingProgress(
+            step=step, epoch=batches.epoch, batches_into_epoch=batches.batches_into_epoch,
+            world_size=accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        )
+        save_checkpoint(
+            accelerator, config.output_dir, position, save_total_limit=config.save_total_limit,
+            model_files_writer=lambda folder: (model_config.save_pretrained(folder), tokenizer.save_pretrained(folder)),
+        )
+
     model.train()
-    batches = endless_batches(train_loader)
-    progress = tqdm(total=total_steps, disable=not accelerator.is_main_process, desc="sft")
+    bar = tqdm(total=total_steps, initial=start_step - 1, disable=not accelerator.is_main_process, desc="sft")
     window_start, window_tokens = time.perf_counter(), 0.0
-    for step in range(1, total_steps + 1):
-        micro_batches = [next(batches) for _ in range(config.gradient_accumulation_steps)]
-        epoch = micro_batches[-1][0]
-        global_targets = global_sum(accelerator, sum(count_targets(batch) for _, batch in micro_batches))
+    for step in range(start_step, total_steps + 1):
+        micro_batches = [batches.next() for _ in range(config.gradient_accumulation_steps)]
+        global_targets = global_sum(accelerator, sum(count_targets(batch) for batch in micro_batches))
         scale = loss_scale(accelerator, global_targets)
         step_loss = 0.0
-        for index, (_, batch) in enumerate(micro_batches):
+        for index, batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             # Gradients are reduced across ranks once per optimizer step, on the last micro-batch.
             with accelerator.no_sync(model) if not last else contextlib.nullcontext():
@@ -200,14 +226,15 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        progress.update(1)
+        bar.update(1)
+        inject_fault("after-step", step, accelerator.process_index)
 
         if step % config.logging_steps == 0 or step == total_steps:
             elapsed = time.perf_counter() - window_start
             tokens = global_sum(accelerator, window_tokens)
             log.log({
                 "step": step,
-                "epoch": epoch,
+                "epoch": batches.epoch,
                 "loss": global_sum(accelerator, step_loss) / max(global_targets, 1.0),
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -216,7 +243,9 @@ def main(argv: list[str] | None = None) -> None:
             window_start, window_tokens = time.perf_counter(), 0.0
         if config.eval_steps and step % config.eval_steps == 0 and step != total_steps:
             run_eval(step)
-    progress.close()
+        if config.save_steps and (step % config.save_steps == 0 or step == total_steps):
+            save(step)
+    bar.close()
     run_eval(total_steps)
 
     if exact_match_examples:

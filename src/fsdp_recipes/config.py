@@ -65,6 +65,10 @@ class SFTConfig:
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables it
     logging_steps: int = 10
     eval_steps: int | None = None  # evaluate every N steps (None: only at the end)
+    # --- checkpoints ---------------------------------------------------------------------------------------------
+    save_steps: int | None = 500  # resumable checkpoint every N steps and at the end (null: none); each costs a write
+    save_total_limit: int | None = None  # keep only the newest K checkpoints (null: keep all); saves disk
+    resume_from_checkpoint: str | None = None  # "latest" (in output_dir/checkpoints) or a checkpoint folder
     # --- generation check (exact match of greedy completions on held-out examples) --------------------------------
     exact_match_eval_samples: int = 0  # 0 disables; costs one greedy generation per sample, before and after
     max_new_tokens: int = 64
@@ -91,6 +95,9 @@ class SFTConfig:
                      "gradient_accumulation_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("save_steps", "save_total_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 or null, got {getattr(self, name)}")
         if self.eval_steps is not None and self.eval_steps < 1:
             problems.append(f"eval_steps must be >= 1 or null, got {self.eval_steps}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:

@@ -49,6 +49,10 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
     """
     if fsdp_requested() and not has_accelerator_device():
         accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
+    elif launched_world_size() > 1 and not has_accelerator_device():
+        # A DDP (MULTI_GPU, i.e. NO_SHARD) launch rehearsed on CPU: accelerate's MULTI_CPU joins the processes over
+        # gloo; plain Accelerator() would leave each process training alone.
+        accelerator = Accelerator(cpu=True, **accelerator_kwargs)
     else:
         accelerator = Accelerator(**accelerator_kwargs)
     refuse_degraded_launch(accelerator)
@@ -62,12 +66,53 @@ def _build_cpu_fsdp2_accelerator(**accelerator_kwargs: Any) -> Accelerator:
             "Accelerate config with `fsdp_version: 2`; FSDP1 configs run on GPU machines only."
         )
     plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* environment
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, **accelerator_kwargs)
-    if accelerator.num_processes == 1:
-        # One CPU process: there is nothing to shard over and no process group; train unsharded.
+    # Accelerator() would build the HSDP ParallelismConfig from the environment and reject it for MULTI_CPU, so it is
+    # hidden here and attached after the switch to FSDP (_attach_cpu_hsdp_mesh).
+    hsdp_requested = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+    with _environment_without("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, **accelerator_kwargs)
+    if not torch.distributed.is_initialized():
+        # Started without a launcher (plain `python`): no process group to shard over; train unsharded.
         return accelerator
+    # Even a 1-process launch goes through FSDP2: its checkpoints then have the same layout as those of N processes,
+    # and any of them can resume the other's.
     _switch_state_to_fsdp(accelerator, plugin)
+    if hsdp_requested:
+        _attach_cpu_hsdp_mesh(accelerator)
     return accelerator
+
+
+@contextlib.contextmanager
+def _environment_without(name: str):
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def _attach_cpu_hsdp_mesh(accelerator: Accelerator) -> None:
+    """HSDP on CPU: the YAML's `parallelism_config` (PARALLELISM_CONFIG_* in the environment) becomes a
+    (dp_replicate, dp_shard) device mesh on "cpu", attached where accelerate's FSDP2 preparation looks for it."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    parallelism = ParallelismConfig()  # reads the launcher's PARALLELISM_CONFIG_* environment
+    try:
+        parallelism._validate_accelerator(accelerator)  # the sizes must multiply to the number of processes
+    except ValueError as error:
+        raise DistributedSetupError(
+            f"the Accelerate config's parallelism_config does not fit this launch ({error}). Make "
+            "parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size equal --num_processes."
+        ) from None
+    accelerator.state.parallelism_config = parallelism
+    accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
+    if accelerator.parallelism_config is not parallelism or accelerator.torch_device_mesh is None:
+        raise DistributedSetupError(
+            "could not attach the HSDP device mesh on CPU: accelerate's internals changed (this was written for "
+            f"accelerate 1.15; installed: {_accelerate_version()}). Pin accelerate==1.15.0 or update "
+            "fsdp_recipes/distributed.py."
+        )
 
 
 def _switch_state_to_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:

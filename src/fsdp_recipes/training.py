@@ -37,15 +37,34 @@ def build_scheduler(optimizer, name: str, *, total_steps: int, warmup_steps: int
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
-def endless_batches(dataloader: DataLoader) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """(epoch, batch) forever, re-shuffling every epoch."""
-    epoch = 0
-    while True:
-        if hasattr(dataloader, "set_epoch"):
-            dataloader.set_epoch(epoch)
-        for batch in dataloader:
-            yield epoch, batch
-        epoch += 1
+class BatchStream:
+    """Batches forever, epoch after epoch (re-shuffled by epoch with the seedable sampler), knowing its position so a
+    checkpoint can record it and a resumed run can start from it without loading the skipped batches."""
+
+    def __init__(self, accelerator: Accelerator, dataloader: DataLoader, *, epoch: int = 0, batches_into_epoch: int = 0):
+        self.accelerator = accelerator
+        self.dataloader = dataloader
+        self.epoch = epoch
+        self.batches_into_epoch = batches_into_epoch
+        self._iterator: Iterator | None = None
+
+    def next(self) -> dict[str, torch.Tensor]:
+        while True:
+            if self._iterator is None:
+                self._iterator = iter(self._loader_for_current_position())
+            batch = next(self._iterator, None)
+            if batch is not None:
+                self.batches_into_epoch += 1
+                return batch
+            self.epoch, self.batches_into_epoch, self._iterator = self.epoch + 1, 0, None
+
+    def _loader_for_current_position(self):
+        self.dataloader.set_epoch(self.epoch)
+        if not self.batches_into_epoch:
+            return self.dataloader
+        loader = self.accelerator.skip_first_batches(self.dataloader, self.batches_into_epoch)
+        loader.set_epoch(self.epoch)  # a new loader starts at epoch 0 unless told
+        return loader
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -1,0 +1,171 @@
+"""Resumable checkpoints: written completely or not at all, found through `latest`, pruned to the last K.
+
+Layout under `output_dir/checkpoints/`:
+
+    step-00000200/             a complete checkpoint (never modified once it has this name)
+        pytorch_model_fsdp_0/  model: DCP shards, one file per rank (SHARDED_STATE_DICT) ...
+        optimizer_0/           ... or pytorch_model_fsdp.bin / optimizer.bin written by rank 0 (FULL_STATE_DICT)
+        random_states_<rank>.pkl, custom_checkpoint_0.pkl (LR scheduler)   (accelerate's save_state)
+        progress.json          step, data position, world size: written last, before the rename
+        model/                 config, generation config, tokenizer: what an offline export needs
+    latest                     text file naming the newest complete checkpoint
+    .staging-step-00000300/    a save in progress (or killed midway): ignored, removed by the next save
+
+A checkpoint becomes visible only by an atomic rename of its staging folder after every rank has written its part,
+and `latest` is replaced atomically after that, so a crash at any point leaves the previous checkpoint as `latest`.
+Multi-node training needs `output_dir` on a filesystem shared by all nodes (every rank writes its own shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from .errors import ConfigError
+from .faults import inject_fault
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+PROGRESS = "progress.json"
+MODEL_FILES = "model"
+_PREFIX = "step-"
+_STAGING = ".staging-"
+
+
+@dataclasses.dataclass
+class TrainingProgress:
+    """Where training stands after `step` optimizer steps; the data position is that of the next batch."""
+
+    step: int
+    epoch: int
+    batches_into_epoch: int  # per-rank batches of `epoch` already consumed
+    world_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+
+    @property
+    def rows_into_epoch(self) -> int:
+        """Rows of the epoch already consumed by all ranks together: what survives a change of world size."""
+        return self.batches_into_epoch * self.per_device_train_batch_size * self.world_size
+
+    def batches_into_epoch_for(self, world_size: int, per_device_train_batch_size: int) -> int:
+        rows_per_batch = world_size * per_device_train_batch_size
+        if self.rows_into_epoch % rows_per_batch:
+            raise ConfigError(
+                f"the checkpoint stopped {self.rows_into_epoch} rows into epoch {self.epoch}, which is not a whole "
+                f"number of batches of {world_size} processes x {per_device_train_batch_size} rows. Resume with "
+                "per_device_train_batch_size x processes equal to the original "
+                f"({self.per_device_train_batch_size} x {self.world_size}), so the global batch is unchanged."
+            )
+        return self.rows_into_epoch // rows_per_batch
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / PROGRESS).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    output_dir: str | Path,
+    progress: TrainingProgress,
+    *,
+    save_total_limit: int | None,
+    model_files_writer=None,
+) -> Path:
+    """Collective. `model_files_writer(folder)`, if given, is called on the main process to add what an offline
+    export needs (config, tokenizer)."""
+    root = Path(output_dir) / CHECKPOINTS
+    final = root / checkpoint_name(progress.step)
+    staging = root / f"{_STAGING}{checkpoint_name(progress.step)}"
+    if final.is_dir() and (final / PROGRESS).is_file():
+        return final  # this exact state is already saved (a resumed run reaching the step it resumed from)
+    if accelerator.is_main_process:
+        for leftover in root.glob(f"{_STAGING}*"):  # saves killed midway
+            shutil.rmtree(leftover)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    inject_fault("during-save", progress.step, accelerator.process_index)
+    accelerator.wait_for_everyone()  # every rank's shard is on disk
+    if accelerator.is_main_process:
+        if model_files_writer is not None:
+            model_files_writer(staging / MODEL_FILES)
+        _write_atomically(staging / PROGRESS, json.dumps(dataclasses.asdict(progress), indent=2) + "\n")
+        os.replace(staging, final)
+        _write_atomically(root / LATEST, final.name + "\n")
+        prune_checkpoints(output_dir, save_total_limit)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune_checkpoints(output_dir: str | Path, save_total_limit: int | None) -> list[Path]:
+    """Deletes all but the newest `save_total_limit` complete checkpoints; never the one `latest` names."""
+    if not save_total_limit:
+        return []
+    checkpoints = complete_checkpoints(output_dir)
+    latest = latest_checkpoint(output_dir)
+    doomed = [p for p in checkpoints[: max(0, len(checkpoints) - save_total_limit)] if p != latest]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    pointer = Path(output_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / PROGRESS).is_file() else None
+
+
+def resolve_checkpoint(output_dir: str | Path, resume_from_checkpoint: str) -> Path:
+    """`latest` or a path -> a complete checkpoint folder, or ConfigError saying why not."""
+    if resume_from_checkpoint == "latest":
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise ConfigError(
+                f"resume_from_checkpoint is 'latest' but {Path(output_dir) / CHECKPOINTS} holds no complete "
+                "checkpoint. Start without --resume_from_checkpoint, or point it at a checkpoint folder."
+            )
+        return path
+    path = Path(resume_from_checkpoint)
+    if not (path / PROGRESS).is_file():
+        raise ConfigError(
+            f"{resume_from_checkpoint!r} is not a complete checkpoint (no {PROGRESS}): it may have been killed while "
+            "saving. Use --resume_from_checkpoint latest, or one of the step-* folders under output_dir/checkpoints."
+        )
+    return path
+
+
+def read_progress(checkpoint: str | Path) -> TrainingProgress:
+    return TrainingProgress(**json.loads((Path(checkpoint) / PROGRESS).read_text()))
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path) -> TrainingProgress:
+    """Collective. Restores model and optimizer (resharded by DCP if the world size changed), LR scheduler and, for
+    ranks that have one saved, their RNG state."""
+    accelerator.load_state(str(checkpoint))
+    return read_progress(checkpoint)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)

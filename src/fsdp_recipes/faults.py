@@ -1,0 +1,37 @@
+"""Deliberate faults, for rehearsing preemption and crashes (used by the tests, usable by anyone).
+
+Set `FSDP_RECIPES_FAULT` to `<action>-<point>:<step>[@<rank>]`, e.g.
+
+    kill-after-step:6        every rank SIGKILLs itself right after optimizer step 6 (a preempted job)
+    kill-after-step:6@1      only rank 1 dies (a lost node); the launcher must bring the others down
+    kill-during-save:8       die after the shards of step 8's checkpoint are written, before it is committed
+    raise-after-step:4@1     rank 1 raises an exception (a bad batch)
+
+Unset, nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_ENV = "FSDP_RECIPES_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def inject_fault(point: str, step: int, rank: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    action_point, _, where = spec.partition(":")
+    action, _, fault_point = action_point.partition("-")
+    at_step, _, at_rank = where.partition("@")
+    if fault_point != point or int(at_step) != step or (at_rank and int(at_rank) != rank):
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "raise":
+        raise InjectedFault(f"injected fault on rank {rank} after step {step} ({FAULT_ENV}={spec})")
