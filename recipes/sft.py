@@ -36,7 +36,13 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from fsdp_recipes.checkpoint import TrainingProgress, load_checkpoint, resolve_checkpoint, save_checkpoint
+from fsdp_recipes.checkpoint import (
+    TrainingProgress,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+    write_model_files,
+)
 from fsdp_recipes.config import SFTConfig, config_to_dict, parse_config
 from fsdp_recipes.data import (
     RowCollator,
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         data=train_stats, optimizer_steps=total_steps,
         global_batch_rows=config.per_device_train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps,
     )
+    accelerate_settings = {"launch_environment": launch_environment(), "resolved": summary}
     log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write)
     if accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
@@ -203,7 +210,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         save_checkpoint(
             accelerator, config.output_dir, position, save_total_limit=config.save_total_limit,
-            model_files_writer=lambda folder: (model_config.save_pretrained(folder), tokenizer.save_pretrained(folder)),
+            model_files_writer=lambda folder: write_model_files(
+                folder, model_config=model_config, tokenizer=tokenizer,
+                generation_config=getattr(accelerator.unwrap_model(model), "generation_config", None),
+                recipe_config=config_to_dict(config), accelerate_config=accelerate_settings,
+            ),
         )
 
     model.train()
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator, model, tokenizer, config.output_dir,
         card=dict(
             recipe="sft", recipe_config=config_to_dict(config),
-            accelerate_config={"launch_environment": launch_environment(), "resolved": summary},
+            accelerate_config=accelerate_settings,
             metrics={k: v for k, v in final_metrics.items() if v is not None},
             base_model=config.model_name_or_path, dataset=config.dataset_name, hub_model_id=config.hub_model_id,
         ),

@@ -112,6 +112,18 @@ def save_checkpoint(
     return final
 
 
+def write_model_files(folder: Path, *, model_config, generation_config, tokenizer, recipe_config: dict,
+                      accelerate_config: dict) -> None:
+    """What an offline export needs besides the weights: the model folder minus weights, and the model card inputs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model_config.save_pretrained(folder)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "recipe_config.json").write_text(json.dumps(recipe_config, indent=2, default=str) + "\n")
+    (folder / "accelerate_config.json").write_text(json.dumps(accelerate_config, indent=2, default=str) + "\n")
+
+
 def prune_checkpoints(output_dir: str | Path, save_total_limit: int | None) -> list[Path]:
     """Deletes all but the newest `save_total_limit` complete checkpoints; never the one `latest` names."""
     if not save_total_limit:

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 USER_ERROR_EXIT_CODE = 2
+PEER_FAILURE_EXIT_CODE = 1
 
 
 class UserError(Exception):
@@ -47,6 +48,24 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
             print(f"error: {error}", file=sys.stderr, flush=True)
         _destroy_process_group()
         sys.exit(USER_ERROR_EXIT_CODE)
+    except Exception as error:
+        if not _is_peer_failure(error):
+            raise
+        # The failing rank prints its own error; repeating it here as a second traceback would only bury it.
+        rank = os.environ.get("RANK", "0")
+        print(f"rank {rank}: stopping because another process failed (its error is above)", file=sys.stderr, flush=True)
+        sys.exit(PEER_FAILURE_EXIT_CODE)
+
+
+_PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistNetworkError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in _PEER_FAILURE_SIGNS)
 
 
 def _destroy_process_group() -> None:

@@ -17,6 +17,8 @@ from accelerate import Accelerator
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
+from .modeling import tied_duplicate_names
+
 
 class ExportVerificationError(RuntimeError):
     """The weights read back from disk differ from the ones that were saved."""
@@ -36,6 +38,8 @@ def export_model_folder(
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         unwrapped = accelerator.unwrap_model(model)
+        for name in tied_duplicate_names(unwrapped.config):
+            state_dict.pop(name, None)
         # A shallow copy: save_pretrained pops entries as it writes them, and verification needs them all.
         unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)
         tokenizer.save_pretrained(output_dir)

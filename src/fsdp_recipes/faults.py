@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 
 FAULT_ENV = "FSDP_RECIPES_FAULT"
 
@@ -32,6 +34,8 @@ def inject_fault(point: str, step: int, rank: int) -> None:
     if fault_point != point or int(at_step) != step or (at_rank and int(at_rank) != rank):
         return
     if action == "kill":
+        # The time lets a test measure how long the launcher takes to bring the other ranks down.
+        print(f"FAULT: SIGKILL to rank {rank} at {time.time():.3f}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "raise":
         raise InjectedFault(f"injected fault on rank {rank} after step {step} ({FAULT_ENV}={spec})")

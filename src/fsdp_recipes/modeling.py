@@ -81,6 +81,20 @@ def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, 
     return list(requested)
 
 
+def tied_duplicate_names(config: PretrainedConfig, *, trust_remote_code: bool = False) -> set[str]:
+    """State-dict names that share storage with an earlier name (tied embeddings): written once, as save_pretrained
+    does for an unsharded model. Gathered FSDP state dicts hold them as separate copies, so they are found on a
+    weightless copy of the model instead."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    seen, duplicates = set(), set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            duplicates.add(name)
+        seen.add(id(tensor))
+    return duplicates
+
+
 def load_model(
     config: PretrainedConfig,
     *,

@@ -1,0 +1,154 @@
+"""Offline export: any checkpoint -> the Hugging Face folder the recipe writes at the end of training.
+
+Runs in one CPU process, whatever world size wrote the checkpoint. Sharded (DCP) weights are read tensor by tensor
+and written in safetensors files of at most `max_shard_bytes`, so host RAM peaks at about one output file, not the
+whole model. FULL_STATE_DICT checkpoints (one pickle written by rank 0) are memory-mapped instead of read whole.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from .checkpoint import MODEL_FILES, read_progress
+from .errors import ConfigError
+from .export import ExportVerificationError, write_model_card
+from .modeling import tied_duplicate_names
+from .outputs import output_dir_problem
+
+SHARDED_MODEL = "pytorch_model_fsdp_0"
+FULL_MODEL = "pytorch_model_fsdp.bin"
+_DCP_PREFIX = "model."  # accelerate saves {"model": state_dict}; DCP flattens the nesting into the key
+
+
+def export_checkpoint(
+    checkpoint: str | Path, output_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False
+) -> Path:
+    checkpoint, output_dir = Path(checkpoint), Path(output_dir)
+    model_files = checkpoint / MODEL_FILES
+    if not (model_files / "config.json").is_file():
+        raise ConfigError(f"{checkpoint} is not a recipe checkpoint: it has no {MODEL_FILES}/config.json")
+    problem = output_dir_problem(output_dir, overwrite=overwrite)
+    if problem:
+        raise ConfigError(problem)
+    config = AutoConfig.from_pretrained(model_files)
+    tensors = _tensor_source(checkpoint)
+    names = _names_to_save(config, tensors.names())
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    shards = _plan_shards(names, tensors.nbytes, max_shard_bytes)
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        loaded = {name: tensors.load(name).contiguous() for name in shard}
+        save_file(loaded, output_dir / file, metadata={"format": "pt"})
+        _check_file(output_dir / file, loaded)
+        weight_map.update(dict.fromkeys(shard, file))
+        del loaded
+    if len(shards) > 1:
+        total = sum(tensors.nbytes(name) for name in names)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (output_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    config.save_pretrained(output_dir)
+    generation = model_files / "generation_config.json"
+    generation_config = (
+        GenerationConfig.from_pretrained(model_files) if generation.is_file() else GenerationConfig.from_model_config(config)
+    )
+    generation_config.save_pretrained(output_dir)
+    AutoTokenizer.from_pretrained(model_files).save_pretrained(output_dir)
+    progress = read_progress(checkpoint)
+    write_model_card(
+        output_dir, recipe="export", recipe_config=_json_or_empty(model_files / "recipe_config.json"),
+        accelerate_config=_json_or_empty(model_files / "accelerate_config.json"),
+        metrics={"step": progress.step, "exported_from": str(checkpoint)}, base_model=None, dataset=None,
+    )
+    return output_dir
+
+
+class _DcpTensors:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+
+    def names(self) -> list[str]:
+        return [key[len(_DCP_PREFIX):] for key in self.metadata if key.startswith(_DCP_PREFIX)]
+
+    def nbytes(self, name: str) -> int:
+        meta = self.metadata[_DCP_PREFIX + name]
+        return meta.size.numel() * meta.properties.dtype.itemsize
+
+    def load(self, name: str) -> torch.Tensor:
+        meta = self.metadata[_DCP_PREFIX + name]
+        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {name: tensor}}, checkpoint_id=str(self.folder), no_dist=True)
+        return tensor
+
+
+class _PickledTensors:
+    def __init__(self, file: Path):
+        self.state_dict = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+
+    def names(self) -> list[str]:
+        return list(self.state_dict)
+
+    def nbytes(self, name: str) -> int:
+        return self.state_dict[name].nbytes
+
+    def load(self, name: str) -> torch.Tensor:
+        return self.state_dict[name]
+
+
+def _tensor_source(checkpoint: Path):
+    if (checkpoint / SHARDED_MODEL).is_dir():
+        return _DcpTensors(checkpoint / SHARDED_MODEL)
+    if (checkpoint / FULL_MODEL).is_file():
+        return _PickledTensors(checkpoint / FULL_MODEL)
+    raise ConfigError(f"{checkpoint} holds no model weights ({SHARDED_MODEL}/ or {FULL_MODEL})")
+
+
+def _names_to_save(config, available: list[str]) -> list[str]:
+    """The checkpoint's tensors in the model's own order, without tied duplicates (as the recipe's export)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    duplicates = tied_duplicate_names(config)
+    expected = [name for name in model.state_dict() if name not in duplicates]
+    missing = [name for name in expected if name not in available]
+    if missing:
+        raise ConfigError(f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+    config.architectures = [type(model).__name__]
+    return expected
+
+
+def _plan_shards(names: list[str], nbytes, max_shard_bytes: int) -> list[list[str]]:
+    shards, current, size = [], [], 0
+    for name in names:
+        if current and size + nbytes(name) > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes(name)
+    return shards + [current] if current else shards
+
+
+def _check_file(file: Path, expected: dict[str, torch.Tensor]) -> None:
+    with safe_open(file, framework="pt") as reader:
+        if set(reader.keys()) != set(expected):
+            raise ExportVerificationError(f"{file}: written keys differ from the checkpoint's")
+        for name in reader.keys():
+            if not torch.equal(reader.get_tensor(name), expected[name]):
+                raise ExportVerificationError(f"{file}: {name} differs from the checkpoint")
+
+
+def _json_or_empty(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}

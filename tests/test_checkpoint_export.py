@@ -1,0 +1,138 @@
+"""Offline export of checkpoints, `accelerate merge-weights` on them, pruning, and what happens when a rank dies."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (
+    FSDP_CPU_CONFIG,
+    SFT,
+    base_recipe_values,
+    launch,
+    recipe_config,
+    require_success,
+    write_tiny_model_config,
+)
+from fsdp_recipes.checkpoint import complete_checkpoints, latest_checkpoint
+from fsdp_recipes.checkpoint_export import export_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def all_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def assert_same_tensors(left: dict, right: dict) -> None:
+    assert left.keys() == right.keys()
+    for key in left:
+        assert torch.equal(left[key], right[key]), key
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory, tiny_model_config, chat_data):
+    tmp = tmp_path_factory.mktemp("sharded_run")
+    values = base_recipe_values(tiny_model_config, chat_data, tmp / "out", max_steps=8, save_steps=2, save_total_limit=2)
+    require_success(launch(SFT, ["--config", str(recipe_config(tmp / "r.yaml", **values))]))
+    return tmp / "out"
+
+
+def test_save_total_limit_keeps_the_newest(sharded_run):
+    assert [p.name for p in complete_checkpoints(sharded_run)] == ["step-00000006", "step-00000008"]
+    assert latest_checkpoint(sharded_run).name == "step-00000008"
+
+
+def test_offline_export_equals_the_recipe_export(tmp_path, sharded_run):
+    folder = export_checkpoint(latest_checkpoint(sharded_run), tmp_path / "exported")
+    assert_same_tensors(all_tensors(folder), all_tensors(sharded_run))
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (folder / name).read_text() == (sharded_run / name).read_text(), name
+    assert "learning_rate" in (folder / "README.md").read_text()
+
+
+def test_offline_export_in_shards_loads_with_from_pretrained(tmp_path, sharded_run):
+    from transformers import AutoModelForCausalLM
+
+    folder = export_checkpoint(latest_checkpoint(sharded_run), tmp_path / "sharded", max_shard_bytes=40_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    for file in folder.glob("*.safetensors"):
+        assert file.stat().st_size < 40_000 + 20_000  # a shard is at most the limit, plus one tensor's header
+    exported = AutoModelForCausalLM.from_pretrained(folder)
+    trained = AutoModelForCausalLM.from_pretrained(sharded_run)
+    ids = torch.arange(4, 40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, trained(ids).logits, rtol=0, atol=0)
+
+
+def test_export_refuses_a_non_empty_destination(tmp_path, sharded_run):
+    from fsdp_recipes.errors import ConfigError
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty"):
+        export_checkpoint(latest_checkpoint(sharded_run), tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+def test_accelerate_merge_weights_reads_our_checkpoints(tmp_path, sharded_run):
+    accelerate = Path(sys.executable).with_name("accelerate")
+    checkpoint = latest_checkpoint(sharded_run)
+    result = subprocess.run(
+        [str(accelerate), "merge-weights", str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_tensors(load_file(tmp_path / "merged" / "model.safetensors"), all_tensors(sharded_run))
+
+
+def test_full_state_dict_checkpoint_of_a_tied_model_exports_the_same(tmp_path, tokenizer, chat_data):
+    tied_config = write_tiny_model_config(tmp_path / "tied.json", tokenizer, tie_word_embeddings=True)
+    full_yaml = tmp_path / "full.yaml"
+    full_yaml.write_text(FSDP_CPU_CONFIG.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
+    values = base_recipe_values(tied_config, chat_data, tmp_path / "out", max_steps=4, save_steps=4)
+    require_success(launch(SFT, ["--config", str(recipe_config(tmp_path / "r.yaml", **values))], accelerate_config=full_yaml))
+    checkpoint = latest_checkpoint(tmp_path / "out")
+    assert (checkpoint / "pytorch_model_fsdp.bin").is_file()
+    folder = export_checkpoint(checkpoint, tmp_path / "exported")
+    exported = all_tensors(folder)
+    assert "lm_head.weight" not in exported  # tied: stored once, as save_pretrained does
+    assert_same_tensors(exported, all_tensors(tmp_path / "out"))
+
+
+def launch_with_fault(tmp_path, tiny_model_config, chat_data, fault: str):
+    values = base_recipe_values(tiny_model_config, chat_data, tmp_path / "out", max_steps=40, save_steps=None)
+    config = recipe_config(tmp_path / "r.yaml", **values)
+    started = time.time()
+    result = launch(SFT, ["--config", str(config)], env={"FSDP_RECIPES_FAULT": fault}, timeout=180)
+    return result, time.time() - started
+
+
+def test_a_rank_killed_brings_the_job_down_in_bounded_time(tmp_path, tiny_model_config, chat_data):
+    result, _ = launch_with_fault(tmp_path, tiny_model_config, chat_data, "kill-after-step:3@1")
+    finished = time.time()
+    assert result.returncode != 0
+    killed_at = float(re.search(r"FAULT: SIGKILL to rank 1 at ([0-9.]+)", result.stderr).group(1))
+    assert finished - killed_at < 30, f"the launcher took {finished - killed_at:.1f} s to stop after the kill"
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", result.stderr)  # the launcher names the failed rank
+    assert "SIGKILL" in result.stderr
+
+
+def test_an_error_on_one_rank_stops_all_and_is_shown_once(tmp_path, tiny_model_config, chat_data):
+    result, elapsed = launch_with_fault(tmp_path, tiny_model_config, chat_data, "raise-after-step:3@1")
+    assert result.returncode != 0
+    assert elapsed < 90
+    assert result.stderr.count("InjectedFault: injected fault on rank 1 after step 3") == 1
+    assert "[rank0]: Traceback" not in result.stderr
