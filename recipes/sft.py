@@ -31,8 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -51,14 +50,33 @@ from fsdp_recipes.data import (
     split_train_eval,
     tokenize_dataset,
 )
-from fsdp_recipes.distributed import build_accelerator, describe_run, launch_environment, on_every_rank_together
+from fsdp_recipes.distributed import (
+    build_accelerator,
+    describe_run,
+    launch_environment,
+    on_every_rank_together,
+    sum_over_ranks,
+)
 from fsdp_recipes.errors import ConfigError, exit_on_user_error
 from fsdp_recipes.export import export_model_folder
 from fsdp_recipes.faults import inject_fault
 from fsdp_recipes.hub import push_folder_to_hub, require_hub_token
-from fsdp_recipes.metrics import MetricsLog, write_json
+from fsdp_recipes.metrics import (
+    MetricsLog,
+    ThroughputWindow,
+    device_name,
+    format_table,
+    numeric_fields,
+    peak_flops_per_device,
+    plot_training_curves,
+    throughput_record,
+    write_json,
+)
 from fsdp_recipes.modeling import (
+    activation_checkpointing_mechanism,
+    check_one_activation_checkpointing,
     check_tokenizer_fits_model,
+    count_non_embedding_parameters,
     load_model,
     load_model_config,
     load_tokenizer,
@@ -73,7 +91,6 @@ from fsdp_recipes.training import (
     evaluate_loss,
     exact_match_accuracy,
     generation_examples,
-    global_sum,
     loss_scale,
     summed_token_loss,
     total_optimizer_steps,
@@ -84,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv)
 
     # --- accelerator, and every check that needs no weights ------------------------------------------------------
-    accelerator = build_accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = build_accelerator(
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        log_with=None if config.report_to == "none" else config.report_to,
+        project_dir=config.output_dir,
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if config.torch_compile else None,
+    )
     set_seed(config.seed)
 
     def preflight():
@@ -106,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         check_tokenizer_fits_model(tokenizer, model_config)
         wrap_classes = resolve_wrap_classes(accelerator, model_config, trust_remote_code=config.trust_remote_code)
+        check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
         return checkpoint, hub_token, tokenizer, model_config, wrap_classes
 
     checkpoint, hub_token, tokenizer, model_config, wrap_classes = on_every_rank_together(accelerator, preflight)
@@ -133,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     train_loader = DataLoader(
         train_rows, batch_size=config.per_device_train_batch_size, shuffle=True,
-        collate_fn=RowCollator(tokenizer.pad_token_id), drop_last=False,
+        collate_fn=RowCollator(tokenizer.pad_token_id), drop_last=False, num_workers=config.dataloader_num_workers,
     )
 
     # --- model, optimizer, schedule -------------------------------------------------------------------------------
@@ -141,9 +164,12 @@ def main(argv: list[str] | None = None) -> None:
         model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
         attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
     )
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    non_embedding_parameters = count_non_embedding_parameters(model)
     optimizer = build_optimizer(
         model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
-        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, fused=config.optim == "adamw_torch_fused",
     )
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     total_steps = total_optimizer_steps(
@@ -169,13 +195,20 @@ def main(argv: list[str] | None = None) -> None:
         train_rows=len(train_rows), eval_rows=len(eval_rows) if eval_rows is not None else 0,
         data=train_stats, optimizer_steps=total_steps,
         global_batch_rows=config.per_device_train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps,
+        activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
+        torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
     )
+    peak_flops = peak_flops_per_device(summary["device_name"], config.peak_flops_per_device)
     accelerate_settings = {"launch_environment": launch_environment(), "resolved": summary}
-    log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write)
+    log = MetricsLog(
+        config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write,
+        tracker=lambda record: accelerator.log(numeric_fields(record), step=record["step"]),
+    )
     if accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         write_json(f"{config.output_dir}/run_summary.json", summary)
-        accelerator.print("run summary: " + " ".join(f"{k}={v}" for k, v in summary.items()))
+        accelerator.print("run summary:\n" + format_table(list(summary.items())))
+    accelerator.init_trackers("sft", config=numeric_fields(config_to_dict(config), keep_text=True))
 
     if checkpoint is not None:
         log.log({"step": start_step - 1, "event": "resumed", "checkpoint": str(checkpoint), "world_size": accelerator.num_processes})
@@ -219,10 +252,12 @@ def main(argv: list[str] | None = None) -> None:
 
     model.train()
     bar = tqdm(total=total_steps, initial=start_step - 1, disable=not accelerator.is_main_process, desc="sft")
-    window_start, window_tokens = time.perf_counter(), 0.0
+    window = ThroughputWindow()
     for step in range(start_step, total_steps + 1):
+        waiting = time.perf_counter()
         micro_batches = [batches.next() for _ in range(config.gradient_accumulation_steps)]
-        global_targets = global_sum(accelerator, sum(count_targets(batch) for batch in micro_batches))
+        window.data_wait += time.perf_counter() - waiting
+        global_targets = sum_over_ranks(accelerator, sum(count_targets(batch) for batch in micro_batches))
         scale = loss_scale(accelerator, global_targets)
         step_loss = 0.0
         for index, batch in enumerate(micro_batches):
@@ -232,26 +267,28 @@ def main(argv: list[str] | None = None) -> None:
                 loss_sum = summed_token_loss(model, batch)
                 accelerator.backward(loss_sum * scale)
             step_loss += loss_sum.item()
-            window_tokens += int(batch["real_tokens"].sum())
+            window.add_batch(batch)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm > 0 else None
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
+        window.steps += 1
         inject_fault("after-step", step, accelerator.process_index)
 
         if step % config.logging_steps == 0 or step == total_steps:
-            elapsed = time.perf_counter() - window_start
-            tokens = global_sum(accelerator, window_tokens)
             log.log({
                 "step": step,
                 "epoch": batches.epoch,
-                "loss": global_sum(accelerator, step_loss) / max(global_targets, 1.0),
+                "loss": sum_over_ranks(accelerator, step_loss) / max(global_targets, 1.0),
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens_per_second": tokens / elapsed,
+                **throughput_record(
+                    accelerator, window, model_config=model_config,
+                    non_embedding_parameters=non_embedding_parameters, peak_flops=peak_flops,
+                ),
             })
-            window_start, window_tokens = time.perf_counter(), 0.0
+            window.reset()
         if config.eval_steps and step % config.eval_steps == 0 and step != total_steps:
             run_eval(step)
         if config.save_steps and (step % config.save_steps == 0 or step == total_steps):
@@ -270,7 +307,15 @@ def main(argv: list[str] | None = None) -> None:
             accelerator.print(f"  reference={sample['reference']!r} generated={sample['generated']!r}")
 
     # --- export -----------------------------------------------------------------------------------------------------
-    final_metrics = {"train_loss": log.last("loss"), "eval_loss": log.last("eval_loss"), **results}
+    final_metrics = {
+        "train_loss": log.last("loss"), "eval_loss": log.last("eval_loss"), **results,
+        **{key: log.mean(key) for key in ("tokens_per_second", "tokens_per_second_per_device", "padding_fraction",
+                                          "data_wait_fraction", "mfu", "achieved_flops_per_device")},
+        "peak_memory_gib_max": max(log.last("peak_memory_gib_per_rank") or [0.0]),
+    }
+    if accelerator.is_main_process:
+        accelerator.print("final metrics (speeds: means over logged windows):\n" + format_table(list(final_metrics.items())))
+        plot_training_curves(log.records, Path(config.output_dir) / "training_curves.png")
     folder = export_model_folder(
         accelerator, model, tokenizer, config.output_dir,
         card=dict(

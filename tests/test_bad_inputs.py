@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SFT, TOKENIZER, base_recipe_values, launch, recipe_config, write_jsonl
+from conftest import FSDP_CPU_CONFIG, SFT, TOKENIZER, base_recipe_values, launch, recipe_config, write_jsonl
 
 pytestmark = pytest.mark.slow
 
 
-def run_failing(tmp: Path, values: dict, env: dict | None = None):
+def run_failing(tmp: Path, values: dict, env: dict | None = None, accelerate_config: Path = FSDP_CPU_CONFIG):
     config = recipe_config(tmp / "recipe.yaml", **values)
-    result = launch(SFT, ["--config", str(config)], env=env, timeout=180)
+    result = launch(SFT, ["--config", str(config)], env=env, timeout=180, accelerate_config=accelerate_config)
     assert result.returncode != 0, result.stdout[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-4000:]  # printed once, not once per rank
@@ -82,4 +82,14 @@ def test_push_without_token(tmp_path, values):
     env = {"HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     error = run_failing(tmp_path, values, env=env)
     assert "no Hugging Face token" in error and "HF_TOKEN" in error
+    assert not Path(values["output_dir"]).exists()
+
+
+def test_two_activation_checkpointing_mechanisms_are_refused(tmp_path, values):
+    both = tmp_path / "fsdp_ac.yaml"
+    both.write_text(FSDP_CPU_CONFIG.read_text().replace("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true"))
+    assert both.read_text() != FSDP_CPU_CONFIG.read_text()
+    values["gradient_checkpointing"] = True
+    error = run_failing(tmp_path, values, accelerate_config=both)
+    assert "gradient_checkpointing" in error and "fsdp_activation_checkpointing" in error and "use one" in error
     assert not Path(values["output_dir"]).exists()

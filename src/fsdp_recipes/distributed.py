@@ -175,6 +175,20 @@ class PeerRankFailed(UserError):
     """Another rank failed; this one stops with it instead of waiting in a collective."""
 
 
+def sum_over_ranks(accelerator: Accelerator, value: float | int) -> float:
+    """Collective: the sum of `value` over all ranks (float64, so token counts stay exact)."""
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(tensor, reduction="sum")) if accelerator.num_processes > 1 else float(tensor)
+
+
+def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
+    """Collective: `value` from every rank, in rank order."""
+    if accelerator.num_processes == 1:
+        return [float(value)]
+    gathered = accelerator.gather(torch.tensor([float(value)], dtype=torch.float64, device=accelerator.device))
+    return [float(v) for v in gathered]
+
+
 def local_and_total_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(elements this rank holds, elements of the whole model). Under FSDP2 parameters are DTensors whose local
     shard is what the rank stores."""

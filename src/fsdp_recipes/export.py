@@ -95,7 +95,9 @@ Fine-tuned with the FSDP Recipes `{{ recipe }}` recipe{% if base_model %} from [
 ## Results
 
 {{ results }}
-
+{% if curves %}
+![Training curves: loss and tokens per second against step]({{ curves }})
+{% endif %}
 ## Recipe configuration
 
 ```yaml
@@ -153,6 +155,7 @@ def write_model_card(
         recipe_config=yaml.safe_dump(recipe_config, sort_keys=False).strip(),
         accelerate_config=yaml.safe_dump(accelerate_config, sort_keys=False).strip(),
         model_path=hub_model_id or str(folder),
+        curves="training_curves.png" if (folder / "training_curves.png").is_file() else None,
     )
     path = folder / "README.md"
     card.save(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,11 @@ from typing import Any
 class MetricsLog:
     """Appends records to `output_dir/metrics.jsonl` and prints them; a no-op on non-main processes."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, printer=print):
+    def __init__(self, output_dir: str | Path, *, enabled: bool, printer=print, tracker=None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.printer = printer
+        self.tracker = tracker
         self.records: list[dict[str, Any]] = []
 
     def log(self, record: dict[str, Any]) -> None:
@@ -24,13 +26,30 @@ class MetricsLog:
         self.records.append(record)
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker(record)
         self.printer(" ".join(f"{key}={_short(value)}" for key, value in record.items()))
+
+    def mean(self, key: str) -> float | None:
+        values = [r[key] for r in self.records if isinstance(r.get(key), (int, float))]
+        return sum(values) / len(values) if values else None
 
     def last(self, key: str) -> Any:
         for record in reversed(self.records):
             if key in record:
                 return record[key]
         return None
+
+
+def numeric_fields(record: dict[str, Any], *, keep_text: bool = False) -> dict[str, Any]:
+    """What trackers accept: numbers (and, for hyperparameters, also strings and booleans)."""
+
+    def accepted(value: Any) -> bool:
+        if isinstance(value, bool) or isinstance(value, str):
+            return keep_text
+        return isinstance(value, (int, float))
+
+    return {key: value for key, value in record.items() if accepted(value)}
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
@@ -48,4 +67,140 @@ def _plain(value: Any) -> Any:
 def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list) and value and isinstance(value[0], float):
+        return "[" + ", ".join(f"{v:.4g}" for v in value) + "]"
     return str(value)
+
+
+# Dense bf16 peak FLOP/s per device, from the vendors' data sheets; matched against the device name.
+# Anything else (and every CPU) reports achieved FLOP/s and no MFU unless `peak_flops_per_device` is set.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_flops_per_device(device_name: str, override: float | None = None) -> float | None:
+    if override:
+        return override
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return None
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def flops_per_token(config, *, non_embedding_parameters: int, sequence_length: float) -> float:
+    """Training FLOPs per token: 6 x non-embedding parameters (forward + backward matmuls) plus the attention
+    scores and values, 12 x layers x heads x head_dim x sequence length (the PaLM / torchtitan accounting)."""
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 6 * non_embedding_parameters + 12 * layers * heads * head_dim * sequence_length
+
+
+def peak_memory_bytes(device) -> int:
+    """GPU: the most memory PyTorch has had reserved; CPU: the process's peak resident set size."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class ThroughputWindow:
+    """Accumulates what happened between two logging steps on this rank."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.started = time.perf_counter()
+        self.steps = 0
+        self.real_tokens = 0
+        self.slots = 0
+        self.data_wait = 0.0
+        self.width_sum = 0.0
+        self.batches = 0
+
+    def add_batch(self, batch) -> None:
+        rows, width = batch["input_ids"].shape
+        self.real_tokens += int(batch["real_tokens"].sum())
+        self.slots += rows * width
+        self.width_sum += width
+        self.batches += 1
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def mean_width(self) -> float:
+        return self.width_sum / max(self.batches, 1)
+
+
+def format_table(rows: list[tuple[str, Any]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name.ljust(width)}  {_short(value)}" for name, value in rows)
+
+
+def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Path | None:
+    """Train/eval loss and tokens/s against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    if not train:
+        return None
+    figure, (loss_axis, speed_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    loss_axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        loss_axis.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("loss")
+    loss_axis.set_yscale("log")
+    loss_axis.legend()
+    speed_axis.plot([r["step"] for r in train], [r["tokens_per_second"] for r in train])
+    speed_axis.set_xlabel("step")
+    speed_axis.set_ylabel("real tokens / s (all ranks)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return Path(path)
+
+
+def throughput_record(accelerator, window: ThroughputWindow, *, model_config, non_embedding_parameters: int,
+                      peak_flops: float | None) -> dict[str, Any]:
+    """Collective: speed, padding, FLOPs and memory over the window, for all ranks together."""
+    from .distributed import sum_over_ranks, values_of_all_ranks
+
+    elapsed = window.elapsed
+    real_tokens = sum_over_ranks(accelerator, window.real_tokens)
+    slots = sum_over_ranks(accelerator, window.slots)
+    tokens_per_second = real_tokens / elapsed
+    per_device = tokens_per_second / accelerator.num_processes
+    per_token = flops_per_token(
+        model_config, non_embedding_parameters=non_embedding_parameters, sequence_length=window.mean_width
+    )
+    achieved = per_device * per_token
+    memory = values_of_all_ranks(accelerator, peak_memory_bytes(accelerator.device))
+    return {
+        "tokens_per_second": tokens_per_second,
+        "tokens_per_second_per_device": per_device,
+        "padding_fraction": 1.0 - real_tokens / max(slots, 1.0),
+        "step_time_s": elapsed / max(window.steps, 1),
+        "data_wait_fraction": window.data_wait / elapsed,
+        "flops_per_token": per_token,
+        "achieved_flops_per_device": achieved,
+        "mfu": achieved / peak_flops if peak_flops else None,
+        "peak_memory_gib_per_rank": [round(m / 2**30, 4) for m in memory],
+    }

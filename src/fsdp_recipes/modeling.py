@@ -119,6 +119,31 @@ def load_model(
     )
 
 
+def fsdp_activation_checkpointing(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.FSDP and bool(accelerator.state.fsdp_plugin.activation_checkpointing)
+
+
+def check_one_activation_checkpointing(accelerator: Accelerator, *, model_gradient_checkpointing: bool) -> None:
+    """Exactly one activation-checkpointing mechanism: with both, transformers raises deep inside prepare()."""
+    if model_gradient_checkpointing and fsdp_activation_checkpointing(accelerator):
+        raise ConfigError(
+            "gradient_checkpointing is on in the recipe config and fsdp_activation_checkpointing in the Accelerate "
+            "config: use one. Keep the Accelerate one (set gradient_checkpointing: false) under FSDP."
+        )
+
+
+def activation_checkpointing_mechanism(accelerator: Accelerator, model_gradient_checkpointing: bool) -> str:
+    if fsdp_activation_checkpointing(accelerator):
+        return "fsdp (Accelerate config)"
+    return "model (gradient_checkpointing)" if model_gradient_checkpointing else "none"
+
+
+def count_non_embedding_parameters(model: torch.nn.Module) -> int:
+    """Parameters minus the input embedding table (a lookup, not a matmul), for FLOPs per token."""
+    embedding = model.get_input_embeddings().weight.numel()
+    return sum(p.numel() for p in model.parameters()) - embedding
+
+
 def check_tokenizer_fits_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
     vocab_size = getattr(config, "vocab_size", None)
     if vocab_size is not None and len(tokenizer) > vocab_size:

@@ -14,15 +14,19 @@ from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from .data import IGNORE_INDEX, collate_rows
+from .distributed import sum_over_ranks
 
 
-def build_optimizer(model: torch.nn.Module, *, learning_rate: float, weight_decay: float, betas, eps: float):
+def build_optimizer(
+    model: torch.nn.Module, *, learning_rate: float, weight_decay: float, betas, eps: float, fused: bool = False
+):
     """AdamW; weight decay on matrices only (not on norms and biases). Build it on the unprepared model and pass
     both to `accelerator.prepare` together: FSDP2 then points it at the sharded parameters."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+    kernels = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, **kernels)
 
 
 def total_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: int, *, max_steps: int, epochs: float) -> int:
@@ -69,11 +73,6 @@ class BatchStream:
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["targets"] != IGNORE_INDEX).sum())
-
-
-def global_sum(accelerator: Accelerator, value: float | int) -> float:
-    tensor = torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
-    return float(accelerator.reduce(tensor, reduction="sum")) if accelerator.num_processes > 1 else float(tensor)
 
 
 def summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
