@@ -17,7 +17,8 @@ BASE = "model_name_or_path: some/model\ndataset_name: some/data\n"
 
 def test_yaml_values_and_command_line_overrides(tmp_path):
     path = write(tmp_path, BASE + "learning_rate: 1e-5\nmax_steps: 3\npacking: false\n")
-    config = parse_config(SFTConfig, ["--config", path, "--max_steps", "7"])
+    config = parse_config(SFTConfig, ["--config", path, "--max_steps", "7", "--save_steps", "null"])
+    assert config.save_steps is None  # null on the command line, as in YAML
     assert config.learning_rate == 1e-5  # YAML reads 1e-5 as a string; it must come out a float
     assert config.max_steps == 7  # the command line wins
     assert config.packing is False

@@ -227,6 +227,7 @@ def parse_config(cls, argv: list[str] | None = None):
         except ValueError as err:
             problems.append(f"{key} in {where}: {err}")
 
+    rest, null_overrides = _take_null_overrides(rest, kinds)
     parser = HfArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps
     parser.add_argument("--config", help="YAML file with the recipe's settings; command-line flags override it")
     parser.set_defaults(**defaults)
@@ -245,12 +246,27 @@ def parse_config(cls, argv: list[str] | None = None):
             problems.append(f"unexpected command-line argument {arg!r}: flags take the form --field value")
         else:
             previous_was_flag = False
-    config = parsed[0]
+    config = dataclasses.replace(parsed[0], **null_overrides)
     if not problems:
         problems.extend(config.validate())
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _take_null_overrides(argv: list[str], kinds) -> tuple[list[str], dict[str, None]]:
+    """`--save_steps null` (or none) on the command line sets a nullable field to None, as `null` does in YAML."""
+    kept, nulls, index = [], {}, 0
+    while index < len(argv):
+        name = argv[index][2:] if argv[index].startswith("--") else None
+        if (name in kinds and kinds[name][1] and index + 1 < len(argv)
+                and argv[index + 1].lower() in ("null", "none")):
+            nulls[name] = None
+            index += 2
+            continue
+        kept.append(argv[index])
+        index += 1
+    return kept, nulls
 
 
 def config_to_dict(config) -> dict[str, Any]:
