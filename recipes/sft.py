@@ -13,13 +13,16 @@ What it does, top to bottom:
 - model: a Hub id or folder (`model_name_or_path`), or a config to initialise from (`model_config`).
 - loop: global batch = per_device_train_batch_size x processes x gradient_accumulation_steps rows; the loss is the
   mean over every target token of that global batch, so it does not depend on how the batch is split. Warmup and
-  schedule, clipping, eval every `eval_steps`, logs to stdout and output_dir/metrics.jsonl.
+  schedule, clipping, eval every `eval_steps`; loss, speed (tokens/s, MFU), padding, memory and data wait logged to
+  stdout, output_dir/metrics.jsonl and the tracker.
+- checkpoints: every `save_steps`, complete or not at all; `--resume_from_checkpoint latest` continues exactly,
+  also on another number of processes.
 - export: output_dir becomes a Hugging Face model folder (safetensors, config, tokenizer, model card), whatever the
   state-dict type, checked after writing, and optionally pushed to the Hub.
 
 Errors raised before any weights load: bad config, non-empty or unwritable output_dir, missing Hub token with
-push_to_hub, degraded launch, FSDP1 on CPU, wrap class absent from the model, no chat template, dataset without
-the needed columns, empty dataset.
+push_to_hub, degraded launch, FSDP1 on CPU, wrap class absent from the model, two activation-checkpointing
+mechanisms, no chat template, no complete checkpoint to resume, dataset without the needed columns, empty dataset.
 
 This file is meant to be copied and edited: the distributed details live in `fsdp_recipes`.
 """
