@@ -46,6 +46,7 @@ from fsdp_recipes.checkpoint import (
     write_model_files,
 )
 from fsdp_recipes.config import SFTConfig, config_to_dict, parse_config
+from fsdp_recipes.config_lint import check_launch_environment
 from fsdp_recipes.data import (
     RowCollator,
     build_rows,
@@ -64,6 +65,7 @@ from fsdp_recipes.errors import ConfigError, exit_on_user_error
 from fsdp_recipes.export import export_model_folder
 from fsdp_recipes.faults import inject_fault
 from fsdp_recipes.hub import push_folder_to_hub, require_hub_token
+from fsdp_recipes.memory import estimate_for_run
 from fsdp_recipes.metrics import (
     MetricsLog,
     ThroughputWindow,
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv)
 
     # --- accelerator, and every check that needs no weights ------------------------------------------------------
+    launch_warnings = check_launch_environment()  # the Accelerate config as exported: errors stop every rank here
     accelerator = build_accelerator(
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         log_with=None if config.report_to == "none" else config.report_to,
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if config.torch_compile else None,
     )
     set_seed(config.seed)
+    for warning in launch_warnings:
+        accelerator.print(f"warning: the Accelerate config: {warning.key}: {warning.message}")
 
     def preflight():
         checkpoint = resolve_checkpoint(config.output_dir, config.resume_from_checkpoint) if config.resume_from_checkpoint else None
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
         torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
     )
+    summary["memory_estimate"] = estimate_for_run(accelerator, model_config, config)
     peak_flops = peak_flops_per_device(summary["device_name"], config.peak_flops_per_device)
     accelerate_settings = {"launch_environment": launch_environment(), "resolved": summary}
     log = MetricsLog(
@@ -315,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         **{key: log.mean(key) for key in ("tokens_per_second", "tokens_per_second_per_device", "padding_fraction",
                                           "data_wait_fraction", "mfu", "achieved_flops_per_device")},
         "peak_memory_gib_max": max(log.last("peak_memory_gib_per_rank") or [0.0]),
+        "estimated_memory_gib_per_gpu": summary["memory_estimate"]["predicted_per_gpu_bytes"]["total"] / 2**30,
     }
     if accelerator.is_main_process:
         accelerator.print("final metrics (speeds: means over logged windows):\n" + format_table(list(final_metrics.items())))

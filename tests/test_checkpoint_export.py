@@ -77,6 +77,19 @@ def test_offline_export_in_shards_loads_with_from_pretrained(tmp_path, sharded_r
         torch.testing.assert_close(exported(ids).logits, trained(ids).logits, rtol=0, atol=0)
 
 
+def test_export_command_line(tmp_path, sharded_run):
+    command = Path(sys.executable).with_name("fsdp-recipes")
+    checkpoint = latest_checkpoint(sharded_run)
+    result = subprocess.run([str(command), "export", str(checkpoint), str(tmp_path / "cli"), "--max-shard-size", "60KB"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "cli" / "model.safetensors.index.json").is_file()
+    assert_same_tensors(all_tensors(tmp_path / "cli"), all_tensors(sharded_run))
+    missing = subprocess.run([str(command), "export", str(tmp_path / "nope"), str(tmp_path / "x")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "is not a recipe checkpoint" in missing.stderr
+
+
 def test_export_refuses_a_non_empty_destination(tmp_path, sharded_run):
     from fsdp_recipes.errors import ConfigError
 

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from conftest import FSDP_CPU_CONFIG, REPO, SFT, base_recipe_values, free_port, launch, recipe_config, run_process_group
+from conftest import FSDP_CPU_CONFIG, REPO, base_recipe_values, free_port, launch, recipe_config, run_process_group
 
 pytestmark = pytest.mark.slow
 SHARD_REPORT = REPO / "tests" / "scripts" / "shard_report.py"
+SFT_CLAIMING_A_DEVICE = REPO / "tests" / "scripts" / "sft_on_a_machine_claiming_a_device.py"
 
 
 def reports(stdout: str) -> list[dict]:
@@ -60,10 +61,13 @@ def test_guard_refuses_a_launch_that_degraded_into_independent_processes(tmp_pat
     assert "error: the launcher started 2 processes but accelerate joined 1" in result.stderr
 
 
-def test_recipe_refuses_a_multi_gpu_launch_on_a_machine_without_gpus(tmp_path, tiny_model_config, chat_data):
+def test_recipe_refuses_a_multi_gpu_launch_that_degraded_into_independent_processes(tmp_path, tiny_model_config, chat_data):
+    # Without a device a MULTI_GPU launch now runs as MULTI_CPU (tests/test_topology_rehearsal.py); the wrapper makes
+    # the recipe believe a device exists, so it builds a plain Accelerator(), which accelerate leaves degraded here.
     values = base_recipe_values(tiny_model_config, chat_data, tmp_path / "out")
     config = recipe_config(tmp_path / "recipe.yaml", **values)
-    result = launch(SFT, ["--config", str(config)], accelerate_config=None, launcher_args=["--multi_gpu"], timeout=120)
+    result = launch(SFT_CLAIMING_A_DEVICE, ["--config", str(config)], accelerate_config=None,
+                    launcher_args=["--multi_gpu"], timeout=120)
     assert result.returncode != 0
     assert "every process would train alone" in result.stderr
     assert not (tmp_path / "out").exists()

@@ -1,0 +1,141 @@
+"""The `fsdp-recipes` command. Each subcommand is one function decorated with `@subcommand`: it receives its own
+argparse parser to fill and returns the function that runs it (which returns the exit status). Adding a
+subcommand is adding one such function to this file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+Runner = Callable[[argparse.Namespace], int]
+_SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], Runner]]] = []
+
+
+def subcommand(name: str, help: str):
+    def register(define: Callable[[argparse.ArgumentParser], Runner]):
+        _SUBCOMMANDS.append((name, help, define))
+        return define
+
+    return register
+
+
+@subcommand("configs", help="the Accelerate configs generated from accelerate_configs/topologies.yaml")
+def configs_command(parser: argparse.ArgumentParser) -> Runner:
+    actions = parser.add_subparsers(dest="action", required=True)
+    generate = actions.add_parser("generate", help="write accelerate_configs/*.yaml and the table of its README.md")
+    generate.add_argument("--check", action="store_true", help="write nothing; exit 1 if a checked-in file is stale")
+    generate.add_argument("--config-dir", type=Path, default=None, help="default: the repository's accelerate_configs/")
+
+    def run(args: argparse.Namespace) -> int:
+        from . import topology
+
+        config_dir = args.config_dir or topology.CONFIG_DIR
+        if args.check:
+            stale = topology.stale_files(config_dir)
+            for path in stale:
+                print(f"stale: {path} differs from what `fsdp-recipes configs generate` writes", file=sys.stderr)
+            if stale:
+                print("fix: run `fsdp-recipes configs generate` and commit the result", file=sys.stderr)
+                return 1
+            print(f"all generated files in {config_dir} are up to date")
+            return 0
+        changed = topology.generate(config_dir)
+        for path in changed:
+            print(f"wrote {path}")
+        print(f"{len(changed)} file(s) changed" if changed else "nothing to change")
+        return 0
+
+    return run
+
+
+@subcommand("validate-config", help="report what is wrong with an Accelerate YAML, and how to fix it")
+def validate_config_command(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("config_file", type=Path, metavar="FILE", help="an Accelerate config YAML")
+    parser.add_argument("--model", metavar="NAME_OR_PATH_OR_CONFIG",
+                        help="also check wrap classes and tied embeddings against this model (Hub id, folder, config.json)")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--print-env", action="store_true",
+                        help="also print the FSDP_*/ACCELERATE_* variables `accelerate launch` would export (for torchrun)")
+
+    def run(args: argparse.Namespace) -> int:
+        from .config_lint import ERROR, exported_environment, lint_config_file
+
+        findings = lint_config_file(args.config_file, model=args.model, trust_remote_code=args.trust_remote_code)
+        for finding in findings:
+            print(f"{args.config_file}: {finding}")
+        errors = sum(finding.severity == ERROR for finding in findings)
+        print(f"{args.config_file}: {errors} error(s), {len(findings) - errors} warning(s)")
+        if args.print_env and not errors:
+            for key, value in exported_environment(args.config_file).items():
+                print(f"export {key}={value}")
+        return 1 if errors else 0
+
+    return run
+
+
+@subcommand("estimate", help="memory per GPU for a model under an Accelerate config, before launching")
+def estimate_command(parser: argparse.ArgumentParser) -> Runner:
+    from .memory import add_estimate_arguments, run_estimate
+
+    add_estimate_arguments(parser)
+    return run_estimate
+
+
+@subcommand("export", help="turn a training checkpoint into a Hugging Face model folder, on one CPU process")
+def export_command(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                        help="a checkpoints/step-* folder (or OUTPUT_DIR/checkpoints/latest's target)")
+    parser.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR", help="an empty or new folder")
+    parser.add_argument("--max-shard-size", type=parse_bytes, default="5GB",
+                        help="largest safetensors file to write, e.g. 5GB, 500MB (RAM use is about one file)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUTPUT_DIR")
+
+    def run(args: argparse.Namespace) -> int:
+        from .checkpoint_export import export_checkpoint
+
+        folder = export_checkpoint(
+            args.checkpoint, args.output_dir, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite
+        )
+        print(f"exported {args.checkpoint} to {folder}")
+        return 0
+
+    return run
+
+
+def parse_bytes(text: str) -> int:
+    """'5GB', '500MB', '141GiB' or a plain number of bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    cleaned = text.strip().upper().replace(" ", "")
+    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
+        if cleaned.endswith(unit):
+            return int(float(cleaned[: -len(unit)]) * factor)
+    try:
+        return int(float(cleaned))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 5GB, 500MB, 141GiB") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-recipes", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help, define in _SUBCOMMANDS:
+        command_parser = commands.add_parser(name, help=help, description=help)
+        command_parser.set_defaults(run=define(command_parser))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import UserError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

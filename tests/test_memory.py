@@ -1,0 +1,313 @@
+"""The memory estimator (fsdp_recipes.memory, `fsdp-recipes estimate`): its state bytes against what real FSDP2 ranks
+hold on CPU at 1, 2 and 4 processes, its sharding arithmetic, its activation formula, and its command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import FSDP_CPU_CONFIG, REPO, launch, require_success, write_tiny_model_config
+from fsdp_recipes import memory
+from fsdp_recipes.errors import ConfigError
+
+LLAMA_8B = REPO / "tests" / "data" / "llama-3-8b-like_config.json"
+MEASURE = REPO / "tests" / "scripts" / "measure_state_bytes.py"
+GiB = 2**30
+
+
+def fsdp_yaml(path: Path, *, processes=8, machines=1, version=2, reshard=True, mixed="bf16", offload=False,
+              checkpointing=False, wrap="TRANSFORMER_BASED_WRAP", extra_fsdp=None, **top) -> Path:
+    fsdp = {"fsdp_version": version, "fsdp_auto_wrap_policy": wrap, "fsdp_offload_params": offload,
+            "fsdp_activation_checkpointing": checkpointing, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
+    fsdp["fsdp_reshard_after_forward" if version == 2 else "fsdp_sharding_strategy"] = (
+        reshard if version == 2 else ("FULL_SHARD" if reshard else "SHARD_GRAD_OP"))
+    fsdp.update(extra_fsdp or {})
+    raw = {"distributed_type": "FSDP", "num_processes": processes, "num_machines": machines, "mixed_precision": mixed,
+           "fsdp_config": fsdp, **top}
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return memory.load_model_info(str(LLAMA_8B))
+
+
+@pytest.fixture(scope="module")
+def tiny_info(tiny_model_config):
+    return memory.load_model_info(str(tiny_model_config))
+
+
+def run_cli(argv, capsys):
+    code = memory.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ------------------------------------------------------------------------------------------------ validation (slow)
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, tokenizer):
+    """One launch per world size (run side by side), each rank reporting predicted and measured state bytes."""
+    folder = tmp_path_factory.mktemp("mem")
+    config = write_tiny_model_config(folder / "config.json", tokenizer)
+
+    def run(n):
+        # the 2-process run also checks mixed precision: bf16 compute, fp32 sharded parameters (the master weights)
+        mixed = ["--mixed_precision", "bf16"] if n == 2 else []
+        reports_dir = folder / f"reports_{n}"
+        reports_dir.mkdir()
+        result = launch(MEASURE, [str(config), str(reports_dir)], num_processes=n, launcher_args=mixed)
+        require_success(result)
+        reports = [json.loads(path.read_text()) for path in reports_dir.glob("rank*.json")]
+        assert len(reports) == n, result.stdout
+        return n, sorted(reports, key=lambda r: r["rank"])
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(pool.map(run, (1, 2, 4)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_predicted_state_bytes_match_what_each_rank_holds(measured, world_size):
+    """Per rank, predicted parameters + gradients + AdamW state are within 5% of the bytes the rank really holds
+    (DTensor local shards and their padded storage, after one optimizer step) - through the real FSDP2 path."""
+    reports = measured[world_size]
+    for report in reports:
+        assert report["distributed_type"] == "FSDP" and report["world_size"] == world_size
+        assert report["param_dtypes"] == ["torch.float32"]
+        assert report["mixed_precision"] == ("bf16" if world_size == 2 else "no")
+        # what the recipe hook reads from the running accelerator is what the CLI reads from the YAML
+        from_yaml = dataclasses.replace(memory.load_topology(FSDP_CPU_CONFIG), world_size=world_size,
+                                        shard_size=world_size, mixed_precision=report["mixed_precision"])
+        running = dict(report["topology"])
+        assert running.pop("wrap_classes") in (None, ["LlamaDecoderLayer"])  # accelerate fills in _no_split_modules
+        assert running == {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(from_yaml))).items()
+                           if k != "wrap_classes"}
+        predicted, real = report["predicted"], report["measured"]
+        assert sum(real.values()) > 0
+        total_error = abs(sum(predicted.values()) - sum(real.values())) / sum(real.values())
+        assert total_error < 0.05, (report["rank"], predicted, real)
+        for kind in ("parameters", "gradients", "optimizer_state"):
+            assert abs(predicted[kind] - real[kind]) <= 0.05 * real[kind], (kind, report["rank"], predicted, real)
+        # the headline (most loaded rank) is never below what a rank holds
+        headline = report["predicted_per_gpu"]
+        assert headline["parameters"] + headline["gradients"] + headline["optimizer_state"] >= sum(real.values())
+
+
+@pytest.mark.slow
+def test_prediction_is_exact_per_rank_including_padding(measured):
+    """Stricter than the 5% above, and what makes the 5% meaningful at small sizes: the padded storage of parameters
+    and gradients and the unpadded AdamW state are predicted to the byte on every rank (ranks differ: the last rank's
+    chunks are short). A torch upgrade that changes FSDP2's padding fails here first."""
+    for n in (2, 4):
+        assert [r["predicted"] for r in measured[n]] == [r["measured"] for r in measured[n]]
+    assert measured[4][0]["measured"]["optimizer_state"] != measured[4][3]["measured"]["optimizer_state"]
+
+
+@pytest.mark.slow
+def test_measured_state_shrinks_as_one_over_n(measured):
+    """Real ranks: state at N ranks is ~1/N of one rank's (padding makes it slightly more), as predicted."""
+    one = sum(measured[1][0]["measured"].values())
+    for n in (2, 4):
+        rank0 = sum(measured[n][0]["measured"].values())
+        assert one / n <= rank0 <= one / n * 1.03, (n, rank0, one)
+
+
+# ------------------------------------------------------------------------------------------------ sharding arithmetic
+def test_full_shard_predicts_one_over_n_of_no_shard(llama8b, tiny_info):
+    for info, tolerance in ((llama8b, 1e-4), (tiny_info, 0.02)):
+        no_shard = memory.Topology(world_size=8, distributed_type="MULTI_GPU", shard_size=1)
+        whole = sum(memory.state_bytes_on_rank(memory.plan_units(info, no_shard), no_shard).values())
+        # NO_SHARD holds fp32 params + grads + 2 AdamW states: 16 bytes per parameter (+ 4-byte steps)
+        assert whole == pytest.approx(16 * info.num_params, rel=1e-3)
+        for n in (2, 4, 8):
+            full = memory.Topology(world_size=n, shard_size=n)
+            sharded = sum(memory.state_bytes_on_rank(memory.plan_units(info, full), full).values())
+            assert whole / n <= sharded <= whole / n * (1 + tolerance), (n, sharded, whole)
+
+
+def test_padding_follows_fsdp2_chunks():
+    """A parameter of 10 rows over 4 ranks: chunks of 3, 3, 3, 1 rows; storage padded to 3 rows on every rank."""
+    param = memory.Param("w", (10, 7))
+    assert [param.rows_on(r, 4) for r in range(4)] == [3, 3, 3, 1]
+    assert [param.rows_on(r, 8) for r in range(8)] == [2, 2, 2, 2, 2, 0, 0, 0]
+    unit = memory.Unit("u", "layer", [param])
+    topo = memory.Topology(world_size=4, shard_size=4)
+    assert memory.state_bytes_on_rank([unit], topo, 3) == {
+        "parameters": 4 * 3 * 7, "gradients": 4 * 3 * 7, "optimizer_state": 2 * 4 * 1 * 7 + 4}
+
+
+def test_hsdp_shards_over_the_shard_size_only(llama8b, tmp_path):
+    hsdp = memory.load_topology(fsdp_yaml(tmp_path / "h.yaml", processes=16, machines=2, parallelism_config={
+        "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 8}))
+    assert (hsdp.world_size, hsdp.shard_size, hsdp.sharding) == (16, 8, "HSDP")
+    full8 = memory.Topology(world_size=8, shard_size=8)
+    full16 = memory.Topology(world_size=16, shard_size=16)
+    state = lambda t: sum(memory.state_bytes_on_rank(memory.plan_units(llama8b, t), t).values())  # noqa: E731
+    assert state(hsdp) == state(full8) and state(hsdp) > 1.9 * state(full16)
+    with pytest.raises(ConfigError, match="dp_replicate_size 2 x dp_shard_size 4"):
+        memory.load_topology(fsdp_yaml(tmp_path / "bad.yaml", processes=16, parallelism_config={
+            "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 4}))
+
+
+def test_topologies_read_from_accelerate_yaml(tmp_path):
+    repo = memory.load_topology(REPO / "accelerate_configs" / "fsdp_8gpu.yaml")
+    assert (repo.world_size, repo.fsdp_version, repo.sharding, repo.mixed_precision, repo.compute_bytes) == (
+        8, 2, "FULL_SHARD", "bf16", 2)
+    sgo = memory.load_topology(fsdp_yaml(tmp_path / "a.yaml", reshard=False))
+    assert sgo.sharding == "SHARD_GRAD_OP"
+    fsdp1 = memory.load_topology(fsdp_yaml(tmp_path / "b.yaml", version=1, reshard=False))
+    assert (fsdp1.fsdp_version, fsdp1.sharding) == (1, "SHARD_GRAD_OP")
+    # FSDP1 strategy written where `accelerate config` puts it is ignored by the launcher: FULL_SHARD
+    fsdp1_misplaced = memory.load_topology(fsdp_yaml(tmp_path / "c.yaml", version=1,
+                                                     extra_fsdp={"fsdp_reshard_after_forward": "SHARD_GRAD_OP"}))
+    assert fsdp1_misplaced.sharding == "FULL_SHARD"
+    ddp = memory.topology_from_dict({"distributed_type": "MULTI_GPU", "num_processes": 8, "mixed_precision": "bf16"})
+    assert (ddp.distributed_type, ddp.shard_size, ddp.sharding) == ("MULTI_GPU", 1, "NO_SHARD")
+    omitted = memory.topology_from_dict({"distributed_type": "FSDP", "num_processes": 2,
+                                         "fsdp_config": {"fsdp_version": 2}})
+    assert omitted.wrap_policy == "NO_WRAP"  # what the launcher does with an omitted policy
+
+
+def test_units_mirror_accelerates_fsdp2_preparation(tiny_info):
+    topo = memory.Topology(world_size=2, shard_size=2)
+    units = memory.plan_units(tiny_info, topo)
+    assert [u.kind for u in units] == ["embedding", "layer", "layer", "tail"]
+    assert [u.reshard_after_forward for u in units] == [True, True, True, False]
+    assert sum(u.numel for u in units) == tiny_info.num_params
+    # NO_WRAP: the decoder layers stay in the root, which is never resharded after forward
+    no_wrap = memory.plan_units(tiny_info, dataclasses.replace(topo, wrap_policy="NO_WRAP"))
+    assert [u.kind for u in no_wrap] == ["embedding", "tail", "root"] and not no_wrap[-1].reshard_after_forward
+    with pytest.raises(ConfigError, match="GPT2Block"):
+        memory.plan_units(tiny_info, dataclasses.replace(topo, wrap_classes=("GPT2Block",)))
+
+
+def test_buffers_by_sharding(llama8b):
+    full = memory.Topology(world_size=8, shard_size=8, mixed_precision="bf16")
+    work = memory.Workload(2048, 4)
+    e_full = memory.estimate(llama8b, full, work)
+    e_sgo = memory.estimate(llama8b, dataclasses.replace(full, reshard_after_forward=False), work)
+    e_nowrap = memory.estimate(llama8b, dataclasses.replace(full, wrap_policy="NO_WRAP"), work)
+    # SHARD_GRAD_OP and NO_WRAP keep every unit gathered from forward to backward: the whole model in bf16
+    assert e_sgo.buffers["all_gather"] == pytest.approx(2 * llama8b.num_params, rel=1e-6)
+    assert e_nowrap.buffers["all_gather"] == pytest.approx(2 * llama8b.num_params, rel=0.1)
+    assert e_full.buffers["all_gather"] < e_sgo.buffers["all_gather"] / 4
+    offload = memory.estimate(llama8b, dataclasses.replace(full, cpu_offload=True), work)
+    assert offload.per_gpu()["parameters"] == 0 and offload.host_state == e_full.state
+    assert offload.total == e_full.total - sum(e_full.state.values())
+
+
+# ------------------------------------------------------------------------------------------------ activations
+def test_activation_formula(llama8b):
+    work = memory.Workload(max_length=2048, per_device_train_batch_size=4)
+    acts = memory.activation_bytes(llama8b, work, compute_bytes=2)
+    h, i, kv, tokens = 4096, 14336, 8 * 128, 8192
+    per_token_layer = 2 * (2 * h + 3 * h + 2 * kv + 4 * i) + 4 * 2 * h + 4 * 32
+    assert acts["per_layer"] == per_token_layer * tokens
+    assert acts["logits"] == 2 * 4 * 128256 * tokens
+    assert acts["without_checkpointing"] > 32 * acts["per_layer"] + acts["logits"]
+    assert acts["with_checkpointing"] == 32 * 2 * h * tokens + max(acts["per_layer"], acts["logits"] + (4 * h + 2 * h + 2 * 2 * 128 + 24) * tokens)
+    # linear in tokens; eager attention adds the s^2 scores
+    double = memory.activation_bytes(llama8b, dataclasses.replace(work, per_device_train_batch_size=8), 2)
+    assert double["without_checkpointing"] == 2 * acts["without_checkpointing"]
+    eager = memory.activation_bytes(llama8b, dataclasses.replace(work, attn_implementation="eager"), 2)
+    assert eager["per_layer"] - acts["per_layer"] == (2 + 4) * 32 * 2048 * tokens
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def test_size_parsing():
+    assert memory.parse_size("80GB") == 80 * 10**9
+    assert memory.parse_size("141GiB") == 141 * 2**30
+    assert memory.parse_size("24e9") == 24 * 10**9
+    assert memory.parse_size(" 1.5 tb ") == 1.5e12
+    assert memory.parse_size("40960MiB") == 40 * 2**30
+    for bad in ("eighty", "80XB", "-8GB", "", "80"):  # "80" would be 80 bytes: refused, with a hint
+        with pytest.raises(ConfigError):
+            memory.parse_size(bad)
+    assert memory.parse_reserve("10%", 100 * 2**30) == 10 * 2**30
+    assert memory.parse_reserve("0", 100) == 0
+    with pytest.raises(ConfigError):
+        memory.parse_reserve("150%", 100 * 2**30)
+
+
+def test_cli_json_fields_and_fit(tiny_model_config, capsys):
+    code, out, _ = run_cli(["--model", tiny_model_config, "--accelerate-config", FSDP_CPU_CONFIG, "--json",
+                            "--gpu-memory", "24GB", "--max-length", "64", "--batch-size", "4"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    per_gpu = report["per_gpu_bytes"]
+    assert set(per_gpu) >= {"parameters", "gradients", "optimizer_state", "activations", "all_gather_buffers",
+                            "activations_with_checkpointing", "activations_without_checkpointing", "total"}
+    assert per_gpu["total"] == sum(per_gpu[k] for k in ("parameters", "gradients", "optimizer_state", "activations",
+                                                        "all_gather_buffers", "reduce_scatter_buffers"))
+    assert report["fits"] is True and report["suggestions"] == []
+    assert report["topology"]["sharding"] == "FULL_SHARD" and report["topology"]["world_size"] == 2
+    assert report["workload"]["tokens_per_micro_batch"] == 256
+    assert report["gpu_memory_bytes"] == 24 * 10**9 and report["reserve_bytes"] == 24 * 10**8
+    assert report["usable_bytes"] - per_gpu["total"] == report["headroom_bytes"] > 0
+
+
+def test_cli_does_not_fit_and_suggests(capsys, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_config": str(LLAMA_8B), "max_length": 2048,
+                                      "per_device_train_batch_size": 4}))
+    code, out, _ = run_cli(["--recipe-config", recipe, "--accelerate-config",
+                            REPO / "accelerate_configs" / "fsdp_8gpu.yaml", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 1 and report["fits"] is False and report["headroom_bytes"] < 0
+    assert report["parameters_total"] == 8_030_261_248
+    by_change = {s["change"]: s for s in report["suggestions"]}
+    assert by_change["activation checkpointing"]["fits"]
+    ac_total = by_change["activation checkpointing"]["predicted_total_bytes"]
+    current = report["per_gpu_bytes"]
+    assert ac_total == current["total"] - current["activations_without_checkpointing"] + current["activations_with_checkpointing"]
+    assert by_change["CPU offload"]["host_bytes_per_gpu"] == sum(current[k] for k in ("parameters", "gradients", "optimizer_state"))
+    assert any(c.startswith("more GPUs") for c in by_change) and any(c.startswith("LoRA") for c in by_change)
+    assert all(s["predicted_total_bytes"] < current["total"] for s in report["suggestions"])
+    # the table says the same in words
+    code, out, _ = run_cli(["--recipe-config", recipe, "--accelerate-config",
+                            REPO / "accelerate_configs" / "fsdp_8gpu.yaml", "--gpu-memory", "141GiB"], capsys)
+    assert code == 0 and "fits in" in out and "NOT" not in out and "total" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model/config.json"], "no such file"),
+    (["--model", "{tiny}", "--gpu-memory", "lots"], "cannot read memory size"),
+    (["--model", "{tiny}", "--accelerate-config", "/nonexistent.yaml"], "does not exist"),
+    (["--model", "{tiny}", "--batch-size", "0"], "must be >= 1"),
+    ([], "no model"),
+])
+def test_cli_bad_inputs_fail_clearly(argv, message, tiny_model_config, capsys):
+    argv = [a.replace("{tiny}", str(tiny_model_config)) for a in argv]
+    if "--accelerate-config" not in argv:
+        argv += ["--accelerate-config", str(FSDP_CPU_CONFIG)]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_cli_hands_wiring_matches_cli_module(tiny_model_config, capsys):
+    """The two functions cli.py wires: a parser filled by add_estimate_arguments, run by run_estimate."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    memory.add_estimate_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model_config), "--accelerate-config", str(FSDP_CPU_CONFIG),
+                              "--num-processes", "4", "--json"])
+    assert memory.run_estimate(args) == 0
+    assert json.loads(capsys.readouterr().out)["topology"]["shard_size"] == 4
+
+
+def test_tied_embeddings_are_one_tail_unit_counted_once():
+    """demo/tiny_llama.json ties embeddings: accelerate puts embedding, final norm and lm_head in one tail unit, and
+    the shared weight is counted once (as model.parameters() does)."""
+    info = memory.load_model_info(str(REPO / "demo" / "tiny_llama.json"))
+    assert info.tied_embeddings
+    units = memory.plan_units(info, memory.Topology(world_size=2, shard_size=2))
+    assert [u.kind for u in units] == ["layer", "layer", "layer", "tail"]
+    assert "model.embed_tokens" in units[-1].name and sum(u.numel for u in units) == info.num_params == 505_600
