@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from fsdp_recipes.checkpoint import (
     TrainingProgress,
     load_checkpoint,
+    read_progress,
     resolve_checkpoint,
     save_checkpoint,
     write_model_files,
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def preflight():
         checkpoint = resolve_checkpoint(config.output_dir, config.resume_from_checkpoint) if config.resume_from_checkpoint else None
+        if checkpoint is not None:  # refuses a data position this world size cannot reproduce, before loading
+            read_progress(checkpoint).batches_into_epoch_for(accelerator.num_processes, config.per_device_train_batch_size)
         resuming_here = checkpoint is not None and Path(config.output_dir).resolve() in checkpoint.resolve().parents
         problem = output_dir_problem(config.output_dir, overwrite=config.overwrite_output_dir or resuming_here)
         if problem:

@@ -4,6 +4,7 @@ size; a save killed midway leaves the previous checkpoint as `latest`; pruning k
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,12 +60,27 @@ def chat_data_subset(tmp: Path, chat_data: Path) -> Path:
     return folder
 
 
-def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_path, uninterrupted, tiny_model_config):
-    reference, data = uninterrupted
-    out = tmp_path / "out"
-    values = values_for(tiny_model_config, data, out)
-    killed = run(tmp_path, "killed", values, env={"FSDP_RECIPES_FAULT": "kill-after-step:7"}, expect_success=False)
+@pytest.fixture(scope="module")
+def killed_at_step_7(tmp_path_factory, uninterrupted, tiny_model_config):
+    """The same run, killed (every rank SIGKILLed) right after step 7: its latest checkpoint is step 6's."""
+    _, data = uninterrupted
+    tmp = tmp_path_factory.mktemp("killed")
+    values = values_for(tiny_model_config, data, tmp / "out")
+    killed = run(tmp, "killed", values, env={"FSDP_RECIPES_FAULT": "kill-after-step:7"}, expect_success=False)
     assert killed.returncode != 0
+    return tmp / "out", values
+
+
+def copy_of(killed_at_step_7, tmp_path: Path) -> tuple[Path, dict]:
+    source, values = killed_at_step_7
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    return out, {**values, "output_dir": str(out)}
+
+
+def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_path, uninterrupted, killed_at_step_7):
+    reference, _ = uninterrupted
+    out, values = copy_of(killed_at_step_7, tmp_path)
     assert latest_checkpoint(out).name == "step-00000006"
     assert not (out / "model.safetensors").exists()
 
@@ -81,12 +97,9 @@ def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_
 
 
 @pytest.mark.parametrize("num_processes", [1, 4])
-def test_resume_on_another_world_size(tmp_path, uninterrupted, tiny_model_config, num_processes):
-    reference, data = uninterrupted
-    out = tmp_path / "out"
-    values = values_for(tiny_model_config, data, out)
-    run(tmp_path, "first", {**values, "max_steps": STEPS, "save_steps": 6},
-        env={"FSDP_RECIPES_FAULT": "kill-after-step:7"}, expect_success=False)
+def test_resume_on_another_world_size(tmp_path, uninterrupted, killed_at_step_7, num_processes):
+    reference, _ = uninterrupted
+    out, values = copy_of(killed_at_step_7, tmp_path)
     per_device = 8 // num_processes  # the same global batch: 2 processes x 4 rows
     run(tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest", "per_device_train_batch_size": per_device},
         num_processes=num_processes)
@@ -97,6 +110,15 @@ def test_resume_on_another_world_size(tmp_path, uninterrupted, tiny_model_config
     torch.testing.assert_close(
         torch.tensor([resumed[s] for s in steps]), torch.tensor([expected[s] for s in steps]), rtol=1e-5, atol=1e-6
     )
+
+
+def test_resume_with_a_different_global_batch_is_refused(tmp_path, killed_at_step_7):
+    out, values = copy_of(killed_at_step_7, tmp_path)
+    result = run(tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest", "per_device_train_batch_size": 3},
+                 expect_success=False)
+    assert result.returncode != 0
+    assert "error: the checkpoint stopped" in result.stderr
+    assert "per_device_train_batch_size x processes equal to the original (4 x 2)" in result.stderr
 
 
 def test_save_killed_midway_leaves_the_previous_checkpoint_as_latest(tmp_path, uninterrupted, tiny_model_config):
