@@ -49,6 +49,7 @@ from fsdp_recipes.checkpoint import (
 from fsdp_recipes.config import SFTConfig, config_to_dict, parse_config
 from fsdp_recipes.config_lint import check_launch_environment
 from fsdp_recipes.data import (
+    LengthGroupedSampler,
     RowCollator,
     build_rows,
     load_raw_dataset,
@@ -155,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
             max_length=config.max_length, num_proc=config.dataset_num_proc,
         )
         train_tokens, train_stats = tokenize_dataset(train_raw, tokenizer, name="train", **options)
-        train_rows = build_rows(train_tokens, max_length=config.max_length, packing=config.packing)
+        train_rows = build_rows(
+            train_tokens, max_length=config.packing_row_length or config.max_length, packing=config.packing
+        )
         eval_rows = None
         if eval_raw is not None:
             eval_tokens, _ = tokenize_dataset(eval_raw, tokenizer, name="eval", **options)
@@ -165,8 +168,15 @@ def main(argv: list[str] | None = None) -> None:
     eval_raw, train_rows, eval_rows, train_stats = on_every_rank_together(
         accelerator, prepare_data, main_process_first=True
     )
+    if config.train_sampling_strategy == "group_by_length":
+        sampler = LengthGroupedSampler(
+            [len(ids) for ids in train_rows["input_ids"]], seed=config.seed,
+            group_size=config.per_device_train_batch_size * accelerator.num_processes,
+        )
+    else:
+        sampler = None  # shuffled; accelerate makes the order depend only on seed and epoch
     train_loader = DataLoader(
-        train_rows, batch_size=config.per_device_train_batch_size, shuffle=True,
+        train_rows, batch_size=config.per_device_train_batch_size, shuffle=sampler is None, sampler=sampler,
         collate_fn=RowCollator(tokenizer.pad_token_id), drop_last=False, num_workers=config.dataloader_num_workers,
     )
 

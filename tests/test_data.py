@@ -122,3 +122,23 @@ def test_empty_split_and_nothing_to_learn(tokenizer):
     long_prompt = Dataset.from_list([{"prompt": "x" * 50, "completion": "y"}])
     with pytest.raises(DataError, match="max_length"):
         tokenize_dataset(long_prompt, tokenizer, assistant_only_loss=True, completion_only_loss=True, max_length=8)
+
+
+def test_length_grouped_sampler_is_a_seeded_permutation_with_little_padding():
+    from fsdp_recipes.data import LengthGroupedSampler
+
+    lengths = [int(x) for x in torch.randint(1, 500, (1000,), generator=torch.Generator().manual_seed(0))]
+    sampler = LengthGroupedSampler(lengths, group_size=8, seed=3)
+    first = list(sampler)
+    assert sorted(first) == list(range(1000))
+    assert list(sampler) == first  # same seed and epoch, same order
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+
+    def padding(order):
+        groups = [order[i : i + 8] for i in range(0, len(order), 8)]
+        slots = sum(8 * max(lengths[i] for i in g) for g in groups)
+        return 1 - sum(lengths) / slots
+
+    shuffled = torch.randperm(1000, generator=torch.Generator().manual_seed(1)).tolist()
+    assert padding(first) < 0.05 < 0.3 < padding(shuffled)

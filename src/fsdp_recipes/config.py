@@ -43,6 +43,9 @@ class SFTConfig:
     eval_split_size: float = 0.05  # fraction of train held out when there is no test split (0 disables eval)
     max_length: int = 1024  # tokens per example (longer ones are truncated) and per packed row
     packing: bool = True  # pack several examples per row: less padding; examples never attend to each other
+    packing_row_length: int | None = None  # tokens per packed row (null: max_length). Shorter rows cost less attention
+    # per token with sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut
+    train_sampling_strategy: str = "group_by_length"  # rows of similar length share a batch (less padding) or "random"
     assistant_only_loss: bool = True  # conversational data: loss only on assistant turns
     completion_only_loss: bool = True  # prompt/completion data: loss only on the completion
     dataset_num_proc: int | None = None  # processes for tokenisation (None: in-process)
@@ -104,6 +107,10 @@ class SFTConfig:
                      "gradient_accumulation_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.train_sampling_strategy not in ("group_by_length", "random"):
+            problems.append(f"train_sampling_strategy {self.train_sampling_strategy!r} is not group_by_length or random")
+        if self.packing_row_length is not None and self.packing_row_length < 1:
+            problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
         if self.optim not in ("adamw_torch", "adamw_torch_fused"):
             problems.append(f"optim {self.optim!r} is not supported: use adamw_torch or adamw_torch_fused")
         if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):

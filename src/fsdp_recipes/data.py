@@ -14,6 +14,7 @@ example, so no example is ever asked to predict the first token of the next.
 from __future__ import annotations
 
 import bisect
+import random
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,41 @@ def collate_rows(rows: list[dict[str, list[int]]], pad_token_id: int) -> dict[st
         "position_ids": torch.tensor(positions, dtype=torch.long),
         "real_tokens": torch.tensor([len(row["input_ids"]) for row in rows], dtype=torch.long),
     }
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """Row order for one epoch that puts rows of similar length in the same global batch, so little is padded, while
+    the order of batches stays random: shuffle, cut into mega-chunks of `megabatch` global batches, sort each chunk
+    by length, cut into global batches, shuffle those.
+
+    `group_size` is the rows of one global micro-batch (per-device batch x processes): the order then depends only
+    on seed, epoch and the global batch, not on how it is split into ranks, which keeps losses and resume positions
+    the same on any number of processes."""
+
+    def __init__(self, lengths: list[int], group_size: int, *, seed: int, megabatch: int = 50):
+        self.lengths = list(lengths)
+        self.group_size = group_size
+        self.seed = seed
+        self.megabatch = megabatch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        generator = random.Random(self.seed * 1_000_003 + self.epoch)
+        order = list(range(len(self.lengths)))
+        generator.shuffle(order)
+        chunk_size = self.megabatch * self.group_size
+        groups = []
+        for start in range(0, len(order), chunk_size):
+            chunk = sorted(order[start : start + chunk_size], key=lambda i: -self.lengths[i])
+            groups += [chunk[i : i + self.group_size] for i in range(0, len(chunk), self.group_size)]
+        generator.shuffle(groups)
+        return iter([index for group in groups for index in group])
 
 
 class RowCollator:
