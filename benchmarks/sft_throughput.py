@@ -9,14 +9,14 @@ for exactly one epoch over the same synthetic chat examples, tokenised once with
 loss-mask code (`fsdp_recipes.data`), on one process:
 
   (a) bare   - a plain PyTorch loop (torch.optim.AdamW, no accelerate, no clipping, no scheduler) over exactly the
-               rows our recipe builds (same packing, same collate, same rows per step): the floor for (b);
-  (b) recipe - recipes/sft.py run as a subprocess under `accelerate launch --num_processes 1` with the 2-process
-               CPU FSDP2 config (so FSDP2 over gloo with one rank, as users run it); its training-loop time comes
-               from output_dir/metrics.jsonl (see `recipe_loop_time`);
+               rows and batches our recipe builds (same packing, row length, sampler, collate): the floor for (b);
+  (b) recipe - recipes/sft.py run as a subprocess, one plain process (or, with --recipe-launch accelerate, under
+               `accelerate launch --num_processes 1` with the CPU FSDP2 config: FSDP2 over gloo with one rank); its
+               training-loop time comes from output_dir/metrics.jsonl (see `recipe_loop_time`);
   (c) trainer        - transformers.Trainer, DataCollatorForSeq2Seq padding, default random sampling;
   (d) trainer_grouped - the same with train_sampling_strategy="group_by_length" (LengthGroupedSampler);
-  (e) proposal - not the recipe: the bare loop of (a) over the batching proposed for the recipe (rows packed to at
-               most --proposal-row-length tokens, longer examples alone and untruncated, length-grouped batches).
+  (e) proposal - the bare loop over rows packed to at most --proposal-row-length tokens with this script's own
+               length_grouped_batches: the batching proposed for the recipe before it adopted it (a cross-check).
 
 Each of (a), (c), (d), (e) runs in a fresh child process of this script (as (b) does), unless --in-process or
 --small, so no variant inherits another's allocator state or warm caches.
