@@ -1,4 +1,4 @@
-# Two commands work on a fresh machine (Python 3.10+ with venv): `make demo` and `make test`.
+# Two commands work on a fresh machine (Python 3.11+ with venv): `make demo` and `make test`.
 # Each creates .venv from requirements.txt on first use; nothing else needs installing by hand.
 PYTHON ?= python3
 VENV := .venv
@@ -17,8 +17,9 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 # SFT of a tiny model on the bundled string-reversal chat data, 2 CPU processes under FSDP2 (a few minutes).
+# CUDA_VISIBLE_DEVICES is emptied: the demo is the CPU rehearsal even on a machine with a GPU.
 demo: venv
-	$(BIN)/accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml \
+	CUDA_VISIBLE_DEVICES= $(BIN)/accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml \
 		recipes/sft.py --config recipes/configs/sft/demo_reverse.yaml --output_dir $(DEMO_OUTPUT)
 
 test: venv

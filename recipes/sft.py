@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from fsdp_recipes.checkpoint import (
     TrainingProgress,
+    checkpoint_conflict,
     load_checkpoint,
     read_progress,
     resolve_checkpoint,
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             read_progress(checkpoint).batches_into_epoch_for(accelerator.num_processes, config.per_device_train_batch_size)
         resuming_here = checkpoint is not None and Path(config.output_dir).resolve() in checkpoint.resolve().parents
         problem = output_dir_problem(config.output_dir, overwrite=config.overwrite_output_dir or resuming_here)
+        problem = problem or checkpoint_conflict(config.output_dir, checkpoint)
         if problem:
             raise ConfigError(problem)
         hub_token = require_hub_token() if config.push_to_hub else None
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        log.start(resumed_step=start_step - 1 if checkpoint is not None else None)
         write_json(f"{config.output_dir}/run_summary.json", summary)
         accelerator.print("run summary:\n" + format_table(list(summary.items())))
     accelerator.init_trackers("sft", config=numeric_fields(config_to_dict(config), keep_text=True))
@@ -244,7 +247,10 @@ def main(argv: list[str] | None = None) -> None:
             accelerator, model, tokenizer, exact_match_examples,
             max_new_tokens=config.max_new_tokens, batch_size=config.per_device_eval_batch_size,
         )
+        log.log({"step": 0, "exact_match": before["exact_match"]})
         results["exact_match_before"] = before["exact_match"]
+    elif exact_match_examples and log.first("exact_match") is not None:  # measured before the interruption
+        results["exact_match_before"] = log.first("exact_match")
         accelerator.print(f"exact match before training: {before['exact_match']:.1%} of {before['num_examples']}")
 
     def run_eval(step: int) -> None:
@@ -324,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=config.max_new_tokens, batch_size=config.per_device_eval_batch_size,
         )
         results["exact_match_after"] = after["exact_match"]
+        log.log({"step": total_steps, "exact_match": after["exact_match"]})
         accelerator.print(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
         for sample in after["samples"]:
             accelerator.print(f"  reference={sample['reference']!r} generated={sample['generated']!r}")

@@ -142,3 +142,16 @@ def test_length_grouped_sampler_is_a_seeded_permutation_with_little_padding():
 
     shuffled = torch.randperm(1000, generator=torch.Generator().manual_seed(1)).tolist()
     assert padding(first) < 0.05 < 0.3 < padding(shuffled)
+
+
+def test_plain_prompt_completion_needs_no_chat_template_but_conversations_do(tokenizer):
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    plain = Dataset.from_list([{"prompt": "reverse: abc", "completion": "cba"}])
+    tokens, _ = tokenize_dataset(plain, bare, assistant_only_loss=True, completion_only_loss=True, max_length=64)
+    assert len(tokens) == 1
+    with pytest.raises(DataError, match="no chat template"):
+        tokenize_dataset(Dataset.from_list([{"messages": CONVERSATION}]), bare,
+                         assistant_only_loss=True, completion_only_loss=True, max_length=64)

@@ -91,8 +91,6 @@ def save_checkpoint(
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(progress.step)
     staging = root / f"{_STAGING}{checkpoint_name(progress.step)}"
-    if final.is_dir() and (final / PROGRESS).is_file():
-        return final  # this exact state is already saved (a resumed run reaching the step it resumed from)
     if accelerator.is_main_process:
         for leftover in root.glob(f"{_STAGING}*"):  # saves killed midway
             shutil.rmtree(leftover)
@@ -105,7 +103,11 @@ def save_checkpoint(
         if model_files_writer is not None:
             model_files_writer(staging / MODEL_FILES)
         _write_atomically(staging / PROGRESS, json.dumps(dataclasses.asdict(progress), indent=2) + "\n")
+        replaced = root / f"{_STAGING}replaced-{final.name}"
+        if final.exists():  # a step saved before (checkpoint_conflict refuses the usual ways to get here)
+            os.replace(final, replaced)
         os.replace(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
         _write_atomically(root / LATEST, final.name + "\n")
         prune_checkpoints(output_dir, save_total_limit)
     accelerator.wait_for_everyone()
@@ -134,6 +136,29 @@ def prune_checkpoints(output_dir: str | Path, save_total_limit: int | None) -> l
     for path in doomed:
         shutil.rmtree(path)
     return doomed
+
+
+def checkpoint_conflict(output_dir: str | Path, resume_from: Path | None) -> str | None:
+    """Why this run's checkpoints would mix with an earlier run's in output_dir, or None. Pruning and `latest` go by
+    step number, so a new run (or one resumed from an older step) would have its checkpoints mistaken for, or
+    deleted in favour of, the earlier run's."""
+    existing = complete_checkpoints(output_dir)
+    if not existing:
+        return None
+    names = ", ".join(p.name for p in existing[-3:])
+    resuming_here = resume_from is not None and resume_from.resolve() in [p.resolve() for p in existing]
+    if not resuming_here:
+        return (
+            f"output_dir {str(output_dir)!r} holds checkpoints of an earlier run ({names}). Resume it with "
+            "--resume_from_checkpoint latest, or choose a new output_dir."
+        )
+    newer = [p.name for p in existing if p.name > resume_from.name]
+    if newer:
+        return (
+            f"resuming from {resume_from.name}, but newer checkpoints exist ({', '.join(newer)}) that this run would "
+            "overwrite step by step. Resume from latest, or move the newer ones out of output_dir/checkpoints first."
+        )
+    return None
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

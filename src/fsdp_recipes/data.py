@@ -137,6 +137,13 @@ def tokenize_dataset(
     if len(dataset) == 0:
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
     data_format = detect_format(dataset.column_names)
+    uses_chat_template = data_format == "conversational" or isinstance(dataset[0]["prompt"], list)
+    if uses_chat_template and not tokenizer.chat_template:
+        raise DataError(
+            f"tokenizer {tokenizer.name_or_path!r} has no chat template, so conversations cannot be formatted. Set "
+            "chat_template in the recipe config to a Jinja template (a path to a .jinja file or the text itself), "
+            "or use a tokenizer that ships one."
+        )
     tokenized = dataset.map(
         tokenize_example,
         fn_kwargs=dict(

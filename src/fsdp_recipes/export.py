@@ -55,7 +55,12 @@ def verify_saved_weights(folder: str | Path, state_dict: dict[str, torch.Tensor]
     tensor at a time. Returns the number of tensors checked."""
     problems, checked = [], 0
     on_disk_keys: set[str] = set()
-    files = sorted(Path(folder).glob("*.safetensors"))
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.is_file():  # only what this save wrote, whatever else the folder holds
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        names = ["model.safetensors"]
+    files = [Path(folder) / name for name in names if (Path(folder) / name).is_file()]
     if not files:
         raise ExportVerificationError(f"no safetensors weights were written to {folder}")
     for file in files:

@@ -19,6 +19,18 @@ class MetricsLog:
         self.tracker = tracker
         self.records: list[dict[str, Any]] = []
 
+    def start(self, *, resumed_step: int | None) -> None:
+        """A new run starts a new log; a resumed run keeps the earlier records (and, in memory, those up to the step
+        it resumes from, so curves and final figures cover the whole run)."""
+        if not self.enabled:
+            return
+        if resumed_step is None:
+            self.path.unlink(missing_ok=True)
+            return
+        if self.path.is_file():
+            earlier = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in earlier if r.get("step", 0) <= resumed_step and "event" not in r]
+
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -33,6 +45,9 @@ class MetricsLog:
     def mean(self, key: str) -> float | None:
         values = [r[key] for r in self.records if isinstance(r.get(key), (int, float))]
         return sum(values) / len(values) if values else None
+
+    def first(self, key: str) -> Any:
+        return next((record[key] for record in self.records if key in record), None)
 
     def last(self, key: str) -> Any:
         for record in reversed(self.records):

@@ -20,17 +20,12 @@ def load_tokenizer(
     trust_remote_code: bool = False,
     chat_template: str | None = None,
 ) -> PreTrainedTokenizerBase:
-    """The tokenizer, with a chat template guaranteed (the config's, else the tokenizer's own) and a pad token."""
+    """The tokenizer, with the config's chat template if given (else its own, if any) and a pad token. Data that
+    needs a template and finds none is refused when it is tokenised (fsdp_recipes.data)."""
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if chat_template is not None:
         template_path = Path(chat_template)
         tokenizer.chat_template = template_path.read_text() if template_path.is_file() else chat_template
-    if not tokenizer.chat_template:
-        raise ConfigError(
-            f"tokenizer {name_or_path!r} has no chat template, so conversations cannot be formatted. Set "
-            "chat_template in the recipe config to a Jinja template (a path to a .jinja file or the text itself), "
-            "or use a tokenizer that ships one."
-        )
     if tokenizer.pad_token is None:
         # Padding never carries loss and never attends to real tokens, so any id will do; eos is always there.
         tokenizer.pad_token = tokenizer.eos_token

@@ -32,7 +32,7 @@ def build_optimizer(
 def total_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: int, *, max_steps: int, epochs: float) -> int:
     if max_steps > 0:
         return max_steps
-    steps_per_epoch = max(1, batches_per_epoch // gradient_accumulation_steps)
+    steps_per_epoch = max(1, math.ceil(batches_per_epoch / gradient_accumulation_steps))  # no batch left out
     return max(1, math.ceil(epochs * steps_per_epoch))
 
 
