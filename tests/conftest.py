@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,3 +140,11 @@ def read_metrics(output_dir: Path) -> list[dict]:
 def require_success(result: subprocess.CompletedProcess) -> None:
     if result.returncode != 0:
         pytest.fail(f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
+
+
+def rank_reports(stdout: str) -> list[dict]:
+    """The `REPORT {json}` lines that ranks print, sorted by rank. Ranks share one stdout pipe and `print` writes the
+    text and its newline separately, so two reports can share a line: each is decoded from where it starts."""
+    decoder = json.JSONDecoder()
+    reports = [decoder.raw_decode(stdout, match.end())[0] for match in re.finditer(r"REPORT ", stdout)]
+    return sorted(reports, key=lambda report: report["rank"])

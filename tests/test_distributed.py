@@ -4,12 +4,11 @@ If an accelerate upgrade breaks the private switch in fsdp_recipes/distributed.p
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 
-from conftest import FSDP_CPU_CONFIG, REPO, base_recipe_values, free_port, launch, recipe_config, run_process_group
+from conftest import FSDP_CPU_CONFIG, REPO, base_recipe_values, free_port, launch, rank_reports, recipe_config, run_process_group
 
 pytestmark = pytest.mark.slow
 SHARD_REPORT = REPO / "tests" / "scripts" / "shard_report.py"
@@ -17,8 +16,7 @@ SFT_CLAIMING_A_DEVICE = REPO / "tests" / "scripts" / "sft_on_a_machine_claiming_
 
 
 def reports(stdout: str) -> list[dict]:
-    return sorted((json.loads(line[len("REPORT "):]) for line in stdout.splitlines() if line.startswith("REPORT ")),
-                  key=lambda r: r["rank"])
+    return rank_reports(stdout)
 
 
 def test_fsdp2_yaml_on_cpu_really_shards_over_gloo(tiny_model_config):

@@ -13,7 +13,17 @@ import pytest
 import torch
 import yaml
 
-from conftest import FSDP_CPU_CONFIG, REPO, SFT, base_recipe_values, launch, read_metrics, recipe_config, require_success
+from conftest import (
+    FSDP_CPU_CONFIG,
+    REPO,
+    SFT,
+    base_recipe_values,
+    launch,
+    rank_reports,
+    read_metrics,
+    recipe_config,
+    require_success,
+)
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
@@ -75,8 +85,7 @@ def test_each_run_used_the_topology_its_config_names(runs):
 def test_hsdp_config_on_four_cpu_processes_builds_a_replicate_by_shard_mesh(tiny_model_config):
     result = launch(SHARD_REPORT, [str(tiny_model_config)], num_processes=4, accelerate_config=CONFIGS / "hsdp_4proc_cpu.yaml")
     require_success(result)
-    reports = sorted((json.loads(line[len("REPORT "):]) for line in result.stdout.splitlines()
-                      if line.startswith("REPORT ")), key=lambda report: report["rank"])
+    reports = rank_reports(result.stdout)
     assert [report["rank"] for report in reports] == [0, 1, 2, 3]
     for report in reports:
         assert report["distributed_type"] == "FSDP"

@@ -509,7 +509,7 @@ def state_bytes_on_rank(units: list[Unit], topology: Topology, rank: int = 0, *,
     for unit in units:
         count += len(unit.params)
         if shards == 1:
-            numel = padded = local = unit.numel
+            padded = local = unit.numel
         elif topology.fsdp_version == 2:
             padded = sum(p.padded_rows(shards) * p.row_numel for p in unit.params)
             local = sum(p.rows_on(shard_rank, shards) * p.row_numel for p in unit.params)

@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from .data import IGNORE_INDEX, collate_rows
-from .distributed import sum_over_ranks
 
 
 def build_optimizer(
