@@ -67,6 +67,7 @@ from fsdp_recipes.distributed import (
 from fsdp_recipes.errors import ConfigError, exit_on_user_error
 from fsdp_recipes.export import export_model_folder
 from fsdp_recipes.faults import inject_fault
+from fsdp_recipes.losses import causal_lm_loss_sum, count_targets, global_mean_scale
 from fsdp_recipes.hub import push_folder_to_hub, require_hub_token
 from fsdp_recipes.memory import estimate_for_run
 from fsdp_recipes.metrics import (
@@ -95,12 +96,9 @@ from fsdp_recipes.training import (
     BatchStream,
     build_optimizer,
     build_scheduler,
-    count_targets,
     evaluate_loss,
     exact_match_accuracy,
     generation_examples,
-    loss_scale,
-    summed_token_loss,
     total_optimizer_steps,
 )
 
@@ -286,13 +284,13 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = [batches.next() for _ in range(config.gradient_accumulation_steps)]
         window.data_wait += time.perf_counter() - waiting
         global_targets = sum_over_ranks(accelerator, sum(count_targets(batch) for batch in micro_batches))
-        scale = loss_scale(accelerator, global_targets)
+        scale = global_mean_scale(accelerator, global_targets)
         step_loss = 0.0
         for index, batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             # Gradients are reduced across ranks once per optimizer step, on the last micro-batch.
             with accelerator.no_sync(model) if not last else contextlib.nullcontext():
-                loss_sum = summed_token_loss(model, batch)
+                loss_sum = causal_lm_loss_sum(model, batch)
                 accelerator.backward(loss_sum * scale)
             step_loss += loss_sum.item()
             window.add_batch(batch)

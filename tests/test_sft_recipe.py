@@ -104,7 +104,7 @@ def eval_loss_of_exported_model(folder: Path, chat_data: Path) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_recipes.data import build_rows, collate_rows, tokenize_dataset
-    from fsdp_recipes.training import count_targets, summed_token_loss
+    from fsdp_recipes.losses import causal_lm_loss_sum, count_targets
 
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -116,7 +116,7 @@ def eval_loss_of_exported_model(folder: Path, chat_data: Path) -> float:
     with torch.no_grad():
         for start in range(0, len(rows), 8):
             batch = collate_rows([rows[i] for i in range(start, min(start + 8, len(rows)))], tokenizer.pad_token_id)
-            total += float(summed_token_loss(model, batch))
+            total += float(causal_lm_loss_sum(model, batch))
             count += count_targets(batch)
     return total / count
 

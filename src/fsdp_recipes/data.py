@@ -23,8 +23,8 @@ from datasets import Dataset, DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 
 from .errors import DataError
+from .losses import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from .data import IGNORE_INDEX, collate_rows
+from .data import collate_rows
+from .losses import IGNORE_INDEX, causal_lm_loss_sum, count_targets
 
 
 def build_optimizer(
@@ -70,28 +70,6 @@ class BatchStream:
         return loader
 
 
-def count_targets(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["targets"] != IGNORE_INDEX).sum())
-
-
-def summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of per-token cross-entropy over the batch's targets.
-
-    No attention mask and `use_cache=False`: with position_ids alone, transformers isolates packed examples; with a
-    cache it would silently let them attend to each other."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
-def loss_scale(accelerator: Accelerator, global_target_count: float) -> float:
-    """Factor turning a rank's summed loss into its share of the global mean: FSDP/DDP average gradients over
-    ranks, so each rank scales by world_size / (targets in the whole optimizer step, all ranks and micro-batches).
-    The result is the same gradient whatever the split of the global batch into ranks and micro-batches."""
-    return accelerator.num_processes / max(global_target_count, 1.0)
-
-
 @torch.no_grad()
 def evaluate_loss(accelerator: Accelerator, model: torch.nn.Module, rows, *, batch_size: int, pad_token_id: int) -> float:
     """Mean per-token loss over all held-out rows, each counted once. Every rank runs the same number of forward
@@ -108,7 +86,7 @@ def evaluate_loss(accelerator: Accelerator, model: torch.nn.Module, rows, *, bat
         if not chosen:
             batch["targets"].fill_(IGNORE_INDEX)
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-        loss_sum += summed_token_loss(model, batch).double()
+        loss_sum += causal_lm_loss_sum(model, batch).double()
         count += count_targets(batch)
     if world > 1:
         loss_sum, count = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(count, "sum")
