@@ -6,7 +6,7 @@
 
 Every variant trains the same tiny Llama (~0.83M parameters, initialised from the config below with the same seed)
 for exactly one epoch over the same synthetic chat examples, tokenised once with the recipe's own chat-template and
-loss-mask code (`fsdp_recipes.data`), on one process:
+loss-mask code (`fsdp_recipes.data.chat`), on one process:
 
   (a) bare   - a plain PyTorch loop (torch.optim.AdamW, no accelerate, no clipping, no scheduler) over exactly the
                rows and batches our recipe builds (same packing, row length, sampler, collate): the floor for (b);
@@ -109,7 +109,7 @@ def tokenize(records: list[dict], tokenizer, max_length: int):
     """The recipe's own tokenisation (chat template, loss on assistant tokens), done once for every variant."""
     from datasets import Dataset
 
-    from fsdp_recipes.data import tokenize_dataset
+    from fsdp_recipes.data.chat import tokenize_dataset
 
     tokens, stats = tokenize_dataset(
         Dataset.from_list(records), tokenizer, assistant_only_loss=True, completion_only_loss=True,
@@ -149,7 +149,7 @@ def run_bare(rows, *, rows_per_step: int, pad_token_id: int, config, settings, g
     import torch
     import torch.nn.functional as F
 
-    from fsdp_recipes.data import LengthGroupedSampler, RowCollator
+    from fsdp_recipes.data.rows import LengthGroupedSampler, RowCollator
 
     model = build_model(config, settings.seed, settings.attn_implementation)
     model.train()
@@ -429,7 +429,7 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.data import build_rows
+    from fsdp_recipes.data.rows import build_rows
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     records = synthetic_chat(mode["examples"], median=mode["median"], sigma=mode["sigma"], longest=mode["longest"], seed=settings.seed)

@@ -49,14 +49,9 @@ from fsdp_recipes.checkpoint import (
 )
 from fsdp_recipes.config import SFTConfig, config_to_dict, parse_config
 from fsdp_recipes.config_lint import check_launch_environment
-from fsdp_recipes.data import (
-    LengthGroupedSampler,
-    RowCollator,
-    build_rows,
-    load_raw_dataset,
-    split_train_eval,
-    tokenize_dataset,
-)
+from fsdp_recipes.data.chat import generation_examples, tokenize_dataset
+from fsdp_recipes.data.files import load_raw_dataset, split_train_eval
+from fsdp_recipes.data.rows import LengthGroupedSampler, RowCollator, build_rows
 from fsdp_recipes.distributed import (
     build_accelerator,
     describe_run,
@@ -98,7 +93,6 @@ from fsdp_recipes.training import (
     build_scheduler,
     evaluate_loss,
     exact_match_accuracy,
-    generation_examples,
     total_optimizer_steps,
 )
 

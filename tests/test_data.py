@@ -5,15 +5,9 @@ import torch
 from datasets import Dataset
 
 from conftest import write_tiny_model_config
-from fsdp_recipes.data import (
-    IGNORE_INDEX,
-    build_rows,
-    collate_rows,
-    detect_format,
-    pack_lengths,
-    tokenize_dataset,
-    tokenize_example,
-)
+from fsdp_recipes.data.chat import detect_format, tokenize_dataset, tokenize_example
+from fsdp_recipes.data.rows import build_rows, collate_rows, pack_lengths
+from fsdp_recipes.losses import IGNORE_INDEX
 from fsdp_recipes.errors import DataError
 
 CONVERSATION = [
@@ -125,7 +119,7 @@ def test_empty_split_and_nothing_to_learn(tokenizer):
 
 
 def test_length_grouped_sampler_is_a_seeded_permutation_with_little_padding():
-    from fsdp_recipes.data import LengthGroupedSampler
+    from fsdp_recipes.data.rows import LengthGroupedSampler
 
     lengths = [int(x) for x in torch.randint(1, 500, (1000,), generator=torch.Generator().manual_seed(0))]
     sampler = LengthGroupedSampler(lengths, group_size=8, seed=3)

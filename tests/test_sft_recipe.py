@@ -103,7 +103,8 @@ def eval_loss_of_exported_model(folder: Path, chat_data: Path) -> float:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.data import build_rows, collate_rows, tokenize_dataset
+    from fsdp_recipes.data.chat import tokenize_dataset
+    from fsdp_recipes.data.rows import build_rows, collate_rows
     from fsdp_recipes.losses import causal_lm_loss_sum, count_targets
 
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)

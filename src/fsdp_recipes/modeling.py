@@ -21,7 +21,7 @@ def load_tokenizer(
     chat_template: str | None = None,
 ) -> PreTrainedTokenizerBase:
     """The tokenizer, with the config's chat template if given (else its own, if any) and a pad token. Data that
-    needs a template and finds none is refused when it is tokenised (fsdp_recipes.data)."""
+    needs a template and finds none is refused when it is tokenised (fsdp_recipes.data.chat)."""
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if chat_template is not None:
         template_path = Path(chat_template)

@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from .data import collate_rows
+from .data.rows import collate_rows
 from .losses import IGNORE_INDEX, causal_lm_loss_sum, count_targets
 
 
@@ -143,22 +143,3 @@ def exact_match_accuracy(
     if world > 1:
         correct = accelerator.reduce(correct, "sum")
     return {"exact_match": float(correct) / max(len(examples), 1), "num_examples": len(examples), "samples": samples}
-
-
-def generation_examples(dataset, tokenizer, limit: int) -> list[dict[str, Any]]:
-    """Prompts (everything before the last assistant turn, or the prompt) and references from held-out raw data."""
-    examples = []
-    for record in dataset.select(range(min(limit, len(dataset)))):
-        if "messages" in record:
-            messages = record["messages"]
-            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            prompt_ids = tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True)["input_ids"]
-            reference = messages[last]["content"]
-        elif isinstance(record["prompt"], list):
-            prompt_ids = tokenizer.apply_chat_template(record["prompt"], add_generation_prompt=True)["input_ids"]
-            reference = record["completion"][-1]["content"]
-        else:
-            prompt_ids = tokenizer(record["prompt"])["input_ids"]
-            reference = record["completion"]
-        examples.append({"prompt_ids": prompt_ids, "reference": reference})
-    return examples

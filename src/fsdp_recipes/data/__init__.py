@@ -1,0 +1,2 @@
+"""Data: `files` loads (Hub or local) and splits, one module per format turns examples into tokens and loss masks
+(`chat` for SFT), and `rows` packs, batches and collates for every token-level recipe."""

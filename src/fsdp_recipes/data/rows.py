@@ -1,0 +1,124 @@
+"""Rows and batches, shared by every token-level recipe: a tokenised example is `input_ids` plus `loss_mask` (1 where
+the token is a training target); rows hold one example, or several when packing.
+
+A row carries `position_ids` that restart at 0 for every example and NO attention mask. transformers then builds a
+block-diagonal causal mask, so packed examples never attend to each other (sdpa, eager, flex; flash-attention uses the
+same positions for its varlen kernel). Targets are shifted within each example, so no example is ever asked to predict
+the first token of the next.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+
+import torch
+from datasets import Dataset
+
+from ..losses import IGNORE_INDEX
+
+
+def _shifted_targets(input_ids: list[int], loss_mask: list[int]) -> list[int]:
+    """targets[i] is the token position i must predict (input_ids[i + 1]) or IGNORE_INDEX; the last position of an
+    example predicts nothing, so packed neighbours never leak into each other's loss."""
+    targets = [ids if keep else IGNORE_INDEX for ids, keep in zip(input_ids[1:], loss_mask[1:])]
+    return targets + [IGNORE_INDEX]
+
+
+def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: groups of example indices whose lengths add up to at most `capacity`. Deterministic,
+    so the rows do not depend on the number of processes."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    free_space: list[tuple[int, int]] = []  # (space left, row index), kept sorted
+    rows: list[list[int]] = []
+    for index in order:
+        need = lengths[index]
+        slot = bisect.bisect_left(free_space, (need, -1))
+        if slot == len(free_space):
+            rows.append([index])
+            bisect.insort(free_space, (capacity - need, len(rows) - 1))
+        else:
+            space, row = free_space.pop(slot)
+            rows[row].append(index)
+            bisect.insort(free_space, (space - need, row))
+    return rows
+
+
+def build_rows(tokenized: Dataset, *, max_length: int, packing: bool) -> Dataset:
+    """Training rows: `input_ids`, `targets` (shifted, IGNORE_INDEX where no loss) and `position_ids`."""
+    input_ids, loss_masks = tokenized["input_ids"], tokenized["loss_mask"]
+    groups = pack_lengths([len(ids) for ids in input_ids], max_length) if packing else [[i] for i in range(len(input_ids))]
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "targets": [], "position_ids": []}
+    for group in groups:
+        row_ids, row_targets, row_positions = [], [], []
+        for index in group:
+            row_ids += input_ids[index]
+            row_targets += _shifted_targets(input_ids[index], loss_masks[index])
+            row_positions += list(range(len(input_ids[index])))
+        rows["input_ids"].append(row_ids)
+        rows["targets"].append(row_targets)
+        rows["position_ids"].append(row_positions)
+    return Dataset.from_dict(rows)
+
+
+def collate_rows(rows: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pads rows to the longest. Padding gets its own positions (restarting at 0), so it forms a separate
+    sequence that no real token attends to, and IGNORE_INDEX targets."""
+    width = max(len(row["input_ids"]) for row in rows)
+    input_ids, targets, positions = [], [], []
+    for row in rows:
+        pad = width - len(row["input_ids"])
+        input_ids.append(list(row["input_ids"]) + [pad_token_id] * pad)
+        targets.append(list(row["targets"]) + [IGNORE_INDEX] * pad)
+        positions.append(list(row["position_ids"]) + list(range(pad)))
+    return {
+        "input_ids": torch.tensor(input_ids, dtype=torch.long),
+        "targets": torch.tensor(targets, dtype=torch.long),
+        "position_ids": torch.tensor(positions, dtype=torch.long),
+        "real_tokens": torch.tensor([len(row["input_ids"]) for row in rows], dtype=torch.long),
+    }
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """Row order for one epoch that puts rows of similar length in the same global batch, so little is padded, while
+    the order of batches stays random: shuffle, cut into mega-chunks of `megabatch` global batches, sort each chunk
+    by length, cut into global batches, shuffle those.
+
+    `group_size` is the rows of one global micro-batch (per-device batch x processes): the order then depends only
+    on seed, epoch and the global batch, not on how it is split into ranks, which keeps losses and resume positions
+    the same on any number of processes."""
+
+    def __init__(self, lengths: list[int], group_size: int, *, seed: int, megabatch: int = 50):
+        self.lengths = list(lengths)
+        self.group_size = group_size
+        self.seed = seed
+        self.megabatch = megabatch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        generator = random.Random(self.seed * 1_000_003 + self.epoch)
+        order = list(range(len(self.lengths)))
+        generator.shuffle(order)
+        chunk_size = self.megabatch * self.group_size
+        groups = []
+        for start in range(0, len(order), chunk_size):
+            chunk = sorted(order[start : start + chunk_size], key=lambda i: -self.lengths[i])
+            groups += [chunk[i : i + self.group_size] for i in range(0, len(chunk), self.group_size)]
+        generator.shuffle(groups)
+        return iter([index for group in groups for index in group])
+
+
+class RowCollator:
+    """Picklable collate_fn for DataLoader workers."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows):
+        return collate_rows(rows, self.pad_token_id)
