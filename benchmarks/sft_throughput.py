@@ -227,12 +227,21 @@ def recipe_loop_time(records: list[dict], expected_tokens: int) -> tuple[float, 
     raise RuntimeError("several logging windows and no elapsed-time field: set logging_steps >= the number of steps")
 
 
+def load_sft_recipe():
+    """recipes/sft.py as a module (its config class lives there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sft_recipe", SFT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_recipe(work: Path, data_file: Path, *, rows_per_step: int, steps: int, expected_tokens: int, settings, tag: str = "") -> dict:
     import yaml
 
-    from fsdp_recipes.config import SFTConfig
-
-    known = {field.name for field in dataclasses.fields(SFTConfig)}
+    known = {field.name for field in dataclasses.fields(load_sft_recipe().SFTConfig)}
     output_dir = work / f"recipe_output{tag}"
     values = dict(
         model_config=str(work / "model" / "config.json"), tokenizer_name_or_path=str(TOKENIZER),

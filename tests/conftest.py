@@ -23,6 +23,19 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 LAUNCH_TIMEOUT_S = 240
 
 
+def load_recipe(name: str):
+    """recipes/<name>.py as a module, for its config class and `main` (recipes are scripts, not a package)."""
+    import importlib.util
+
+    module_name = f"recipe_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, REPO / "recipes" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses look their module up while the class is being built
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from transformers import AutoTokenizer

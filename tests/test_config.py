@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_recipes.config import SFTConfig, parse_config
+from conftest import load_recipe
+from fsdp_recipes.config import parse_config
 from fsdp_recipes.errors import ConfigError
+
+SFTConfig = load_recipe("sft").SFTConfig
 
 
 def write(tmp_path, text: str):

@@ -18,6 +18,7 @@ Multi-node training needs `output_dir` on a filesystem shared by all nodes (ever
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,6 +34,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 PROGRESS = "progress.json"
 MODEL_FILES = "model"
+RUN_INFO = "run.json"  # in MODEL_FILES: the recipe and task that wrote the checkpoint
 _PREFIX = "step-"
 _STAGING = ".staging-"
 
@@ -53,6 +55,18 @@ class TrainingProgress:
         """Rows of the epoch already consumed by all ranks together: what survives a change of world size."""
         return self.batches_into_epoch * self.per_device_train_batch_size * self.world_size
 
+    def check_resumable(self, *, world_size: int, per_device_train_batch_size: int,
+                        gradient_accumulation_steps: int) -> None:
+        """ConfigError unless this launch continues the same training: the same global batch (so the same schedule
+        and a data position it can reproduce), whatever its split into processes."""
+        if gradient_accumulation_steps != self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"the checkpoint was written with gradient_accumulation_steps={self.gradient_accumulation_steps}, this "
+                f"run has {gradient_accumulation_steps}: the global batch, and with it the schedule and the data "
+                f"position, would change. Resume with --gradient_accumulation_steps {self.gradient_accumulation_steps}."
+            )
+        self.batches_into_epoch_for(world_size, per_device_train_batch_size)
+
     def batches_into_epoch_for(self, world_size: int, per_device_train_batch_size: int) -> int:
         rows_per_batch = world_size * per_device_train_batch_size
         if self.rows_into_epoch % rows_per_batch:
@@ -63,6 +77,24 @@ class TrainingProgress:
                 f"({self.per_device_train_batch_size} x {self.world_size}), so the global batch is unchanged."
             )
         return self.rows_into_epoch // rows_per_batch
+
+
+class Checkpointer:
+    """Saves a checkpoint every `every` optimizer steps and at the last one (None: never), with the data position
+    that `position()` gives at that moment. Save time is left out of the throughput figures (`pause`)."""
+
+    def __init__(self, accelerator: Accelerator, output_dir: str | Path, *, every: int | None, total_steps: int,
+                 save_total_limit: int | None, position, model_files_writer=None, pause=contextlib.nullcontext):
+        self.accelerator, self.output_dir, self.every, self.total_steps = accelerator, output_dir, every, total_steps
+        self.save_total_limit, self.position, self.model_files_writer = save_total_limit, position, model_files_writer
+        self.pause = pause
+
+    def maybe_save(self, step: int) -> Path | None:
+        if not self.every or (step % self.every and step != self.total_steps):
+            return None
+        with self.pause():
+            return save_checkpoint(self.accelerator, self.output_dir, self.position(step),
+                                   save_total_limit=self.save_total_limit, model_files_writer=self.model_files_writer)
 
 
 def checkpoint_name(step: int) -> str:
@@ -115,7 +147,7 @@ def save_checkpoint(
 
 
 def write_model_files(folder: Path, *, model_config, generation_config, tokenizer, recipe_config: dict,
-                      accelerate_config: dict) -> None:
+                      accelerate_config: dict, run_info: dict) -> None:
     """What an offline export needs besides the weights: the model folder minus weights, and the model card inputs."""
     folder.mkdir(parents=True, exist_ok=True)
     model_config.save_pretrained(folder)
@@ -124,6 +156,7 @@ def write_model_files(folder: Path, *, model_config, generation_config, tokenize
     tokenizer.save_pretrained(folder)
     (folder / "recipe_config.json").write_text(json.dumps(recipe_config, indent=2, default=str) + "\n")
     (folder / "accelerate_config.json").write_text(json.dumps(accelerate_config, indent=2, default=str) + "\n")
+    (folder / RUN_INFO).write_text(json.dumps(run_info, indent=2) + "\n")
 
 
 def prune_checkpoints(output_dir: str | Path, save_total_limit: int | None) -> list[Path]:
@@ -186,6 +219,10 @@ def resolve_checkpoint(output_dir: str | Path, resume_from_checkpoint: str) -> P
             "saving. Use --resume_from_checkpoint latest, or one of the step-* folders under output_dir/checkpoints."
         )
     return path
+
+
+def saved_model_config_path(checkpoint: str | Path) -> Path:
+    return Path(checkpoint) / MODEL_FILES / "config.json"
 
 
 def read_progress(checkpoint: str | Path) -> TrainingProgress:

@@ -16,12 +16,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from .checkpoint import MODEL_FILES, read_progress
+from .checkpoint import MODEL_FILES, RUN_INFO, read_progress
 from .errors import ConfigError
 from .export import ExportVerificationError, write_model_card
-from .modeling import tied_duplicate_names
+from .modeling import meta_model, tied_duplicate_names
 from .outputs import output_dir_problem
 
 SHARDED_MODEL = "pytorch_model_fsdp_0"
@@ -40,8 +40,10 @@ def export_checkpoint(
     if problem:
         raise ConfigError(problem)
     config = AutoConfig.from_pretrained(model_files)
+    run_info = _json_or_empty(model_files / RUN_INFO)
+    task = run_info.get("task", "causal-lm")
     tensors = _tensor_source(checkpoint)
-    names = _names_to_save(config, tensors.names())
+    names = _names_to_save(config, tensors.names(), task)
 
     output_dir.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(names, tensors.nbytes, max_shard_bytes)
@@ -67,7 +69,7 @@ def export_checkpoint(
     AutoTokenizer.from_pretrained(model_files).save_pretrained(output_dir)
     progress = read_progress(checkpoint)
     write_model_card(
-        output_dir, recipe="export", recipe_config=_json_or_empty(model_files / "recipe_config.json"),
+        output_dir, recipe=run_info.get("recipe", "export"), task=task, recipe_config=_json_or_empty(model_files / "recipe_config.json"),
         accelerate_config=_json_or_empty(model_files / "accelerate_config.json"),
         metrics={"step": progress.step, "exported_from": str(checkpoint)}, base_model=None, dataset=None,
     )
@@ -117,11 +119,10 @@ def _tensor_source(checkpoint: Path):
     raise ConfigError(f"{checkpoint} holds no model weights ({SHARDED_MODEL}/ or {FULL_MODEL})")
 
 
-def _names_to_save(config, available: list[str]) -> list[str]:
+def _names_to_save(config, available: list[str], task: str) -> list[str]:
     """The checkpoint's tensors in the model's own order, without tied duplicates (as the recipe's export)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    duplicates = tied_duplicate_names(config)
+    model = meta_model(config, task=task)
+    duplicates = tied_duplicate_names(config, task=task)
     expected = [name for name in model.state_dict() if name not in duplicates]
     missing = [name for name in expected if name not in available]
     if missing:

@@ -1,4 +1,4 @@
-"""Recipe configuration: a dataclass per recipe, filled from a YAML file plus `--field value` overrides.
+"""Recipe configuration: a dataclass per recipe (a `TrainingConfig` subclass defined in the recipe), filled from a YAML file plus `--field value` overrides.
 
 Every problem found is collected and reported together, before any model or data is touched. Field names follow
 `transformers.TrainingArguments` / TRL `SFTConfig` where one exists, so a user's existing YAML mostly carries over.
@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import types
 import typing
@@ -24,33 +25,30 @@ from .errors import ConfigError
 
 
 @dataclasses.dataclass
-class SFTConfig:
-    """Settings of the SFT recipe. Comments say what each knob trades."""
+class TrainingConfig:
+    """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
+    format, its loss) and extends `validate`. Comments say what each knob trades."""
 
-    # --- model -------------------------------------------------------------------------------------------------
+    # --- model (names as TRL's ModelConfig) -----------------------------------------------------------------------
     model_name_or_path: str | None = None  # Hub id or local folder with pretrained weights
     model_config: str | None = None  # instead: a config.json to initialise a model from scratch (demos, tests)
     model_revision: str = "main"  # Hub branch, tag or commit of model and tokenizer
     tokenizer_name_or_path: str | None = None  # defaults to model_name_or_path
     chat_template: str | None = None  # Jinja text or a path to a .jinja file; overrides the tokenizer's own
     trust_remote_code: bool = False  # runs Python code from the model repo: only for repos you trust
-    attn_implementation: str = "sdpa"  # "sdpa" (any device), "eager" (slow, exact), "flash_attention_2" (GPU)
+    attn_implementation: str | None = None  # null: sdpa where the model supports it, else eager (the run summary says
+    # which). "eager" (slow, exact), "flash_attention_2" (GPU, needs flash-attn), "flex_attention"
     # --- data ----------------------------------------------------------------------------------------------------
-    dataset_name: str | None = None  # Hub id, a local .json/.jsonl/.parquet file, or a folder of them
+    dataset_name: str | None = None  # Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them
     dataset_config: str | None = None  # Hub dataset configuration name
     dataset_train_split: str = "train"
     dataset_test_split: str | None = "test"  # held-out split; if the dataset lacks it, eval_split_size is carved out
     eval_split_size: float = 0.05  # fraction of train held out when there is no test split (0 disables eval)
-    max_length: int = 1024  # tokens per example (longer ones are truncated) and per packed row
-    packing: bool = True  # pack several examples per row: less padding; examples never attend to each other
-    packing_row_length: int | None = None  # tokens per packed row (null: max_length). Shorter rows cost less attention
-    # per token with sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut
+    max_length: int = 1024  # tokens per example: longer ones are truncated
     train_sampling_strategy: str = "group_by_length"  # rows of similar length share a batch (less padding) or "random"
-    assistant_only_loss: bool = True  # conversational data: loss only on assistant turns
-    completion_only_loss: bool = True  # prompt/completion data: loss only on the completion
     dataset_num_proc: int | None = None  # processes for tokenisation (None: in-process)
     # --- training ------------------------------------------------------------------------------------------------
-    output_dir: str = "outputs/sft"
+    output_dir: str = "outputs/run"
     overwrite_output_dir: bool = False  # allow writing into a non-empty output_dir (its files may be replaced)
     seed: int = 42
     num_train_epochs: float = 1.0
@@ -67,8 +65,8 @@ class SFTConfig:
     warmup_ratio: float = 0.0  # fraction of steps spent warming up (ignored if warmup_steps > 0)
     warmup_steps: int = 0
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables it
-    logging_steps: int = 10
-    eval_steps: int | None = None  # evaluate every N steps (None: only at the end)
+    logging_steps: int = 10  # each logging step is a few small all-reduces
+    eval_steps: int | None = None  # evaluate every N steps (None: only at the end); each costs a pass over eval data
     # --- speed and measurement -----------------------------------------------------------------------------------
     optim: str = "adamw_torch"  # "adamw_torch" (foreach kernels) or "adamw_torch_fused" (one kernel per step: faster on GPU)
     torch_compile: bool = False  # compile each decoder layer: faster steps after a compile pause at start-up
@@ -81,16 +79,13 @@ class SFTConfig:
     save_steps: int | None = 500  # resumable checkpoint every N steps and at the end (null: none); each costs a write
     save_total_limit: int | None = None  # keep only the newest K checkpoints (null: keep all); saves disk
     resume_from_checkpoint: str | None = None  # "latest" (in output_dir/checkpoints) or a checkpoint folder
-    # --- generation check (exact match of greedy completions on held-out examples) --------------------------------
-    exact_match_eval_samples: int = 0  # 0 disables; costs one greedy generation per sample, before and after
-    max_new_tokens: int = 64
     # --- Hub ---------------------------------------------------------------------------------------------------
     push_to_hub: bool = False  # upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)
     hub_model_id: str | None = None  # "user/name" or "org/name"
     hub_private_repo: bool = True  # create the repo private; flip for public releases
 
     def validate(self) -> list[str]:
-        """Problems with the values themselves (no file system or network access)."""
+        """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
         problems = []
         if (self.model_name_or_path is None) == (self.model_config is None):
             problems.append(
@@ -107,10 +102,19 @@ class SFTConfig:
                      "gradient_accumulation_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "num_train_epochs",
+                     "warmup_ratio", "eval_split_size"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                problems.append(f"{name} must be a finite number, got {value}")
+            elif value < 0:
+                problems.append(f"{name} must be >= 0, got {value}" + (
+                    " (0 turns clipping off; a negative value is not a way to do that)" if name == "max_grad_norm" else ""))
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.train_sampling_strategy not in ("group_by_length", "random"):
             problems.append(f"train_sampling_strategy {self.train_sampling_strategy!r} is not group_by_length or random")
-        if self.packing_row_length is not None and self.packing_row_length < 1:
-            problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
         if self.optim not in ("adamw_torch", "adamw_torch_fused"):
             problems.append(f"optim {self.optim!r} is not supported: use adamw_torch or adamw_torch_fused")
         if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):
@@ -120,29 +124,18 @@ class SFTConfig:
                             f"{self.report_to}, or set report_to: none")
         if self.dataloader_num_workers < 0:
             problems.append(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
-        for name in ("save_steps", "save_total_limit"):
+        for name in ("save_steps", "save_total_limit", "eval_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1 or null, got {getattr(self, name)}")
-        if self.eval_steps is not None and self.eval_steps < 1:
-            problems.append(f"eval_steps must be >= 1 or null, got {self.eval_steps}")
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+        if self.max_steps <= 0 and not self.num_train_epochs > 0:
             problems.append("set max_steps > 0 or num_train_epochs > 0")
-        if self.learning_rate < 0:
-            problems.append(f"learning_rate must be >= 0, got {self.learning_rate}")
-        if not 0 <= self.warmup_ratio < 1:
+        if self.warmup_ratio >= 1:
             problems.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not 0 <= self.eval_split_size < 1:
+        if self.eval_split_size >= 1:
             problems.append(f"eval_split_size must be in [0, 1), got {self.eval_split_size}")
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
             problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
-        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
-            problems.append(
-                f"attn_implementation {self.attn_implementation!r} is not supported: use sdpa, eager, "
-                "flash_attention_2, flash_attention_3 or flex_attention"
-            )
-        if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
-            problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
         if self.push_to_hub and not self.hub_model_id:
             problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
         return problems

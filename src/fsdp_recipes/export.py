@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
-from .modeling import tied_duplicate_names
+from .modeling import auto_model_class, pipeline_tag, tied_duplicate_names
 
 
 class ExportVerificationError(RuntimeError):
@@ -31,6 +31,7 @@ def export_model_folder(
     output_dir: str | Path,
     *,
     card: dict[str, Any],
+    task: str = "causal-lm",
 ) -> Path | None:
     """Collective: every rank must call it. Returns the folder on the main process, None elsewhere."""
     state_dict = accelerator.get_state_dict(model)  # full tensors on the main process, on CPU
@@ -38,13 +39,13 @@ def export_model_folder(
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         unwrapped = accelerator.unwrap_model(model)
-        for name in tied_duplicate_names(unwrapped.config):
+        for name in tied_duplicate_names(unwrapped.config, task=task):
             state_dict.pop(name, None)
         # A shallow copy: save_pretrained pops entries as it writes them, and verification needs them all.
         unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)
         tokenizer.save_pretrained(output_dir)
         verify_saved_weights(output_dir, state_dict)
-        write_model_card(output_dir, **card)
+        write_model_card(output_dir, task=task, **card)
     accelerator.wait_for_everyone()
     return output_dir if accelerator.is_main_process else None
 
@@ -120,9 +121,9 @@ The Accelerate/FSDP settings this run received from `accelerate launch`, and wha
 ## Use
 
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import {{ model_class }}, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("{{ model_path }}")
+model = {{ model_class }}.from_pretrained("{{ model_path }}")
 tokenizer = AutoTokenizer.from_pretrained("{{ model_path }}")
 ```
 """
@@ -138,6 +139,7 @@ def write_model_card(
     base_model: str | None,
     dataset: str | None,
     hub_model_id: str | None = None,
+    task: str = "causal-lm",
 ) -> Path:
     folder = Path(folder)
     dataset_id = dataset if dataset and not Path(dataset).exists() else None  # local paths are not Hub datasets
@@ -146,7 +148,7 @@ def write_model_card(
         base_model=base_model if base_model and not Path(base_model).exists() else None,
         datasets=[dataset_id] if dataset_id else None,
         tags=["fsdp-recipes", recipe, "fsdp"],
-        pipeline_tag="text-generation",
+        pipeline_tag=pipeline_tag(task),
     )
     results = "\n".join(f"| {key} | {_format(value)} |" for key, value in metrics.items())
     card = ModelCard.from_template(
@@ -160,6 +162,7 @@ def write_model_card(
         recipe_config=yaml.safe_dump(recipe_config, sort_keys=False).strip(),
         accelerate_config=yaml.safe_dump(accelerate_config, sort_keys=False).strip(),
         model_path=hub_model_id or str(folder),
+        model_class=auto_model_class(task).__name__,
         curves="training_curves.png" if (folder / "training_curves.png").is_file() else None,
     )
     path = folder / "README.md"

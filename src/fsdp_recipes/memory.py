@@ -479,18 +479,27 @@ class Workload:
 
 
 def workload_from_recipe(recipe: Any | None) -> Workload:
-    """From an SFTConfig, a namespace or a mapping with the recipe's field names (missing fields: SFTConfig defaults)."""
-    from .config import SFTConfig
-
-    defaults = SFTConfig()
-    def get(name):
+    """From a recipe config object or a mapping with the recipe config's field names; missing fields take the
+    Workload defaults. With packing, a row is `packing_row_length` tokens wide when that is set (examples longer than
+    it still get a row of their own, as wide as max_length)."""
+    def get(name, default=None):
         if recipe is None:
-            return getattr(defaults, name)
+            return default
         if isinstance(recipe, dict):
-            return recipe.get(name, getattr(defaults, name))
-        return getattr(recipe, name, getattr(defaults, name))
-    return Workload(int(get("max_length")), int(get("per_device_train_batch_size")), str(get("attn_implementation")),
-                    int(get("gradient_accumulation_steps")))
+            value = recipe.get(name, default)
+        else:
+            value = getattr(recipe, name, default)
+        return default if value is None else value
+
+    defaults = Workload()
+    row_length = get("max_length", defaults.max_length)
+    if get("packing", False) and get("packing_row_length"):
+        row_length = int(get("packing_row_length"))
+    return Workload(
+        int(row_length), int(get("per_device_train_batch_size", defaults.per_device_train_batch_size)),
+        str(get("attn_implementation", defaults.attn_implementation)),
+        int(get("gradient_accumulation_steps", defaults.gradient_accumulation_steps)),
+    )
 
 
 # --------------------------------------------------------------------------------------------------- estimate

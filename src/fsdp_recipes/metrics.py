@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -43,8 +44,11 @@ class MetricsLog:
         self.printer(" ".join(f"{key}={_short(value)}" for key, value in record.items()))
 
     def mean(self, key: str) -> float | None:
-        values = [r[key] for r in self.records if isinstance(r.get(key), (int, float))]
-        return sum(values) / len(values) if values else None
+        """Mean over the records that have `key`, leaving out warm-up windows (the first window of each process
+        start: compilation, allocator growth, cold caches) unless there is nothing else."""
+        records = [r for r in self.records if isinstance(r.get(key), (int, float))]
+        steady = [r for r in records if not r.get("warmup")] or records
+        return sum(r[key] for r in steady) / len(steady) if steady else None
 
     def first(self, key: str) -> Any:
         return next((record[key] for record in self.records if key in record), None)
@@ -137,6 +141,7 @@ class ThroughputWindow:
 
     def reset(self) -> None:
         self.started = time.perf_counter()
+        self.paused_for = 0.0  # evaluation and checkpoint saves: not training time
         self.steps = 0
         self.real_tokens = 0
         self.slots = 0
@@ -151,9 +156,17 @@ class ThroughputWindow:
         self.width_sum += width
         self.batches += 1
 
+    @contextlib.contextmanager
+    def paused(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_for += time.perf_counter() - started
+
     @property
     def elapsed(self) -> float:
-        return time.perf_counter() - self.started
+        return time.perf_counter() - self.started - self.paused_for
 
     @property
     def mean_width(self) -> float:
@@ -219,3 +232,47 @@ def throughput_record(accelerator, window: ThroughputWindow, *, model_config, no
         "mfu": achieved / peak_flops if peak_flops else None,
         "peak_memory_gib_per_rank": [round(m / 2**30, 4) for m in memory],
     }
+
+
+class StepLogger:
+    """Decides when a training step is logged (every `every` steps and the last) and logs it: loss, learning rate,
+    gradient norm and the throughput of the window since the last record. The first window of each process start is
+    marked `warmup` and left out of the final means; evaluation and checkpoint time is left out of every window
+    (`window.paused()`)."""
+
+    def __init__(self, accelerator, log: MetricsLog, *, every: int, total_steps: int, model_config,
+                 non_embedding_parameters: int, peak_flops: float | None):
+        self.accelerator, self.log, self.every, self.total_steps = accelerator, log, every, total_steps
+        self.model_config, self.non_embedding_parameters, self.peak_flops = model_config, non_embedding_parameters, peak_flops
+        self.window = ThroughputWindow()
+        self._first_window = True
+
+    def log_step(self, step: int, *, loss_sum: float, target_count: float, lr: float, grad_norm=None, **fields) -> None:
+        """Collective at logging steps (all ranks call it every step). `loss_sum` is this rank's summed loss over the
+        step's `target_count` targets of all ranks."""
+        from .distributed import sum_over_ranks
+
+        self.window.steps += 1
+        if step % self.every and step != self.total_steps:
+            return
+        record = {
+            "step": step,
+            **fields,
+            "loss": sum_over_ranks(self.accelerator, loss_sum) / max(target_count, 1.0),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            **throughput_record(self.accelerator, self.window, model_config=self.model_config,
+                                non_embedding_parameters=self.non_embedding_parameters, peak_flops=self.peak_flops),
+        }
+        if self._first_window:
+            record["warmup"] = True
+            self._first_window = False
+        self.log.log(record)
+        self.window.reset()
+
+    def final_metrics(self) -> dict:
+        """Means of the speed figures over the logged windows (warm-up left out) and the peak memory."""
+        keys = ("tokens_per_second", "tokens_per_second_per_device", "padding_fraction", "data_wait_fraction", "mfu",
+                "achieved_flops_per_device")
+        return {**{key: self.log.mean(key) for key in keys},
+                "peak_memory_gib_max": max(self.log.last("peak_memory_gib_per_rank") or [0.0])}

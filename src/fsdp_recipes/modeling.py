@@ -8,9 +8,38 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from .errors import ConfigError
+
+# What a recipe trains: the transformers Auto class that builds it, and the Hub's pipeline tag for its card.
+TASKS = {
+    "causal-lm": (AutoModelForCausalLM, "text-generation"),
+    "sequence-classification": (AutoModelForSequenceClassification, "text-classification"),
+}
+
+
+def auto_model_class(task: str):
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; one of {sorted(TASKS)}")
+    return TASKS[task][0]
+
+
+def pipeline_tag(task: str) -> str:
+    return TASKS[task][1]
+
+
+def meta_model(config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False) -> torch.nn.Module:
+    """A weightless copy of the model (on the meta device): its structure, for checks before any weights load."""
+    with torch.device("meta"):
+        return auto_model_class(task).from_config(config, trust_remote_code=trust_remote_code)
 
 
 def load_tokenizer(
@@ -40,15 +69,16 @@ def load_model_config(
     return AutoConfig.from_pretrained(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
 
 
-def module_class_names(config: PretrainedConfig, *, trust_remote_code: bool = False) -> tuple[set[str], list[str]]:
+def module_class_names(config: PretrainedConfig, *, task: str = "causal-lm",
+                       trust_remote_code: bool = False) -> tuple[set[str], list[str]]:
     """(class names of every submodule, the model's `_no_split_modules`) from a weightless copy on the meta device."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model = meta_model(config, task=task, trust_remote_code=trust_remote_code)
     names = {type(module).__name__ for module in model.modules()}
     return names, list(getattr(model, "_no_split_modules", None) or [])
 
 
-def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, trust_remote_code: bool = False):
+def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, task: str = "causal-lm",
+                         trust_remote_code: bool = False):
     """The transformer-layer classes FSDP will wrap, checked against the model. Raises ConfigError before any weights
     load if the Accelerate config names a class the model does not contain. None when not wrapping by class."""
     if accelerator.distributed_type != DistributedType.FSDP:
@@ -58,7 +88,7 @@ def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, 
     policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", str(policy))
     if "transformer" not in str(policy_name).lower():
         return None
-    present, no_split = module_class_names(config, trust_remote_code=trust_remote_code)
+    present, no_split = module_class_names(config, task=task, trust_remote_code=trust_remote_code)
     requested = plugin.transformer_cls_names_to_wrap or no_split
     if not requested:
         raise ConfigError(
@@ -76,12 +106,34 @@ def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, 
     return list(requested)
 
 
-def tied_duplicate_names(config: PretrainedConfig, *, trust_remote_code: bool = False) -> set[str]:
+def parameter_shapes(config: PretrainedConfig, *, task: str = "causal-lm",
+                     trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter and buffer, from a weightless copy (what a checkpoint must match)."""
+    model = meta_model(config, task=task, trust_remote_code=trust_remote_code)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def check_same_shapes(saved: PretrainedConfig, current: PretrainedConfig, *, task: str = "causal-lm",
+                      trust_remote_code: bool = False) -> None:
+    """ConfigError naming the first differences if a model of `current` cannot load weights saved from `saved`."""
+    before = parameter_shapes(saved, task=task, trust_remote_code=trust_remote_code)
+    now = parameter_shapes(current, task=task, trust_remote_code=trust_remote_code)
+    differences = [f"{name}: {before.get(name)} in the checkpoint, {now.get(name)} now"
+                   for name in sorted(before.keys() | now.keys()) if before.get(name) != now.get(name)]
+    if differences:
+        shown = "; ".join(differences[:3]) + (f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
+        raise ConfigError(
+            f"the checkpoint holds another model ({saved.model_type}) than this run builds ({current.model_type}): "
+            f"{shown}. Resume with the model settings it was trained with (its config is in the checkpoint's model/ "
+            "folder), or start a new run in another output_dir."
+        )
+
+
+def tied_duplicate_names(config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False) -> set[str]:
     """State-dict names that share storage with an earlier name (tied embeddings): written once, as save_pretrained
     does for an unsharded model. Gathered FSDP state dicts hold them as separate copies, so they are found on a
     weightless copy of the model instead."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model = meta_model(config, task=task, trust_remote_code=trust_remote_code)
     seen, duplicates = set(), set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:
@@ -94,17 +146,19 @@ def load_model(
     config: PretrainedConfig,
     *,
     model_name_or_path: str | None,
+    task: str = "causal-lm",
     revision: str = "main",
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
     """Weights in fp32: FSDP's mixed-precision policy (from the Accelerate YAML) casts for compute and keeps fp32
     master weights. Create the Accelerator first, so that low-RAM loading under FSDP can see the process group."""
+    model_class = auto_model_class(task)
     if model_name_or_path is None:
-        return AutoModelForCausalLM.from_config(
+        return model_class.from_config(
             config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, dtype=torch.float32
         )
-    return AutoModelForCausalLM.from_pretrained(
+    return model_class.from_pretrained(
         model_name_or_path,
         config=config,
         revision=revision,
@@ -147,3 +201,9 @@ def check_tokenizer_fits_model(tokenizer: PreTrainedTokenizerBase, config: Pretr
             "past the embedding would crash training. Use the tokenizer that belongs to the model, or a model_config "
             f"with vocab_size >= {len(tokenizer)}."
         )
+
+
+def resolve_attn_implementation(config: PretrainedConfig, requested: str | None, *,
+                                trust_remote_code: bool = False) -> tuple[str, str]:
+    """(implementation to load the model with, a note for the run summary)."""
+    return requested or "sdpa", requested or "sdpa"

@@ -1,31 +1,31 @@
-"""Pieces of a training loop that are easy to get subtly wrong under data parallelism: loss normalisation across
-ranks and accumulation steps, the step count, evaluation that every rank runs in lockstep."""
+"""Pieces of a training loop that are easy to get subtly wrong under data parallelism: the optimizer and schedule,
+the step count, a batch stream that knows its position for exact resume, and gradient accumulation that reduces
+across ranks once per optimizer step."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from .data.rows import collate_rows
-from .losses import IGNORE_INDEX, causal_lm_loss_sum, count_targets
 
 
-def build_optimizer(
-    model: torch.nn.Module, *, learning_rate: float, weight_decay: float, betas, eps: float, fused: bool = False
-):
-    """AdamW; weight decay on matrices only (not on norms and biases). Build it on the unprepared model and pass
-    both to `accelerator.prepare` together: FSDP2 then points it at the sharded parameters."""
+def build_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, with the config's `learning_rate`, `weight_decay`, `adam_*` and `optim`;
+    weight decay on matrices only (not on norms and biases). Build it on the unprepared model and pass both to
+    `accelerator.prepare` together: FSDP2 then points it at the sharded parameters."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kernels = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, **kernels)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kernels = {"fused": True} if config.optim == "adamw_torch_fused" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                             eps=config.adam_epsilon, **kernels)
 
 
 def total_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: int, *, max_steps: int, epochs: float) -> int:
@@ -35,9 +35,19 @@ def total_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: i
     return max(1, math.ceil(epochs * steps_per_epoch))
 
 
-def build_scheduler(optimizer, name: str, *, total_steps: int, warmup_steps: int, warmup_ratio: float):
-    warmup = warmup_steps if warmup_steps > 0 else math.ceil(warmup_ratio * total_steps)
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+def build_scheduler(optimizer, config, *, total_steps: int):
+    """The config's `lr_scheduler_type` over `total_steps`, warming up for `warmup_steps` (or `warmup_ratio`)."""
+    warmup = config.warmup_steps if config.warmup_steps > 0 else math.ceil(config.warmup_ratio * total_steps)
+    return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def micro_batches_in_sync(accelerator: Accelerator, model: torch.nn.Module, micro_batches: list):
+    """Yields the micro-batches of one optimizer step; gradients are reduced across ranks once, on the last one
+    (the others run under `no_sync`)."""
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            yield batch
 
 
 class BatchStream:
@@ -50,6 +60,17 @@ class BatchStream:
         self.epoch = epoch
         self.batches_into_epoch = batches_into_epoch
         self._iterator: Iterator | None = None
+
+    def take(self, count: int, window=None) -> list[dict[str, torch.Tensor]]:
+        """The next `count` batches; `window` (a metrics.ThroughputWindow), if given, records them and the time spent
+        waiting for them."""
+        waiting = time.perf_counter()
+        batches = [self.next() for _ in range(count)]
+        if window is not None:
+            window.data_wait += time.perf_counter() - waiting
+            for batch in batches:
+                window.add_batch(batch)
+        return batches
 
     def next(self) -> dict[str, torch.Tensor]:
         while True:
@@ -68,78 +89,3 @@ class BatchStream:
         loader = self.accelerator.skip_first_batches(self.dataloader, self.batches_into_epoch)
         loader.set_epoch(self.epoch)  # a new loader starts at epoch 0 unless told
         return loader
-
-
-@torch.no_grad()
-def evaluate_loss(accelerator: Accelerator, model: torch.nn.Module, rows, *, batch_size: int, pad_token_id: int) -> float:
-    """Mean per-token loss over all held-out rows, each counted once. Every rank runs the same number of forward
-    passes (FSDP needs all ranks in every all-gather); a rank out of rows runs a masked copy of a row."""
-    model.eval()
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = list(range(rank, len(rows), world))
-    batches = math.ceil(math.ceil(len(rows) / world) / batch_size)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for index in range(batches):
-        chosen = mine[index * batch_size : (index + 1) * batch_size]
-        batch = collate_rows([rows[i] for i in (chosen or [0])], pad_token_id)
-        if not chosen:
-            batch["targets"].fill_(IGNORE_INDEX)
-        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-        loss_sum += causal_lm_loss_sum(model, batch).double()
-        count += count_targets(batch)
-    if world > 1:
-        loss_sum, count = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(count, "sum")
-    model.train()
-    return float(loss_sum / count.clamp(min=1))
-
-
-@torch.no_grad()
-def exact_match_accuracy(
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    tokenizer,
-    examples: list[dict[str, Any]],
-    *,
-    max_new_tokens: int,
-    batch_size: int,
-) -> dict[str, Any]:
-    """Share of held-out examples whose greedy completion equals the reference exactly (after stripping spaces).
-
-    Examples are `{"prompt_ids": [...], "reference": str}`. Ranks split the examples and generate in lockstep
-    (`synced_gpus`), since under FSDP every forward pass is a collective."""
-    model.eval()
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = list(range(rank, len(examples), world))
-    batches = math.ceil(math.ceil(len(examples) / world) / batch_size)
-    correct = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    samples = []
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        for index in range(batches):
-            chosen = mine[index * batch_size : (index + 1) * batch_size]
-            batch_examples = [examples[i] for i in (chosen or [0])]
-            inputs = tokenizer.pad({"input_ids": [e["prompt_ids"] for e in batch_examples]}, return_tensors="pt")
-            inputs = {key: value.to(accelerator.device) for key, value in inputs.items()}
-            output = model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=world > 1,
-            )
-            texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-            if not chosen:
-                continue
-            for example, text in zip(batch_examples, texts):
-                hit = text.strip() == example["reference"].strip()
-                correct += hit
-                if len(samples) < 3:
-                    samples.append({"reference": example["reference"], "generated": text.strip(), "correct": hit})
-    finally:
-        tokenizer.padding_side = padding_side
-        model.train()
-    if world > 1:
-        correct = accelerator.reduce(correct, "sum")
-    return {"exact_match": float(correct) / max(len(examples), 1), "num_examples": len(examples), "samples": samples}

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fsdp_recipes.distributed import build_accelerator
 from fsdp_recipes.errors import exit_on_user_error
 from fsdp_recipes.memory import estimate_for_run, topology_from_accelerator
+from fsdp_recipes.config import TrainingConfig
 from fsdp_recipes.training import build_optimizer
 
 
@@ -41,7 +42,7 @@ def main():
     predicted = estimate_for_run(accelerator, config, recipe)  # before prepare: what the recipe would do
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    optimizer = build_optimizer(model, learning_rate=1e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+    optimizer = build_optimizer(model, TrainingConfig(learning_rate=1e-3, weight_decay=0.01))
     model, optimizer = accelerator.prepare(model, optimizer)
     ids = torch.randint(0, config.vocab_size, (recipe.per_device_train_batch_size, recipe.max_length),
                         generator=torch.Generator().manual_seed(accelerator.process_index))

@@ -1,0 +1,265 @@
+"""A training run, from the launch to the exported folder, for any recipe: what a recipe does not need to see.
+
+    run = run_lib.start(config, name="sft")        accelerator, seed, every check that needs no weights (all ranks
+                                                    together), tokenizer and model config
+    ... data, model, accelerator.prepare ...
+    batches, first_step = run.begin(model, train_loader, scheduler, total_steps=..., eval_rows=..., loss_sum=...)
+                                                    resume, run summary, metrics log, trackers; then the components
+                                                    that decide their own cadence: run.metrics (logging),
+                                                    run.evaluation (held-out loss), run.checkpoints (saves)
+    ... the loop ...
+    run.finish(model, results={...})               final metrics, curves, export (read back and compared), card, Hub
+
+Nothing here knows a particular recipe: the recipe passes its name, its task (causal LM or sequence classification)
+and its config, a `TrainingConfig` subclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
+from tqdm.auto import tqdm
+
+from . import checkpoint as checkpoints_lib
+from .config import TrainingConfig, config_to_dict
+from .config_lint import check_launch_environment
+from .distributed import build_accelerator, describe_run, launch_environment, on_every_rank_together, sum_over_ranks
+from .errors import ConfigError
+from .evaluation import LossEvaluator, LossSum
+from .export import export_model_folder
+from .faults import inject_fault
+from .hub import push_folder_to_hub, require_hub_token
+from .memory import estimate_for_run
+from .metrics import MetricsLog, StepLogger, device_name, format_table, numeric_fields, peak_flops_per_device
+from .metrics import plot_training_curves, write_json
+from .modeling import (
+    activation_checkpointing_mechanism,
+    check_one_activation_checkpointing,
+    check_same_shapes,
+    check_tokenizer_fits_model,
+    count_non_embedding_parameters,
+    load_model_config,
+    load_tokenizer,
+    resolve_attn_implementation,
+    resolve_wrap_classes,
+)
+from .outputs import output_dir_problem
+from .training import BatchStream
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Run:
+    config: TrainingConfig
+    name: str
+    task: str
+    accelerator: Accelerator
+    tokenizer: Any
+    model_config: Any
+    checkpoint: Path | None
+    hub_token: str | None
+    wrap_classes: list[str] | None
+    attn_implementation: str
+    attention_note: str
+    log: MetricsLog | None = None
+    metrics: StepLogger | None = None
+    evaluation: LossEvaluator | None = None
+    checkpoints: checkpoints_lib.Checkpointer | None = None
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    total_steps: int = 0
+
+    @property
+    def resumed(self) -> bool:
+        return self.checkpoint is not None
+
+    def on_every_rank(self, step: Callable[[], T], *, main_process_first: bool = False) -> T:
+        """Runs `step` on every rank; if it fails on one, it fails on all, with that rank's message (no rank is left
+        waiting in a collective). `main_process_first`: e.g. to fill the datasets cache once."""
+        return on_every_rank_together(self.accelerator, step, main_process_first=main_process_first)
+
+    def sum_over_ranks(self, value: float) -> float:
+        """Collective: the sum of `value` over all ranks (e.g. the target tokens of a global batch)."""
+        return sum_over_ranks(self.accelerator, value)
+
+    def fault_point(self, step: int) -> None:
+        """Where FSDP_RECIPES_FAULT can kill or fail a rank after a step, to rehearse crashes; nothing otherwise."""
+        inject_fault("after-step", step, self.accelerator.process_index)
+
+    def progress_bar(self, first_step: int) -> tqdm:
+        return tqdm(total=self.total_steps, initial=first_step - 1, disable=not self.accelerator.is_main_process,
+                    desc=self.name)
+
+    def begin(self, model, train_loader, scheduler, *, total_steps: int, loss_sum: LossSum, eval_rows=None,
+              summary: dict[str, Any] | None = None) -> tuple[BatchStream, int]:
+        """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
+        starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
+        batch stream at the right data position and the first optimizer step to run."""
+        config, accelerator = self.config, self.accelerator
+        self.total_steps = total_steps
+        accelerator.register_for_checkpointing(scheduler)
+        batches, first_step = BatchStream(accelerator, train_loader), 1
+        if self.checkpoint is not None:
+            progress = checkpoints_lib.load_checkpoint(accelerator, self.checkpoint)
+            batches = BatchStream(accelerator, train_loader, epoch=progress.epoch,
+                                  batches_into_epoch=progress.batches_into_epoch_for(
+                                      accelerator.num_processes, config.per_device_train_batch_size))
+            first_step = progress.step + 1
+
+        self.summary = describe_run(accelerator, model, self.wrap_classes)
+        self.summary.update(
+            recipe=self.name, task=self.task, attn_implementation=self.attention_note, **(summary or {}),
+            optimizer_steps=total_steps, global_batch_rows=self.global_batch_rows,
+            activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
+            torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
+            memory_estimate=estimate_for_run(accelerator, self.model_config, config),
+        )
+        self.log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write,
+                              tracker=lambda record: accelerator.log(numeric_fields(record), step=record["step"]))
+        if accelerator.is_main_process:
+            Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+            self.log.start(resumed_step=first_step - 1 if self.resumed else None)
+            write_json(Path(config.output_dir) / "run_summary.json", self.summary)
+            accelerator.print("run summary:\n" + format_table(list(self.summary.items())))
+        accelerator.init_trackers(self.name, config=numeric_fields(config_to_dict(config), keep_text=True))
+        if self.resumed:
+            self.log.log({"step": first_step - 1, "event": "resumed", "checkpoint": str(self.checkpoint),
+                          "world_size": accelerator.num_processes})
+
+        self.metrics = StepLogger(
+            accelerator, self.log, every=config.logging_steps, total_steps=total_steps, model_config=self.model_config,
+            non_embedding_parameters=count_non_embedding_parameters(accelerator.unwrap_model(model)),
+            peak_flops=peak_flops_per_device(self.summary["device_name"], config.peak_flops_per_device),
+        )
+        self.evaluation = LossEvaluator(
+            accelerator, model, eval_rows, loss_sum=loss_sum, batch_size=config.per_device_eval_batch_size,
+            pad_token_id=self.tokenizer.pad_token_id, every=config.eval_steps, total_steps=total_steps, log=self.log,
+            pause=self.metrics.window.paused,
+        )
+        self.checkpoints = checkpoints_lib.Checkpointer(
+            accelerator, config.output_dir, every=config.save_steps, total_steps=total_steps,
+            save_total_limit=config.save_total_limit, pause=self.metrics.window.paused,
+            position=lambda step: checkpoints_lib.TrainingProgress(
+                step=step, epoch=batches.epoch, batches_into_epoch=batches.batches_into_epoch,
+                world_size=accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+            ),
+            model_files_writer=lambda folder: checkpoints_lib.write_model_files(
+                folder, model_config=self.model_config, tokenizer=self.tokenizer,
+                generation_config=getattr(accelerator.unwrap_model(model), "generation_config", None),
+                recipe_config=config_to_dict(config), accelerate_config=self.accelerate_settings,
+                run_info={"recipe": self.name, "task": self.task},
+            ),
+        )
+        return batches, first_step
+
+    @property
+    def global_batch_rows(self) -> int:
+        config = self.config
+        return config.per_device_train_batch_size * self.accelerator.num_processes * config.gradient_accumulation_steps
+
+    @property
+    def accelerate_settings(self) -> dict[str, Any]:
+        return {"launch_environment": launch_environment(), "resolved": self.summary}
+
+    def measured_once(self, key: str, measure: Callable[[], float]) -> float | None:
+        """A figure taken before training (e.g. accuracy of the untrained model): measured and logged at step 0 by a
+        new run; a resumed run reads it from the main process's log instead of measuring a half-trained model."""
+        if self.resumed:
+            return broadcast_object_list([self.log.first(key)])[0] if self.accelerator.num_processes > 1 else self.log.first(key)
+        value = measure()
+        self.log.log({"step": 0, key: value})
+        return value
+
+    def finish(self, model, *, results: dict[str, Any] | None = None) -> Path | None:
+        """Collective. Evaluates at the last step if that has not happened, prints the final metrics, draws the
+        curves, exports the model folder (read back and compared), writes the card and `eval_results.json`, pushes
+        to the Hub. Returns the folder on the main process."""
+        config, accelerator = self.config, self.accelerator
+        self.evaluation.maybe_evaluate(self.total_steps)
+        results = {key: value for key, value in (results or {}).items() if value is not None}
+        final_metrics = {
+            "train_loss": self.log.last("loss"), "eval_loss": self.log.last("eval_loss"), **results,
+            **self.metrics.final_metrics(),
+            "estimated_memory_gib_per_gpu": self.summary["memory_estimate"]["predicted_per_gpu_bytes"]["total"] / 2**30,
+        }
+        if accelerator.is_main_process:
+            accelerator.print("final metrics (speeds: means over logged windows after the first):\n"
+                              + format_table(list(final_metrics.items())))
+            plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
+        folder = export_model_folder(
+            accelerator, model, self.tokenizer, config.output_dir, task=self.task,
+            card=dict(
+                recipe=self.name, recipe_config=config_to_dict(config), accelerate_config=self.accelerate_settings,
+                metrics={key: value for key, value in final_metrics.items() if value is not None},
+                base_model=config.model_name_or_path, dataset=config.dataset_name, hub_model_id=config.hub_model_id,
+            ),
+        )
+        if accelerator.is_main_process:
+            if results:
+                write_json(folder / "eval_results.json", results)
+            if config.push_to_hub:
+                url = push_folder_to_hub(folder, config.hub_model_id, token=self.hub_token,
+                                         private=config.hub_private_repo)
+                accelerator.print(f"pushed to the Hub: {url}")
+            accelerator.print(f"model exported to {folder.resolve()}")
+        accelerator.end_training()
+        return folder
+
+
+def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
+    """The accelerator for this launch (refusing launches that cannot give what was asked), the seed, and every
+    check that needs no weights, run on all ranks together so that a problem stops all of them before anything
+    expensive: the Accelerate config, the checkpoint to resume (same global batch, same model), output_dir, the Hub
+    token, tokenizer and model config, the wrap classes, activation checkpointing, the attention implementation."""
+    launch_warnings = check_launch_environment()  # the Accelerate config as exported: errors stop every rank here
+    accelerator = build_accelerator(
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        log_with=None if config.report_to == "none" else config.report_to,
+        project_dir=config.output_dir,
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if config.torch_compile else None,
+    )
+    set_seed(config.seed)
+    for warning in launch_warnings:
+        accelerator.print(f"warning: the Accelerate config: {warning.key}: {warning.message}")
+    checks = on_every_rank_together(accelerator, lambda: _checks_before_loading(accelerator, config, task))
+    return Run(config=config, name=name, task=task, accelerator=accelerator, **checks)
+
+
+def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, task: str) -> dict[str, Any]:
+    checkpoint = None
+    if config.resume_from_checkpoint:
+        checkpoint = checkpoints_lib.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
+        checkpoints_lib.read_progress(checkpoint).check_resumable(
+            world_size=accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        )
+    resuming_here = checkpoint is not None and Path(config.output_dir).resolve() in checkpoint.resolve().parents
+    problem = output_dir_problem(config.output_dir, overwrite=config.overwrite_output_dir or resuming_here)
+    problem = problem or checkpoints_lib.checkpoint_conflict(config.output_dir, checkpoint)
+    if problem:
+        raise ConfigError(problem)
+    hub_token = require_hub_token() if config.push_to_hub else None
+    tokenizer = load_tokenizer(
+        config.tokenizer_name_or_path or config.model_name_or_path, revision=config.model_revision,
+        trust_remote_code=config.trust_remote_code, chat_template=config.chat_template,
+    )
+    model_config = load_model_config(config.model_name_or_path, config.model_config, revision=config.model_revision,
+                                     trust_remote_code=config.trust_remote_code)
+    check_tokenizer_fits_model(tokenizer, model_config)
+    if checkpoint is not None and checkpoints_lib.saved_model_config_path(checkpoint).is_file():
+        saved = load_model_config(None, str(checkpoints_lib.saved_model_config_path(checkpoint)),
+                                  trust_remote_code=config.trust_remote_code)
+        check_same_shapes(saved, model_config, task=task, trust_remote_code=config.trust_remote_code)
+    wrap_classes = resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
+    check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
+    attn_implementation, attention_note = resolve_attn_implementation(
+        model_config, config.attn_implementation, trust_remote_code=config.trust_remote_code
+    )
+    return dict(checkpoint=checkpoint, hub_token=hub_token, tokenizer=tokenizer, model_config=model_config,
+                wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
