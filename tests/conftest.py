@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -155,9 +154,78 @@ def require_success(result: subprocess.CompletedProcess) -> None:
         pytest.fail(f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
 
 
-def rank_reports(stdout: str) -> list[dict]:
-    """The `REPORT {json}` lines that ranks print, sorted by rank. Ranks share one stdout pipe and `print` writes the
-    text and its newline separately, so two reports can share a line: each is decoded from where it starts."""
-    decoder = json.JSONDecoder()
-    reports = [decoder.raw_decode(stdout, match.end())[0] for match in re.finditer(r"REPORT ", stdout)]
-    return sorted(reports, key=lambda report: report["rank"])
+# ----------------------------------------------------------------------------------------------- shared SFT launches
+# Process start-up dominates the suite's time (a 2-process launch costs ~15 s here), so these few real launches are
+# shared by every test module that needs a trained run: one reference run serves sharding, metrics, export and
+# checkpoint tests; one run killed while saving serves the fault tests and every resume.
+STEPS = 12
+
+
+def resume_values(tiny_model_config: Path, data: Path, output_dir: Path, **overrides) -> dict:
+    """2 processes x 4 rows x 2 accumulation steps over 64 rows: steps 1-4 are epoch 0, so the interruption at step 6
+    falls mid-epoch and the run crosses two epoch boundaries. A checkpoint every 3 steps; exact match on 4 held-out
+    examples (it runs before training, and a resumed run must read it from the log)."""
+    values = dict(max_steps=STEPS, save_steps=3, gradient_accumulation_steps=2, eval_steps=None, packing=False,
+                  exact_match_eval_samples=4, max_new_tokens=4)
+    values.update(overrides)
+    return base_recipe_values(tiny_model_config, data, output_dir, **values)
+
+
+@pytest.fixture(scope="session")
+def small_chat_data(tmp_path_factory, chat_data) -> Path:
+    folder = tmp_path_factory.mktemp("small_chat")
+    lines = (chat_data / "train.jsonl").read_text().splitlines()
+    (folder / "train.jsonl").write_text("\n".join(lines[:64]) + "\n")
+    (folder / "test.jsonl").write_text((chat_data / "test.jsonl").read_text())
+    return folder
+
+
+def run_sft(tmp: Path, name: str, values: dict, *, expect_success: bool = True, **launch_options):
+    result = launch(SFT, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))], **launch_options)
+    if expect_success:
+        require_success(result)
+    return result
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, tiny_model_config, small_chat_data) -> Path:
+    """The uninterrupted 2-process FSDP2 run (SHARDED_STATE_DICT, fp32), keeping its newest 2 checkpoints."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run_sft(tmp, "reference", resume_values(tiny_model_config, small_chat_data, tmp / "out", save_total_limit=2))
+    return tmp / "out"
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory, tiny_model_config, small_chat_data) -> Path:
+    """The reference run's global batch on 1 process (8 rows per micro-batch), with a peak FLOP/s for MFU."""
+    tmp = tmp_path_factory.mktemp("one_process")
+    values = resume_values(tiny_model_config, small_chat_data, tmp / "out", per_device_train_batch_size=8,
+                           peak_flops_per_device=1e12, save_steps=None, exact_match_eval_samples=0)
+    run_sft(tmp, "one", values, num_processes=1)
+    return tmp / "out"
+
+
+@pytest.fixture(scope="session")
+def killed_during_save(tmp_path_factory, tiny_model_config, small_chat_data):
+    """The reference run, but rank 1 is SIGKILLed while step 6's checkpoint is being written: the launcher must stop
+    rank 0, and the latest complete checkpoint is step 3's. Returns (output_dir, values, result, finished_at)."""
+    import time
+
+    tmp = tmp_path_factory.mktemp("killed")
+    values = resume_values(tiny_model_config, small_chat_data, tmp / "out", save_total_limit=2)
+    result = run_sft(tmp, "killed", values, expect_success=False, env={"FSDP_RECIPES_FAULT": "kill-during-save:6@1"})
+    return tmp / "out", values, result, time.time()
+
+
+@pytest.fixture(scope="session")
+def full_state_dict_run(tmp_path_factory, tokenizer, small_chat_data) -> Path:
+    """2 processes with FULL_STATE_DICT, a model with tied embeddings, the model's own activation checkpointing and
+    the fused AdamW kernel."""
+    tmp = tmp_path_factory.mktemp("full_state_dict")
+    tied_config = write_tiny_model_config(tmp / "tied.json", tokenizer, tie_word_embeddings=True)
+    full_yaml = tmp / "fsdp_full_state_dict.yaml"
+    full_yaml.write_text(FSDP_CPU_CONFIG.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
+    values = resume_values(tied_config, small_chat_data, tmp / "out", max_steps=4, save_steps=4,
+                           gradient_checkpointing=True, optim="adamw_torch_fused", exact_match_eval_samples=0)
+    run_sft(tmp, "full", values, accelerate_config=full_yaml)
+    return tmp / "out"

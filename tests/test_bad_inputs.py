@@ -1,5 +1,8 @@
-"""Bad input gives one clear error, a nonzero exit, no hang, and leaves existing files alone — under a real
-2-process launch, so a rank that failed alone would show up as a hang."""
+"""Bad input gives one clear `error:` line, a nonzero exit, no traceback, and leaves existing files alone.
+
+The checks run before any weights load, so they are exercised in this process (the recipe's `main`, as the launcher
+would run it, on one process). One real 2-process launch shows that an error stops every rank, is printed once and
+does not hang."""
 
 from __future__ import annotations
 
@@ -8,18 +11,34 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FSDP_CPU_CONFIG, SFT, TOKENIZER, base_recipe_values, launch, recipe_config, write_jsonl
+from conftest import (
+    FSDP_CPU_CONFIG,
+    SFT,
+    TOKENIZER,
+    base_recipe_values,
+    launch,
+    load_recipe,
+    recipe_config,
+    write_jsonl,
+    write_tiny_model_config,
+)
 
-pytestmark = pytest.mark.slow
 
+def run_failing_in_process(tmp: Path, values: dict, capsys, extra_argv: tuple[str, ...] = ()) -> str:
+    """The recipe's main under the same wrapper as `python recipes/sft.py`: returns its one `error:` line."""
+    from accelerate.state import AcceleratorState
 
-def run_failing(tmp: Path, values: dict, env: dict | None = None, accelerate_config: Path = FSDP_CPU_CONFIG):
+    from fsdp_recipes.errors import exit_on_user_error
+
     config = recipe_config(tmp / "recipe.yaml", **values)
-    result = launch(SFT, ["--config", str(config)], env=env, timeout=180, accelerate_config=accelerate_config)
-    assert result.returncode != 0, result.stdout[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr[-4000:]  # printed once, not once per rank
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_user_error(lambda: load_recipe("sft").main(["--config", str(config), *extra_argv]))
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
     return errors[0]
 
 
@@ -28,32 +47,23 @@ def values(tmp_path, tiny_model_config, chat_data):
     return base_recipe_values(tiny_model_config, chat_data, tmp_path / "out")
 
 
-def test_unknown_config_key(tmp_path, values):
+def test_unknown_config_key(tmp_path, values, capsys):
     values["learning_rat"] = 1e-3
-    error = run_failing(tmp_path, values)
+    error = run_failing_in_process(tmp_path, values, capsys)
     assert "unknown key 'learning_rat'" in error and "did you mean 'learning_rate'" in error
     assert not Path(values["output_dir"]).exists()
 
 
-def test_missing_messages_column(tmp_path, values):
-    data = tmp_path / "data.jsonl"
-    write_jsonl(data, [{"text": "hello", "label": 1}] * 8)
-    values["dataset_name"] = str(data)
-    error = run_failing(tmp_path, values)
-    assert "'messages'" in error and "['label', 'text']" in error
-    assert not Path(values["output_dir"]).exists()
-
-
-def test_empty_dataset(tmp_path, values):
+def test_empty_dataset(tmp_path, values, capsys):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
     values["dataset_name"] = str(data)
-    error = run_failing(tmp_path, values)
+    error = run_failing_in_process(tmp_path, values, capsys)
     assert "empty" in error.lower() or "no data" in error.lower(), error
     assert not Path(values["output_dir"]).exists()
 
 
-def test_tokenizer_without_chat_template(tmp_path, values):
+def test_tokenizer_without_chat_template(tmp_path, values, capsys):
     bare = tmp_path / "tokenizer"
     bare.mkdir()
     for file in TOKENIZER.iterdir():
@@ -63,33 +73,79 @@ def test_tokenizer_without_chat_template(tmp_path, values):
     config.pop("chat_template", None)
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
     values["tokenizer_name_or_path"] = str(bare)
-    error = run_failing(tmp_path, values)
+    error = run_failing_in_process(tmp_path, values, capsys)
     assert "no chat template" in error and "chat_template" in error
 
 
-def test_non_empty_output_dir_is_left_alone(tmp_path, values):
+def test_non_empty_output_dir_is_left_alone(tmp_path, values, capsys):
     out = Path(values["output_dir"])
     out.mkdir()
     (out / "model.safetensors").write_text("someone's weights")
-    error = run_failing(tmp_path, values)
+    error = run_failing_in_process(tmp_path, values, capsys)
     assert "not empty" in error and "--overwrite_output_dir" in error
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     assert (out / "model.safetensors").read_text() == "someone's weights"
 
 
-def test_push_without_token(tmp_path, values):
+def test_push_without_token(tmp_path, values, capsys, monkeypatch):
     values.update(push_to_hub=True, hub_model_id="someone/tiny")
-    env = {"HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    error = run_failing(tmp_path, values, env=env)
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    error = run_failing_in_process(tmp_path, values, capsys)
     assert "no Hugging Face token" in error and "HF_TOKEN" in error
     assert not Path(values["output_dir"]).exists()
 
 
-def test_two_activation_checkpointing_mechanisms_are_refused(tmp_path, values):
-    both = tmp_path / "fsdp_ac.yaml"
-    both.write_text(FSDP_CPU_CONFIG.read_text().replace("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true"))
-    assert both.read_text() != FSDP_CPU_CONFIG.read_text()
-    values["gradient_checkpointing"] = True
-    error = run_failing(tmp_path, values, accelerate_config=both)
-    assert "gradient_checkpointing" in error and "fsdp_activation_checkpointing" in error and "use one" in error
+def fake_checkpoint(output_dir: Path, model_config: Path, **progress) -> Path:
+    """What the checks before loading read of a checkpoint: its progress and its model's config."""
+    folder = output_dir / "checkpoints" / "step-00000004"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text(model_config.read_text())
+    record = dict(step=4, epoch=0, batches_into_epoch=8, world_size=1, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=1)
+    record.update(progress)
+    (folder / "progress.json").write_text(json.dumps(record))
+    (output_dir / "checkpoints" / "latest").write_text(folder.name + "\n")
+    return folder
+
+
+def test_resume_with_another_gradient_accumulation_is_refused(tmp_path, values, tiny_model_config, capsys):
+    fake_checkpoint(Path(values["output_dir"]), tiny_model_config, gradient_accumulation_steps=2)
+    values["resume_from_checkpoint"] = "latest"
+    error = run_failing_in_process(tmp_path, values, capsys)
+    assert "gradient_accumulation_steps=2" in error and "--gradient_accumulation_steps 2" in error
+
+
+def test_resume_with_another_global_batch_is_refused(tmp_path, values, tiny_model_config, capsys):
+    fake_checkpoint(Path(values["output_dir"]), tiny_model_config)
+    values.update(resume_from_checkpoint="latest", per_device_train_batch_size=3)
+    error = run_failing_in_process(tmp_path, values, capsys)
+    assert "error: the checkpoint stopped 32 rows into epoch 0" in error
+    assert "per_device_train_batch_size x processes equal to the original (4 x 1)" in error
+
+
+def test_resume_onto_another_model_shape_is_one_error(tmp_path, values, tokenizer, capsys):
+    wider = write_tiny_model_config(tmp_path / "wider.json", tokenizer, hidden_size=128)
+    fake_checkpoint(Path(values["output_dir"]), wider)
+    values["resume_from_checkpoint"] = "latest"
+    error = run_failing_in_process(tmp_path, values, capsys)
+    assert "the checkpoint holds a model of other shapes" in error
+    vocab = len(tokenizer)
+    assert f"model.embed_tokens.weight: ({vocab}, 128) in the checkpoint, ({vocab}, 64) now" in error
+
+
+@pytest.mark.slow
+def test_an_error_stops_every_rank_once_without_a_hang(tmp_path, values):
+    """A dataset without the needed columns, under a real 2-process launch: a rank that failed alone would hang."""
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [{"text": "hello", "label": 1}] * 8)
+    values["dataset_name"] = str(data)
+    config = recipe_config(tmp_path / "recipe.yaml", **values)
+    result = launch(SFT, ["--config", str(config)], timeout=180, accelerate_config=FSDP_CPU_CONFIG)
+    assert result.returncode != 0, result.stdout[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-4000:]  # printed once, not once per rank
+    assert "'messages'" in errors[0] and "['label', 'text']" in errors[0]
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
     assert not Path(values["output_dir"]).exists()

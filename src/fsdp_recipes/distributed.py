@@ -210,6 +210,7 @@ def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes:
         "mixed_precision": accelerator.mixed_precision,
         "parameters_total": total,
         "parameters_per_rank": per_rank,
+        "parameter_placements": sorted({str(getattr(p, "placements", "unsharded")) for p in model.parameters()}),
         "fsdp": None,
     }
     if accelerator.distributed_type == DistributedType.FSDP:

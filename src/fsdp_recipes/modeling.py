@@ -123,8 +123,8 @@ def check_same_shapes(saved: PretrainedConfig, current: PretrainedConfig, *, tas
     if differences:
         shown = "; ".join(differences[:3]) + (f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
         raise ConfigError(
-            f"the checkpoint holds another model ({saved.model_type}) than this run builds ({current.model_type}): "
-            f"{shown}. Resume with the model settings it was trained with (its config is in the checkpoint's model/ "
+            f"the checkpoint holds a model of other shapes than this run builds ({len(differences)} tensors differ: "
+            f"{shown}). Resume with the model settings it was trained with (its config is in the checkpoint's model/ "
             "folder), or start a new run in another output_dir."
         )
 

@@ -71,7 +71,7 @@ class Topology:
     wrap_classes: list[str] | None = None  # None: the model's _no_split_modules
     min_num_params: int | None = None
     state_dict_type: str = "SHARDED_STATE_DICT"
-    recipe_config: str = "recipes/configs/sft/<your>.yaml"
+    recipe_config: str = "recipes/configs/<recipe>/<your>.yaml"  # recipes/configs/<recipe>/...: runs recipes/<recipe>.py
 
     @property
     def world_size(self) -> int:
@@ -110,15 +110,22 @@ class Topology:
             parts.append(self.wrap_policy)
         return ", ".join(parts)
 
+    @property
+    def recipe_script(self) -> str:
+        """recipes/<recipe>.py for a recipe config under recipes/configs/<recipe>/ (any recipe runs on any topology)."""
+        parts = Path(self.recipe_config).parts
+        recipe = parts[2] if len(parts) > 3 and parts[:2] == ("recipes", "configs") else "<recipe>"
+        return f"recipes/{recipe}.py"
+
     def launch_command(self) -> list[str]:
-        """The command that launches the SFT recipe with this config, one line per logical group."""
+        """The command that launches a recipe with this config, one line per logical group."""
         first = f"accelerate launch --config_file accelerate_configs/{self.file}"
         lines = [first]
         if self.nodes > 1:
             lines.append(
                 "--machine_rank $NODE_RANK --main_process_ip $MAIN_IP --main_process_port 29500 --rdzv_backend c10d"
             )
-        lines.append(f"recipes/sft.py --config {self.recipe_config}")
+        lines.append(f"{self.recipe_script} --config {self.recipe_config}")
         return lines
 
 
