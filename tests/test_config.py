@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import load_recipe
@@ -64,6 +66,17 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         parse_config(SFTConfig, ["--config", str(tmp_path / "nope.yaml")])
 
 
+def recipe_config_class(recipe: str):
+    """The config class a recipe defines: the one dataclass in recipes/<recipe>.py ending in `Config`."""
+    import dataclasses
+
+    module = load_recipe(recipe)
+    classes = [value for name, value in vars(module).items()
+               if name.endswith("Config") and dataclasses.is_dataclass(value) and value.__module__ == module.__name__]
+    assert len(classes) == 1, f"recipes/{recipe}.py should define one config class, found {classes}"
+    return classes[0]
+
+
 def test_every_shipped_recipe_config_parses_and_says_how_to_launch_it(monkeypatch):
     from pathlib import Path
 
@@ -72,5 +85,21 @@ def test_every_shipped_recipe_config_parses_and_says_how_to_launch_it(monkeypatc
     configs = sorted((repo / "recipes" / "configs").rglob("*.yaml"))
     assert configs
     for path in configs:
-        assert "accelerate launch" in path.read_text().split("\n\n")[0], f"{path} does not open with its command"
-        parse_config(SFTConfig, ["--config", str(path)])
+        recipe = path.relative_to(repo / "recipes" / "configs").parts[0]  # recipes/configs/<recipe>/...
+        command = path.read_text().split("\n\n")[0]
+        assert "accelerate launch" in command and f"recipes/{recipe}.py" in command, f"{path} does not open with its command"
+        parse_config(recipe_config_class(recipe), ["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("learning_rate: .nan", "learning_rate must be a finite number"),
+        ("learning_rate: .inf", "learning_rate must be a finite number"),
+        ("max_grad_norm: -1", "max_grad_norm must be >= 0, got -1.0 (0 turns clipping off"),
+        ("adam_beta2: 1.0", "adam_beta2 must be in [0, 1)"),
+    ],
+)
+def test_values_that_would_break_training_silently_or_late_are_refused(tmp_path, line, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(SFTConfig, ["--config", write(tmp_path, BASE + line + "\n")])

@@ -311,3 +311,11 @@ def test_tied_embeddings_are_one_tail_unit_counted_once():
     units = memory.plan_units(info, memory.Topology(world_size=2, shard_size=2))
     assert [u.kind for u in units] == ["layer", "layer", "layer", "tail"]
     assert "model.embed_tokens" in units[-1].name and sum(u.numel for u in units) == info.num_params == 505_600
+
+
+def test_packed_rows_are_as_wide_as_packing_row_length():
+    assert memory.workload_from_recipe({"max_length": 4096}).max_length == 4096
+    packed = {"max_length": 4096, "packing": True, "packing_row_length": 1024, "per_device_train_batch_size": 2}
+    assert memory.workload_from_recipe(packed).tokens == 2048
+    unpacked = dict(packed, packing=False)  # packing_row_length only shapes packed rows
+    assert memory.workload_from_recipe(unpacked).tokens == 8192
