@@ -12,7 +12,8 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	# --no-compile: bytecode is written on first import, for the modules actually used (~40 s less CPU here)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
 
