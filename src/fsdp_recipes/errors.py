@@ -3,6 +3,7 @@ exit, no traceback, printed once rather than by every rank."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -13,6 +14,11 @@ PEER_FAILURE_EXIT_CODE = 1
 
 class UserError(Exception):
     """Bad input or setup, as opposed to a bug: reported without a traceback."""
+
+    # Most are found by checks that every rank runs on the same inputs, so the main rank reports them for all. An
+    # error that only some ranks may meet (their own writes to a full disk) clears this, so a rank that meets it
+    # alone still says why it stopped.
+    reported_by_main_rank = True
 
 
 class ConfigError(UserError, ValueError):
@@ -35,6 +41,15 @@ class DistributedSetupError(UserError, RuntimeError):
     """The launch cannot give the training that was asked for."""
 
 
+class DiskFullError(UserError, OSError):
+    """A write ran out of disk space (or quota): the message says where, how much is free and how much was needed."""
+
+    def __init__(self, message: str, *, reported_by_main_rank: bool = True):
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+        self.reported_by_main_rank = reported_by_main_rank
+
+
 def is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -46,6 +61,8 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
     except UserError as error:
         if is_main_rank():
             print(f"error: {error}", file=sys.stderr, flush=True)
+        elif not error.reported_by_main_rank:
+            print(f"error: rank {os.environ.get('RANK')}: {error}", file=sys.stderr, flush=True)
         _destroy_process_group()
         sys.exit(USER_ERROR_EXIT_CODE)
     except Exception as error:

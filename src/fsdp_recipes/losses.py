@@ -19,14 +19,22 @@ def count_targets(batch: dict[str, torch.Tensor]) -> int:
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of per-token cross-entropy over the batch's targets.
-
-    No attention mask and `use_cache=False`: with position_ids alone, transformers isolates packed examples; with a
-    cache it would silently let them attend to each other."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    """Sum of per-token cross-entropy over the batch's targets (targets are flattened in row order, as the logits)."""
+    logits = model(**model_inputs(model, batch)).logits
     return F.cross_entropy(
         logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The forward's inputs for a batch of rows. No attention mask and no cache: transformers then finds the packed
+    examples from position_ids (where they restart). Flash-attention's varlen path does so only for a batch of one
+    row, so for flash the rows are laid end to end in one row (padding restarts its positions too, so it stays a
+    sequence of its own); sdpa, eager and flex isolate examples in every row."""
+    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
+    if str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
+        input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
+    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
 
 
 def global_mean_scale(accelerator: Accelerator, global_target_count: float) -> float:

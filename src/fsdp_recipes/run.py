@@ -40,6 +40,7 @@ from .metrics import plot_training_curves, write_json
 from .modeling import (
     activation_checkpointing_mechanism,
     check_one_activation_checkpointing,
+    check_packing_is_isolated,
     check_same_shapes,
     check_tokenizer_fits_model,
     count_non_embedding_parameters,
@@ -117,7 +118,9 @@ class Run:
             optimizer_steps=total_steps, global_batch_rows=self.global_batch_rows,
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
             torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
-            memory_estimate=estimate_for_run(accelerator, self.model_config, config),
+            memory_estimate=estimate_for_run(
+                accelerator, self.model_config, dataclasses.replace(config, attn_implementation=self.attn_implementation)
+            ),
         )
         self.log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write,
                               tracker=lambda record: accelerator.log(numeric_fields(record), step=record["step"]))
@@ -256,10 +259,12 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         saved = load_model_config(None, str(checkpoints_lib.saved_model_config_path(checkpoint)),
                                   trust_remote_code=config.trust_remote_code)
         check_same_shapes(saved, model_config, task=task, trust_remote_code=config.trust_remote_code)
+    if getattr(config, "packing", False):
+        check_packing_is_isolated(model_config)
     wrap_classes = resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
     check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
     attn_implementation, attention_note = resolve_attn_implementation(
-        model_config, config.attn_implementation, trust_remote_code=config.trust_remote_code
+        model_config, config.attn_implementation, task=task, trust_remote_code=config.trust_remote_code
     )
     return dict(checkpoint=checkpoint, hub_token=hub_token, tokenizer=tokenizer, model_config=model_config,
                 wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from datasets import Dataset
+from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
@@ -27,6 +28,69 @@ def detect_format(column_names: list[str]) -> str:
         "{'role', 'content'} turns) or 'prompt' and 'completion' columns. Rename the columns (e.g. "
         "dataset.rename_column) or convert the data to one of these formats."
     )
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def example_problem(example: dict[str, Any], data_format: str) -> str | None:
+    """What makes an example unusable for its format, or None: checked before the chat template sees it, whose own
+    errors (or silence) would not say which example or what is wrong with it."""
+    if data_format == "conversational":
+        return conversation_problem(example["messages"], "messages")
+    prompt, completion = example["prompt"], example["completion"]
+    if isinstance(prompt, list) or isinstance(completion, list):
+        for column, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, list):
+                return f"{column!r} is {_a(_kind(value))}, but the other column is a list of turns: both must be lists"
+        return conversation_problem(prompt + completion, "prompt", assistant_from=len(prompt))
+    for column, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, str):
+            return f"{column!r} is {_a(_kind(value))}, not a string"
+    return None
+
+
+def conversation_problem(messages: Any, column: str, *, assistant_from: int = 0) -> str | None:
+    """Turns that are not {role, content} with a known role, a first turn (after the system prompt) that is not
+    the user's, or no assistant turn at index >= assistant_from."""
+    if not isinstance(messages, list):
+        return f"{column!r} is {_a(_kind(messages))}, not a list of turns"
+    if not messages:
+        return f"the conversation is empty ({column!r} is [])"
+    for index, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            return f"turn {index} is {_a(_kind(turn))}, not a {{'role', 'content'}} object"
+        role = turn.get("role")
+        if role is None:
+            return f"turn {index} has no role ({_preview(turn)})"
+        if role not in ROLES:
+            return f"turn {index} has role {role!r} ({_preview(turn)}); the roles are {', '.join(ROLES)}"
+        if turn.get("content") is None and not turn.get("tool_calls"):
+            return f"turn {index} ({role}) has no content"
+    first = next((turn for turn in messages if turn["role"] != "system"), None)
+    if first is not None and first["role"] != "user":
+        return (
+            f"the conversation starts with {_a(first['role'])} turn ({_preview(first)}); the first turn after the "
+            "optional system turn must be the user's"
+        )
+    if not any(turn["role"] == "assistant" for turn in messages[assistant_from:]):
+        where = "the completion" if assistant_from else "the conversation"
+        return f"{where} has no assistant turn, so there is nothing to learn from it"
+    return None
+
+
+def _kind(value: Any) -> str:
+    return {str: "string", list: "list", dict: "mapping", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _preview(turn: dict[str, Any]) -> str:
+    """Enough of a turn to find the example in the data: indices count the split after the eval examples left it."""
+    text = " ".join(str(turn.get("content")).split())
+    return f"content {text[:60]!r}" + ("..." if len(text) > 60 else "")
 
 
 def _conversation_tokens(
@@ -85,6 +149,20 @@ def tokenize_example(
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "truncated": truncated}
 
 
+def _checked_tokenize_example(
+    example: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, data_format: str, *, name: str, **options
+) -> dict[str, Any]:
+    problem = example_problem(example, data_format)
+    fix = "Fix or remove that example"
+    if problem is None:
+        try:
+            return tokenize_example(example, tokenizer, data_format, **options)
+        except TemplateError as error:
+            problem = f"the chat template refused it: {error}"
+            fix += ", or set chat_template to a template that accepts it"
+    raise DataError(f"example {index} of the {name} split: {problem}. {fix}.")
+
+
 def tokenize_dataset(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -107,10 +185,12 @@ def tokenize_dataset(
             "or use a tokenizer that ships one."
         )
     tokenized = dataset.map(
-        tokenize_example,
+        _checked_tokenize_example,
+        with_indices=True,
         fn_kwargs=dict(
             tokenizer=tokenizer,
             data_format=data_format,
+            name=name,
             assistant_only_loss=assistant_only_loss,
             completion_only_loss=completion_only_loss,
             max_length=max_length,

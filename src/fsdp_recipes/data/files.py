@@ -5,26 +5,198 @@ Format-independent: each recipe's format module (e.g. `fsdp_recipes.data.chat`) 
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, load_dataset
+import pyarrow
+from datasets import Dataset, DatasetDict, config as datasets_config, load_dataset
+from datasets.data_files import EmptyDatasetError
+from datasets.exceptions import DataFilesNotFoundError, DatasetBuildError, DatasetNotFoundError, DatasetsError
+from datasets.table import CastError
+from huggingface_hub.errors import HfHubHTTPError
 
 from ..errors import DataError
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# `name` or `org/name`, as the Hub spells repository ids; anything else can only be meant as a local path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# What the json, csv and parquet builders raise on a file they cannot read (pandas' and pyarrow's are ValueErrors).
+_READ_ERRORS = (DatasetBuildError, pyarrow.ArrowException, ValueError)
 
 
 def load_raw_dataset(dataset_name: str, dataset_config: str | None = None) -> DatasetDict:
     """A Hub dataset id, a local data file, or a local folder of data files (all splits it has)."""
-    path = Path(dataset_name)
+    path = Path(dataset_name).expanduser()
     if path.is_file():
-        builder = _LOCAL_FORMATS.get(path.suffix)
-        if builder is None:
-            raise DataError(f"{dataset_name}: unsupported file type {path.suffix!r}; use one of {sorted(_LOCAL_FORMATS)}")
-        if path.stat().st_size == 0:
-            raise DataError(f"{dataset_name} is empty: there is nothing to train on. Point dataset_name at the data.")
+        return _load_file(dataset_name, path)
+    if path.is_dir():
+        try:
+            return load_dataset(str(path), dataset_config)
+        except (EmptyDatasetError, DataFilesNotFoundError):  # no files at all, or none of a format datasets reads
+            raise DataError(
+                f"dataset_name {dataset_name!r} is a folder with no data files in it. Put .jsonl, .json, .parquet or "
+                ".csv files there (train.jsonl and test.jsonl give a train and a test split), or point dataset_name "
+                "at one file."
+            ) from None
+        except _READ_ERRORS as error:
+            raise _unreadable(_data_files_in(path), dataset_name, error) from None
+    if _looks_local(dataset_name):
+        raise DataError(
+            f"dataset_name {dataset_name!r}: {path.absolute()} does not exist. Fix the path, or give a Hub dataset "
+            "id, which looks like org/name."
+        )
+    return _load_from_hub(dataset_name, dataset_config)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).suffix.lower() in _LOCAL_FORMATS or not _HUB_ID.match(name)
+
+
+def _load_file(dataset_name: str, path: Path) -> DatasetDict:
+    builder = _LOCAL_FORMATS.get(path.suffix)
+    if builder is None:
+        raise DataError(f"{dataset_name}: unsupported file type {path.suffix!r}; use one of {sorted(_LOCAL_FORMATS)}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{dataset_name} is empty: there is nothing to train on. Point dataset_name at the data.")
+    try:
         return load_dataset(builder, data_files={"train": str(path)})
-    return load_dataset(dataset_name, dataset_config)
+    except _READ_ERRORS as error:
+        raise _unreadable([path], dataset_name, error) from None
+
+
+def _load_from_hub(dataset_name: str, dataset_config: str | None) -> DatasetDict:
+    # An id like data/train may have been meant as a relative path: say that there is none of that name either.
+    also_local = f" (and there is no local folder {dataset_name!r} either)" if "/" in dataset_name else ""
+    try:
+        return load_dataset(dataset_name, dataset_config)
+    except DatasetNotFoundError as error:
+        raise DataError(
+            f"dataset_name {dataset_name!r}: {str(error).rstrip('.')}{also_local}. Check the id (org/name), log in "
+            "with `hf auth login` or set HF_TOKEN if it is private or gated, or point dataset_name at a local file "
+            "or folder."
+        ) from None
+    except (ConnectionError, FileNotFoundError, HfHubHTTPError) as error:
+        if datasets_config.HF_HUB_OFFLINE:
+            reason = "it is not in the local cache and HF_HUB_OFFLINE is set, so the Hub was not asked"
+            fix = "Unset HF_HUB_OFFLINE where the Hub can be reached"
+        else:
+            reason = f"the Hugging Face Hub could not be reached or could not find it ({error})"
+            fix = (
+                "Check the id (org/name) and the network (if it was downloaded before, HF_HUB_OFFLINE=1 loads the "
+                "cached copy)"
+            )
+        raise DataError(
+            f"dataset_name {dataset_name!r} could not be loaded: {reason}{also_local}. {fix}, or point "
+            "dataset_name at a local file or folder."
+        ) from None
+
+
+def _data_files_in(folder: Path) -> list[Path]:
+    """The data files datasets reads from a folder: hidden files and folders are skipped, as datasets does."""
+    return sorted(
+        path for path in folder.rglob("*")
+        if path.suffix.lower() in _LOCAL_FORMATS and path.is_file()
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+
+
+def _unreadable(paths: list[Path], dataset_name: str, error: BaseException) -> DataError:
+    """The first file that is wrong and what is wrong with it, found by reading the files again (only after the
+    datasets loader failed, so good data is read once), or else the reason the loader gave."""
+    for path in paths:
+        problem = _file_problem(path)
+        if problem is not None:
+            fix = "Fix it, or move it out of the folder" if len(paths) > 1 else "Fix it"
+            return DataError(f"{path}: {problem}. {fix}, then rerun.")
+    return DataError(
+        f"could not read dataset_name {dataset_name!r}: {_reason(error)}. Check the data files: one format, and the "
+        "same columns in every file of a split."
+    )
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, from the chain below datasets' generic "An error occurred while generating the dataset"."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, CastError):
+            first, other = sorted(seen.requested_column_names), sorted(seen.table_column_names)
+            return f"the files of a split do not all have the same columns: some have {first}, others {other}"
+        if not isinstance(seen, DatasetsError) or (seen.__cause__ or seen.__context__) is None:
+            return " ".join(str(seen).split())
+        seen = seen.__cause__ or seen.__context__
+    return str(error)
+
+
+def _file_problem(path: Path) -> str | None:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _json_lines_problem(path)
+    if suffix == ".json":
+        return _json_document_problem(path)
+    if suffix == ".parquet":
+        return _parquet_problem(path)
+    if suffix == ".csv":
+        return _csv_problem(path)
+    return None
+
+
+def _json_lines_problem(path: Path) -> str | None:
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"line {number} is not valid JSON ({error.msg}, column {error.colno})"
+            except UnicodeDecodeError:
+                return f"line {number} is not UTF-8 text"
+            if not isinstance(record, dict):
+                return _not_an_object(f"line {number}", record)
+    return None
+
+
+def _json_document_problem(path: Path) -> str | None:
+    try:
+        document = json.loads(path.read_bytes())
+    except json.JSONDecodeError as error:
+        if error.msg == "Extra data":  # several values: JSON Lines in a .json file, which datasets reads too
+            return _json_lines_problem(path)
+        return f"it is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+    except UnicodeDecodeError:
+        return "it is not UTF-8 text"
+    for index, record in enumerate(document if isinstance(document, list) else []):
+        if not isinstance(record, dict):
+            return _not_an_object(f"item {index} of the list", record)
+    return None
+
+
+def _not_an_object(where: str, value) -> str:
+    kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(value))
+    return f"{where} is {kind or 'null'}, not an object whose keys are the dataset's columns"
+
+
+def _parquet_problem(path: Path) -> str | None:
+    import pyarrow.parquet
+
+    try:
+        for _ in pyarrow.parquet.ParquetFile(path).iter_batches():
+            pass
+    except (pyarrow.ArrowException, OSError) as error:
+        return f"it is not a readable Parquet file ({error})"
+    return None
+
+
+def _csv_problem(path: Path) -> str | None:
+    import pandas
+
+    try:
+        for _ in pandas.read_csv(path, chunksize=65536):
+            pass
+    except ValueError as error:  # pandas' ParserError, EmptyDataError and UnicodeDecodeError are ValueErrors
+        return f"it is not a readable CSV file ({' '.join(str(error).split())})"
+    return None
 
 
 def split_train_eval(
