@@ -89,14 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = training.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     total_steps = training.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
     scheduler = training.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
-        model, train_loader, scheduler, total_steps=total_steps, loss_sum=losses.causal_lm_loss_sum,
-        eval_rows=eval_rows, summary=dict(train_rows=len(train_rows), eval_rows=len(eval_rows or []), data=train_stats),
+        model, train_loader, scheduler, total_steps=total_steps, loss_sum=token_loss.loss_sum, eval_rows=eval_rows,
+        summary=dict(train_rows=len(train_rows), eval_rows=len(eval_rows or []), data=train_stats,
+                     loss=token_loss.description),
     )
 
     def exact_match() -> dict:
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         scale = losses.global_mean_scale(accelerator, target_count)
         loss_sum = 0.0
         for batch in training.micro_batches_in_sync(accelerator, model, micro_batches):
-            loss = losses.causal_lm_loss_sum(model, batch)
+            loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.item()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None

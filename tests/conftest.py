@@ -197,10 +197,12 @@ def reference_run(tmp_path_factory, tiny_model_config, small_chat_data) -> Path:
 
 @pytest.fixture(scope="session")
 def one_process_run(tmp_path_factory, tiny_model_config, small_chat_data) -> Path:
-    """The reference run's global batch on 1 process (8 rows per micro-batch), with a peak FLOP/s for MFU."""
+    """The reference run's global batch on 1 process (8 rows per micro-batch), with a peak FLOP/s for MFU, and the
+    loss from whole logits where the reference run uses the (default) chunked cross-entropy."""
     tmp = tmp_path_factory.mktemp("one_process")
     values = resume_values(tiny_model_config, small_chat_data, tmp / "out", per_device_train_batch_size=8,
-                           peak_flops_per_device=1e12, save_steps=None, exact_match_eval_samples=0)
+                           peak_flops_per_device=1e12, save_steps=None, exact_match_eval_samples=0,
+                           loss_implementation="full_logits")
     run_sft(tmp, "one", values, num_processes=1)
     return tmp / "out"
 

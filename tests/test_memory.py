@@ -204,7 +204,7 @@ def test_buffers_by_sharding(llama8b):
 
 # ------------------------------------------------------------------------------------------------ activations
 def test_activation_formula(llama8b):
-    work = memory.Workload(max_length=2048, per_device_train_batch_size=4)
+    work = memory.Workload(max_length=2048, per_device_train_batch_size=4, loss_implementation="full_logits")
     acts = memory.activation_bytes(llama8b, work, compute_bytes=2)
     h, i, kv, tokens = 4096, 14336, 8 * 128, 8192
     per_token_layer = 2 * (2 * h + 3 * h + 2 * kv + 4 * i) + 4 * 2 * h + 4 * 32
@@ -217,6 +217,10 @@ def test_activation_formula(llama8b):
     assert double["without_checkpointing"] == 2 * acts["without_checkpointing"]
     eager = memory.activation_bytes(llama8b, dataclasses.replace(work, attn_implementation="eager"), 2)
     assert eager["per_layer"] - acts["per_layer"] == (2 + 4) * 32 * 2048 * tokens
+    # the chunked loss holds one chunk's fp32 logits (and their exp) and the hidden states of the loss tokens
+    chunked = memory.activation_bytes(llama8b, dataclasses.replace(work, loss_implementation="chunked"), 2)
+    assert chunked["logits"] == 2 * 4 * 128256 * 1024 + 2 * h * tokens
+    assert chunked["logits"] <= acts["logits"] / 7.5
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -255,7 +259,7 @@ def test_cli_json_fields_and_fit(tiny_model_config, capsys):
 def test_cli_does_not_fit_and_suggests(capsys, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"model_config": str(LLAMA_8B), "max_length": 2048,
-                                      "per_device_train_batch_size": 4}))
+                                      "per_device_train_batch_size": 4, "loss_implementation": "full_logits"}))
     code, out, _ = run_cli(["--recipe-config", recipe, "--accelerate-config",
                             REPO / "accelerate_configs" / "fsdp_8gpu.yaml", "--json"], capsys)
     report = json.loads(out)

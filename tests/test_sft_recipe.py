@@ -30,6 +30,9 @@ def test_two_ranks_each_hold_half_of_every_parameter(reference_run):
 
 
 def test_two_rank_losses_equal_one_process_with_the_same_global_batch(reference_run, one_process_run):
+    """Also chunked cross-entropy under FSDP2 (the reference run) against whole logits (the 1-process run)."""
+    assert json.loads((reference_run / "run_summary.json").read_text())["loss"].startswith("chunked cross-entropy")
+    assert json.loads((one_process_run / "run_summary.json").read_text())["loss"] == "whole logits"
     two = [r["loss"] for r in read_metrics(reference_run) if "loss" in r]
     one = [r["loss"] for r in read_metrics(one_process_run) if "loss" in r]
     assert len(two) == len(one) == STEPS

@@ -68,6 +68,10 @@ class TrainingConfig:
     logging_steps: int = 10  # each logging step is a few small all-reduces
     eval_steps: int | None = None  # evaluate every N steps (None: only at the end); each costs a pass over eval data
     # --- speed and measurement -----------------------------------------------------------------------------------
+    loss_implementation: str = "chunked"  # "chunked": cross-entropy over chunks of tokens, never the whole micro-batch's
+    # fp32 logits (their share of activation memory drops ~tokens/loss_chunk_size-fold); "full_logits": what most trainers
+    # do (more memory); "liger": liger-kernel's fused kernel (CUDA, pip install liger-kernel)
+    loss_chunk_size: int = 1024  # tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory
     optim: str = "adamw_torch"  # "adamw_torch" (foreach kernels) or "adamw_torch_fused" (one kernel per step: faster on GPU)
     torch_compile: bool = False  # compile each decoder layer: faster steps after a compile pause at start-up
     gradient_checkpointing: bool = False  # the model's own activation checkpointing: ~30% more compute, far less
@@ -115,6 +119,10 @@ class TrainingConfig:
                 problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.train_sampling_strategy not in ("group_by_length", "random"):
             problems.append(f"train_sampling_strategy {self.train_sampling_strategy!r} is not group_by_length or random")
+        if self.loss_implementation not in ("chunked", "full_logits", "liger"):
+            problems.append(f"loss_implementation {self.loss_implementation!r} is not chunked, full_logits or liger")
+        if self.loss_chunk_size < 1:
+            problems.append(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.optim not in ("adamw_torch", "adamw_torch_fused"):
             problems.append(f"optim {self.optim!r} is not supported: use adamw_torch or adamw_torch_fused")
         if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):

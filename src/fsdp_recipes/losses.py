@@ -42,3 +42,177 @@ def global_mean_scale(accelerator: Accelerator, global_target_count: float) -> f
     ranks, so each rank scales by world_size / (targets in the whole optimizer step, all ranks and micro-batches).
     The result is the same gradient whatever the split of the global batch into ranks and micro-batches."""
     return accelerator.num_processes / max(global_target_count, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- chunked cross-entropy
+LOSS_IMPLEMENTATIONS = ("chunked", "full_logits", "liger")
+
+# Heads whose logits the model transforms after the output projection: their loss needs the whole logits. Any other
+# transformation is caught at the first step (`TokenLoss._check_untouched`).
+_LOGITS_TRANSFORMS = {
+    "final_logit_softcapping": "soft-caps its logits",
+    "logit_scale": "scales its logits",
+    "logits_scaling": "scales its logits",
+}
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-token negative log-likelihood of `targets` under `hidden @ weight.T (+ bias)`, computed `chunk_size` tokens
+    at a time: one chunk's logits exist at once, in forward and in backward (which recomputes them), so the
+    N x vocabulary logits of the whole micro-batch never do. Logits are upcast to fp32 per chunk, as the whole-logits
+    path does; gradients come back in the inputs' dtypes. `targets` must be valid token ids (no IGNORE_INDEX: select
+    the rows that carry loss first)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size):
+        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        log_normalisers = torch.empty_like(losses)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = _chunk_logits(hidden[rows], weight, bias)
+            log_normalisers[rows] = torch.logsumexp(logits, dim=-1)
+            losses[rows] = log_normalisers[rows] - logits.gather(1, targets[rows, None]).squeeze(1)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_normalisers)
+        ctx.chunk_size = chunk_size
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        hidden, weight, bias, targets, log_normalisers = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        grad_bias = torch.zeros_like(bias) if bias is not None else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            # d loss_i / d logits_ij = softmax_ij - [j == target_i], times the incoming gradient of loss_i
+            grad_logits = torch.exp(_chunk_logits(hidden[rows], weight, bias) - log_normalisers[rows, None])
+            grad_logits[torch.arange(grad_logits.shape[0], device=grad_logits.device), targets[rows]] -= 1.0
+            grad_logits = (grad_logits * grad_losses[rows, None]).to(weight.dtype)
+            grad_hidden[rows] = grad_logits @ weight
+            grad_weight.addmm_(grad_logits.T, hidden[rows])
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _chunk_logits(hidden, weight, bias):
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    return logits.float()
+
+
+def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                         chunk_size: int) -> torch.Tensor:
+    """Per-token NLL shaped like `targets` ([..., T]), 0 where the target is IGNORE_INDEX. Only the tokens that carry
+    loss go through the output projection: prompt, padding and each example's last token cost nothing."""
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    keep = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
+    losses = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
+    if keep.numel():
+        kept = ChunkedCrossEntropy.apply(flat_hidden[keep], weight, bias, flat_targets[keep], chunk_size)
+        return losses.index_put((keep,), kept).reshape(targets.shape)
+    # No target here (all prompt or padding): the result must still depend on hidden states and weights, since every
+    # rank runs backward (FSDP reduce-scatters gradients from all of them); one token, weighted by zero.
+    first = ChunkedCrossEntropy.apply(flat_hidden[:1], weight, bias, torch.zeros_like(flat_targets[:1]), chunk_size)
+    return (losses + 0.0 * first.sum()).reshape(targets.shape)
+
+
+class TokenLoss:
+    """The token loss of a causal LM, chosen once per run (`loss_implementation`):
+
+    - "chunked" (default): cross-entropy from the final hidden states in chunks (`ChunkedCrossEntropy`), computed
+      inside the model's own forward by its output layer, so FSDP2 has that layer's weight gathered as usual and
+      parameter names do not change; outside the loss (generation, plain forwards) the layer behaves as before;
+    - "full_logits": the model's logits for the whole micro-batch, then fp32 cross-entropy (what most trainers do);
+    - "liger": liger-kernel's fused linear cross-entropy (GPUs, `pip install liger-kernel`) in the same place.
+
+    Build it on the unprepared model, before `accelerator.prepare`. Models that transform their logits after the
+    output layer (soft-capping, scaling) fall back to whole logits; `description` says what runs, for the run summary."""
+
+    def __init__(self, model: torch.nn.Module, implementation: str = "chunked", *, chunk_size: int = 1024):
+        if implementation not in LOSS_IMPLEMENTATIONS:
+            raise ValueError(f"loss_implementation {implementation!r} is not one of {LOSS_IMPLEMENTATIONS}")
+        self.head = model.get_output_embeddings()
+        self.chunk_size = chunk_size
+        self._targets = self._returned = None
+        reason = _logits_transform(model.config) if implementation != "full_logits" else None
+        self.implementation = "full_logits" if reason else implementation
+        if reason:
+            self.description = f"whole logits ({type(model).__name__} {reason}, so its loss needs them)"
+        elif implementation == "chunked":
+            self.description = f"chunked cross-entropy, {chunk_size} tokens per chunk"
+        elif implementation == "liger":
+            self.description = "liger-kernel fused linear cross-entropy"
+        else:
+            self.description = "whole logits"
+        if self.implementation != "full_logits":
+            original = self.head.forward
+            self.head.forward = lambda hidden: original(hidden) if self._targets is None else self._losses(hidden)
+
+    def token_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token NLL, shaped like the batch's targets (0 where there is no target), in fp32."""
+        inputs = model_inputs(model, batch)
+        targets = batch["targets"].reshape(inputs["input_ids"].shape)
+        if self.implementation == "full_logits":
+            logits = model(**inputs).logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="none").reshape(batch["targets"].shape)
+        self._targets = targets
+        try:
+            losses = self._check_untouched(model(**inputs).logits)
+        finally:
+            self._targets = None
+        return losses.reshape(batch["targets"].shape)
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sum of per-token cross-entropy over the batch's targets."""
+        return self.token_losses(model, batch).sum()
+
+    def _losses(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.head.weight, getattr(self.head, "bias", None)
+        if self.implementation == "liger":
+            return _liger_token_losses(hidden, weight, bias, self._targets)
+        losses = chunked_token_losses(hidden, weight, bias, self._targets, self.chunk_size)
+        self._returned = losses
+        return losses
+
+    def _check_untouched(self, output: torch.Tensor) -> torch.Tensor:
+        if self.implementation == "chunked" and output is not self._returned:
+            raise RuntimeError(
+                "the model transformed the output of its output layer, so the chunked loss would be wrong for it: set "
+                "loss_implementation: full_logits (and report the model type, so it is recognised up front)"
+            )
+        return output
+
+
+def _logits_transform(config) -> str | None:
+    for candidate in (config, getattr(config, "text_config", None)):
+        for attribute, what in _LOGITS_TRANSFORMS.items():
+            value = getattr(candidate, attribute, None)
+            if value not in (None, 1, 1.0):
+                return what
+    return None
+
+
+def _liger_token_losses(hidden, weight, bias, targets):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="none")
+    flat = loss(weight, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), bias)
+    return flat.float().reshape(targets.shape)
+
+
+def loss_implementation_problem(implementation: str, device_type: str) -> str | None:
+    """Why `implementation` cannot run on this device, or None."""
+    if implementation not in LOSS_IMPLEMENTATIONS:
+        return f"loss_implementation {implementation!r} is not one of {', '.join(LOSS_IMPLEMENTATIONS)}"
+    if implementation == "liger":
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            return ("loss_implementation liger needs the liger-kernel package (pip install liger-kernel); or use "
+                    "chunked, which needs nothing")
+        if device_type != "cuda":
+            return "loss_implementation liger runs on CUDA GPUs only; use chunked on this device"
+    return None

@@ -472,6 +472,8 @@ class Workload:
     per_device_train_batch_size: int = 8
     attn_implementation: str = "sdpa"
     gradient_accumulation_steps: int = 1
+    loss_implementation: str = "chunked"
+    loss_chunk_size: int = 1024
 
     @property
     def tokens(self) -> int:
@@ -499,6 +501,8 @@ def workload_from_recipe(recipe: Any | None) -> Workload:
         int(row_length), int(get("per_device_train_batch_size", defaults.per_device_train_batch_size)),
         str(get("attn_implementation", defaults.attn_implementation)),
         int(get("gradient_accumulation_steps", defaults.gradient_accumulation_steps)),
+        str(get("loss_implementation", defaults.loss_implementation)),
+        int(get("loss_chunk_size", defaults.loss_chunk_size)),
     )
 
 
@@ -547,7 +551,10 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) ->
     layer = per_token_layer * tokens
     # final norm (fp32 input + output), rotary cos/sin shared by all layers, ids/positions/targets (int64)
     other = (FP32 * h + c * h + 2 * c * info.head_dim + 3 * 8) * tokens
-    logits = 2 * FP32 * info.vocab_size * tokens  # fp32 logits + cross-entropy's fp32 log-probabilities
+    if workload.loss_implementation == "full_logits":
+        logits = 2 * FP32 * info.vocab_size * tokens  # fp32 logits + cross-entropy's fp32 log-probabilities
+    else:  # one chunk's fp32 logits and their exp, plus the hidden states of the tokens that carry loss
+        logits = 2 * FP32 * info.vocab_size * min(workload.loss_chunk_size, tokens) + c * h * tokens
     checkpoint = c * h * tokens  # each layer's input, kept when its activations are recomputed
     without = info.num_layers * layer + other + logits
     with_ac = info.num_layers * checkpoint + max(layer, other + logits)

@@ -34,6 +34,7 @@ from .evaluation import LossEvaluator, LossSum
 from .export import export_model_folder
 from .faults import inject_fault
 from .hub import push_folder_to_hub, require_hub_token
+from .losses import loss_implementation_problem
 from .memory import estimate_for_run
 from .metrics import MetricsLog, StepLogger, device_name, format_table, numeric_fields, peak_flops_per_device
 from .metrics import plot_training_curves, write_json
@@ -263,6 +264,9 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         check_packing_is_isolated(model_config)
     wrap_classes = resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
     check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
+    problem = loss_implementation_problem(config.loss_implementation, accelerator.device.type)
+    if problem:
+        raise ConfigError(problem)
     attn_implementation, attention_note = resolve_attn_implementation(
         model_config, config.attn_implementation, task=task, trust_remote_code=config.trust_remote_code
     )
