@@ -34,3 +34,6 @@ print(json.dumps({
     "padding_fraction": round(mean("padding_fraction"), 4),
 }, indent=2))
 PY
+
+echo "== loss memory: whole logits vs chunked cross-entropy (benchmarks/chunked_loss_memory.py, on the GPU)"
+timeout 300 "$PYTHON" benchmarks/chunked_loss_memory.py --device cuda --hidden 2048 --rows 8 || true

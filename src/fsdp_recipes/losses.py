@@ -58,20 +58,23 @@ _LOGITS_TRANSFORMS = {
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token negative log-likelihood of `targets` under `hidden @ weight.T (+ bias)`, computed `chunk_size` tokens
-    at a time: one chunk's logits exist at once, in forward and in backward (which recomputes them), so the
-    N x vocabulary logits of the whole micro-batch never do. Logits are upcast to fp32 per chunk, as the whole-logits
-    path does; gradients come back in the inputs' dtypes. `targets` must be valid token ids (no IGNORE_INDEX: select
-    the rows that carry loss first)."""
+    at a time in one reused fp32 buffer: one chunk's logits exist at once, in forward and in backward (which
+    recomputes them), so the N x vocabulary logits of the whole micro-batch never do. Logits are upcast to fp32 per
+    chunk, as the whole-logits path does; gradients come back in the inputs' dtypes. `targets` must be valid token
+    ids (no IGNORE_INDEX: select the rows that carry loss first)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size):
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         log_normalisers = torch.empty_like(losses)
+        buffer = hidden.new_empty((min(chunk_size, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight, bias)
-            log_normalisers[rows] = torch.logsumexp(logits, dim=-1)
-            losses[rows] = log_normalisers[rows] - logits.gather(1, targets[rows, None]).squeeze(1)
+            logits = _chunk_logits(buffer, hidden[rows], weight, bias)
+            target_logits = logits.gather(1, targets[rows, None]).squeeze(1)
+            largest = logits.amax(dim=1, keepdim=True)
+            log_normalisers[rows] = logits.sub_(largest).exp_().sum(dim=1).log_() + largest.squeeze(1)
+            losses[rows] = log_normalisers[rows] - target_logits
         ctx.save_for_backward(hidden, weight, bias, targets, log_normalisers)
         ctx.chunk_size = chunk_size
         return losses
@@ -82,24 +85,30 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight)
         grad_bias = torch.zeros_like(bias) if bias is not None else None
+        buffer = hidden.new_empty((min(ctx.chunk_size, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             # d loss_i / d logits_ij = softmax_ij - [j == target_i], times the incoming gradient of loss_i
-            grad_logits = torch.exp(_chunk_logits(hidden[rows], weight, bias) - log_normalisers[rows, None])
+            grad_logits = _chunk_logits(buffer, hidden[rows], weight, bias).sub_(log_normalisers[rows, None]).exp_()
             grad_logits[torch.arange(grad_logits.shape[0], device=grad_logits.device), targets[rows]] -= 1.0
-            grad_logits = (grad_logits * grad_losses[rows, None]).to(weight.dtype)
+            grad_logits = grad_logits.mul_(grad_losses[rows, None]).to(weight.dtype)
             grad_hidden[rows] = grad_logits @ weight
-            grad_weight.addmm_(grad_logits.T, hidden[rows])
+            grad_weight.addmm_(grad_logits.T, hidden[rows].to(weight.dtype))
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
-def _chunk_logits(hidden, weight, bias):
-    logits = hidden @ weight.T
+def _chunk_logits(buffer: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The chunk's logits in fp32, written into the front of `buffer` (reused: no allocation per chunk)."""
+    logits = buffer[: hidden.shape[0]]
+    if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+        torch.mm(hidden, weight.T, out=logits)
+    else:  # bf16/fp16 compute, as the model's own output layer would do, then upcast
+        logits.copy_(hidden @ weight.T)
     if bias is not None:
-        logits = logits + bias
-    return logits.float()
+        logits.add_(bias)
+    return logits
 
 
 def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
