@@ -72,5 +72,11 @@ def test_every_shipped_recipe_config_parses_and_says_how_to_launch_it(monkeypatc
     configs = sorted((repo / "recipes" / "configs").rglob("*.yaml"))
     assert configs
     for path in configs:
+        recipe = path.relative_to(repo / "recipes" / "configs").parts[0]  # recipes/configs/<recipe>/*.yaml
+        assert f"recipes/{recipe}.py" in path.read_text().split("\n\n")[0], f"{path} does not open with its command"
         assert "accelerate launch" in path.read_text().split("\n\n")[0], f"{path} does not open with its command"
-        parse_config(SFTConfig, ["--config", str(path)])
+        module = load_recipe(recipe)
+        config_class = next(value for name, value in vars(module).items()
+                            if name.endswith("Config") and isinstance(value, type)
+                            and value.__module__ == module.__name__)
+        parse_config(config_class, ["--config", str(path)])

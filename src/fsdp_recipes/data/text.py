@@ -116,7 +116,7 @@ def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_siz
     if isinstance(tokenized, IterableDataset):
         shards = tokenized.num_shards
         split = {"split": f"{shards // world_size} whole shard(s) of {shards} per rank" if shards % world_size == 0
-                 else f"every {world_size}th document ({shards} shards do not divide among {world_size} processes)"}
+                 else f"one document in {world_size} ({shards} shards do not divide among {world_size} processes)"}
         short = _first_tokens(part, max_length)
         short = {rank: short} if short < max_length else {}
         source = StreamedDocuments(part)
