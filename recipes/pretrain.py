@@ -21,7 +21,8 @@ Errors raised before any weights load, on every rank: bad config, non-empty or u
 token, degraded launch, a tokenizer without EOS, missing or empty data, no text column, a corpus part smaller than one
 row, a checkpoint written by another number of processes or with other data settings.
 
-This file is meant to be copied and edited (`fsdp-recipes cp pretrain my_project/`).
+This file is meant to be copied and edited: the data pipeline lives in `fsdp_recipes.data.text`, the distributed
+details in `fsdp_recipes`. docs/pretraining.md says what each setting trades.
 """
 
 from __future__ import annotations
