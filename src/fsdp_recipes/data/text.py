@@ -32,7 +32,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
@@ -186,7 +185,8 @@ class IndexedDocuments:
         if self.index == len(self.dataset):
             self.epoch, self.index = self.epoch + 1, 0
         if self._order_epoch != self.epoch:
-            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.dataset))
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._order = torch.randperm(len(self.dataset), generator=generator)  # 8 bytes per document
             self._order_epoch = self.epoch
         self.index += 1
         return self.dataset[int(self._order[self.index - 1])]["input_ids"]
