@@ -181,24 +181,31 @@ def stream(tokenized, tokenizer, *, strategy, rank=0, world_size=1, max_length=3
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map-style"])
 @pytest.mark.parametrize("strategy", ["wrapped", "bfd"])
 def test_a_stream_restored_from_its_state_continues_bit_for_bit(tmp_path, tokenizer, streaming, strategy):
-    """Saved mid-epoch (leftover tokens pending, or a window half handed out), restored into a new stream from JSON,
-    then read across the end of the epoch."""
+    """Saved mid-epoch (leftover tokens pending, or a window half handed out) and on each side of the end of the
+    epoch, restored from JSON into a new stream over a new dataset object (as in a new process), then read on."""
     write_corpus(tmp_path / "corpus", 3, documents=24)
-    tokenized = tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming)
-    original = stream(tokenized, tokenizer, strategy=strategy, rank=1, world_size=2)
-    original.take(5)
-    state = json.loads(json.dumps(original.state_dict()))
-    expected = original.take(40)
-    assert original.epoch >= 1
-    restored = stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer,
+    original = stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer,
                       strategy=strategy, rank=1, world_size=2)
-    restored.load_state_dict(state)
-    for step, (a, b) in enumerate(zip(expected, restored.take(40))):
-        for key in a:
-            assert torch.equal(a[key], b[key]), (step, key)
-    assert restored.counts() == original.counts()
+    expected, epochs = [], []
+    for _ in range(40):
+        expected.append(original.next_batch())
+        epochs.append(original.epoch)
+    boundary = epochs.index(1)  # the batch during which this rank's part ran out
+    for saved_after in (5, boundary, boundary + 1, boundary + 2):
+        first = stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer,
+                       strategy=strategy, rank=1, world_size=2)
+        first.take(saved_after)
+        state = json.loads(json.dumps(first.state_dict()))
+        restored = stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer,
+                          strategy=strategy, rank=1, world_size=2)
+        restored.load_state_dict(state)
+        for step, (a, b) in enumerate(zip(expected[saved_after:], restored.take(len(expected) - saved_after))):
+            for key in a:
+                assert torch.equal(a[key], b[key]), (saved_after, step, key)
+        assert restored.counts() == original.counts()
     with pytest.raises(DataError, match="max_length: 32 then, 48 now"):
-        stream(tokenized, tokenizer, strategy=strategy, max_length=48, rank=1, world_size=2).load_state_dict(state)
+        stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer, strategy=strategy,
+               max_length=48, rank=1, world_size=2).load_state_dict(state)
 
 
 def test_a_text_file_is_one_document(tmp_path):
