@@ -6,6 +6,8 @@ Layout under `output_dir/checkpoints/`:
         pytorch_model_fsdp_0/  model: DCP shards, one file per rank (SHARDED_STATE_DICT) ...
         optimizer_0/           ... or pytorch_model_fsdp.bin / optimizer.bin written by rank 0 (FULL_STATE_DICT)
         random_states_<rank>.pkl, custom_checkpoint_0.pkl (LR scheduler)   (accelerate's save_state)
+        data_state_<rank>.json the data position of each rank, for data read as per-rank streams (pretraining);
+                               absent when the position is progress.json's (map-style data, any world size)
         progress.json          step, data position, world size: written last, before the rename
         model/                 config, generation config, tokenizer: what an offline export needs
     latest                     text file naming the newest complete checkpoint
@@ -52,6 +54,9 @@ class TrainingProgress:
     world_size: int
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
+    # True: each rank kept its own data position (data_state_<rank>.json) and epoch / batches_into_epoch are rank 0's;
+    # such a position belongs to one split of the data into ranks, so only the same world size can continue it
+    data_state_per_rank: bool = False
 
     @property
     def rows_into_epoch(self) -> int:
@@ -61,7 +66,16 @@ class TrainingProgress:
     def check_resumable(self, *, world_size: int, per_device_train_batch_size: int,
                         gradient_accumulation_steps: int) -> None:
         """ConfigError unless this launch continues the same training: the same global batch (so the same schedule
-        and a data position it can reproduce), whatever its split into processes."""
+        and a data position it can reproduce), whatever its split into processes unless the position is per rank."""
+        if self.data_state_per_rank and (world_size, per_device_train_batch_size) != (
+                self.world_size, self.per_device_train_batch_size):
+            raise ConfigError(
+                f"the checkpoint was written by {self.world_size} processes x {self.per_device_train_batch_size} rows, "
+                f"each process keeping its own position in its part of the data (its shards or documents, and the "
+                f"packer's leftover tokens); {world_size} processes x {per_device_train_batch_size} rows would split "
+                "the data differently, so the run could not continue where it stopped. Resume with --num_processes "
+                f"{self.world_size} and --per_device_train_batch_size {self.per_device_train_batch_size}."
+            )
         if gradient_accumulation_steps != self.gradient_accumulation_steps:
             raise ConfigError(
                 f"the checkpoint was written with gradient_accumulation_steps={self.gradient_accumulation_steps}, this "
@@ -84,20 +98,23 @@ class TrainingProgress:
 
 class Checkpointer:
     """Saves a checkpoint every `every` optimizer steps and at the last one (None: never), with the data position
-    that `position()` gives at that moment. Save time is left out of the throughput figures (`pause`)."""
+    that `position()` gives at that moment, and each rank's own `rank_state()` if given. Save time is left out of the
+    throughput figures (`pause`)."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | Path, *, every: int | None, total_steps: int,
-                 save_total_limit: int | None, position, model_files_writer=None, pause=contextlib.nullcontext):
+                 save_total_limit: int | None, position, model_files_writer=None, pause=contextlib.nullcontext,
+                 rank_state=None):
         self.accelerator, self.output_dir, self.every, self.total_steps = accelerator, output_dir, every, total_steps
         self.save_total_limit, self.position, self.model_files_writer = save_total_limit, position, model_files_writer
-        self.pause = pause
+        self.pause, self.rank_state = pause, rank_state
 
     def maybe_save(self, step: int) -> Path | None:
         if not self.every or (step % self.every and step != self.total_steps):
             return None
         with self.pause():
             return save_checkpoint(self.accelerator, self.output_dir, self.position(step),
-                                   save_total_limit=self.save_total_limit, model_files_writer=self.model_files_writer)
+                                   save_total_limit=self.save_total_limit, model_files_writer=self.model_files_writer,
+                                   rank_state=self.rank_state() if self.rank_state else None)
 
 
 def checkpoint_name(step: int) -> str:
@@ -120,9 +137,11 @@ def save_checkpoint(
     *,
     save_total_limit: int | None,
     model_files_writer=None,
+    rank_state: dict | None = None,
 ) -> Path:
     """Collective. `model_files_writer(folder)`, if given, is called on the main process to add what an offline
-    export needs (config, tokenizer)."""
+    export needs (config, tokenizer). `rank_state`, if given, is this rank's data position (JSON), written by each
+    rank into the checkpoint before it is committed."""
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(progress.step)
     staging = root / f"{_STAGING}{checkpoint_name(progress.step)}"
@@ -133,12 +152,17 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(staging))
+        if rank_state is not None:
+            _write_atomically(rank_state_path(staging, accelerator.process_index), json.dumps(rank_state) + "\n")
         inject_fault("during-save", progress.step, accelerator.process_index)
         accelerator.wait_for_everyone()  # every rank's shard is on disk
         if accelerator.is_main_process:
             if model_files_writer is not None:
                 model_files_writer(staging / MODEL_FILES)
-            _write_atomically(staging / PROGRESS, json.dumps(dataclasses.asdict(progress), indent=2) + "\n")
+            record = dataclasses.asdict(progress)
+            if not progress.data_state_per_rank:  # progress.json as before the field existed, for older readers
+                del record["data_state_per_rank"]
+            _write_atomically(staging / PROGRESS, json.dumps(record, indent=2) + "\n")
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         disk_full = _disk_full_error(accelerator, output_dir, staging, error)
         if disk_full is None:
@@ -321,6 +345,22 @@ def saved_model_config_path(checkpoint: str | Path) -> Path:
 
 def read_progress(checkpoint: str | Path) -> TrainingProgress:
     return TrainingProgress(**json.loads((Path(checkpoint) / PROGRESS).read_text()))
+
+
+def rank_state_path(checkpoint: str | Path, rank: int) -> Path:
+    return Path(checkpoint) / f"data_state_{rank}.json"
+
+
+def read_rank_state(checkpoint: str | Path, rank: int) -> dict:
+    """This rank's data position as `save_checkpoint(rank_state=...)` wrote it, or ConfigError if there is none."""
+    path = rank_state_path(checkpoint, rank)
+    if not path.is_file():
+        raise ConfigError(
+            f"{checkpoint} holds no data position for rank {rank} ({path.name}): it was written by a run that read its "
+            "data another way (another recipe, or map-style data) or by fewer processes. Resume it with the settings "
+            "that wrote it, or start a new run in a new output_dir."
+        )
+    return json.loads(path.read_text())
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path) -> TrainingProgress:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpoint as checkpoints_lib
@@ -101,16 +102,23 @@ class Run:
               summary: dict[str, Any] | None = None) -> tuple[BatchStream, int]:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
-        batch stream at the right data position and the first optimizer step to run."""
+        batch stream at the right data position and the first optimizer step to run.
+
+        `train_loader` is a prepared DataLoader (its position is progress.json's, valid on any world size), or a
+        stream that keeps each rank's own position: it has BatchStream's `take`, `epoch` and `batches_into_epoch`
+        plus `state_dict()`, which every checkpoint stores per rank; the recipe restores it (`read_rank_state`)
+        before loading weights, so it is used here as it is."""
         config, accelerator = self.config, self.accelerator
         self.total_steps = total_steps
         accelerator.register_for_checkpointing(scheduler)
-        batches, first_step = BatchStream(accelerator, train_loader), 1
+        per_rank_stream = not isinstance(train_loader, DataLoader)
+        batches, first_step = train_loader if per_rank_stream else BatchStream(accelerator, train_loader), 1
         if self.checkpoint is not None:
             progress = checkpoints_lib.load_checkpoint(accelerator, self.checkpoint)
-            batches = BatchStream(accelerator, train_loader, epoch=progress.epoch,
-                                  batches_into_epoch=progress.batches_into_epoch_for(
-                                      accelerator.num_processes, config.per_device_train_batch_size))
+            if not per_rank_stream:
+                batches = BatchStream(accelerator, train_loader, epoch=progress.epoch,
+                                      batches_into_epoch=progress.batches_into_epoch_for(
+                                          accelerator.num_processes, config.per_device_train_batch_size))
             first_step = progress.step + 1
 
         self.summary = describe_run(accelerator, model, self.wrap_classes)
@@ -151,8 +159,9 @@ class Run:
             position=lambda step: checkpoints_lib.TrainingProgress(
                 step=step, epoch=batches.epoch, batches_into_epoch=batches.batches_into_epoch,
                 world_size=accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
+                gradient_accumulation_steps=config.gradient_accumulation_steps, data_state_per_rank=per_rank_stream,
             ),
+            rank_state=batches.state_dict if per_rank_stream else None,
             model_files_writer=lambda folder: checkpoints_lib.write_model_files(
                 folder, model_config=self.model_config, tokenizer=self.tokenizer,
                 generation_config=getattr(accelerator.unwrap_model(model), "generation_config", None),

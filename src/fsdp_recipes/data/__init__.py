@@ -1,2 +1,3 @@
 """Data: `files` loads (Hub or local) and splits, one module per format turns examples into tokens and loss masks
-(`chat` for SFT), and `rows` packs, batches and collates for every token-level recipe."""
+(`chat` for SFT; `text` for pretraining, with its per-rank document streams and their packing), and `rows` packs,
+batches and collates for every token-level recipe."""

@@ -1,6 +1,8 @@
 """Loading a dataset: a Hub id, a local data file, or a local folder of them, and the held-out split.
 
-Format-independent: each recipe's format module (e.g. `fsdp_recipes.data.chat`) checks the columns it needs.
+Format-independent: each recipe's format module (e.g. `fsdp_recipes.data.chat`) checks the columns it needs. A `.txt`
+file is one example with a `text` column (one document, as pretraining wants; use JSONL for many documents per file).
+With `streaming=True` nothing is read until iterated, and nothing is written to the datasets cache.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import re
 from pathlib import Path
 
 import pyarrow
-from datasets import Dataset, DatasetDict, config as datasets_config, load_dataset
+from datasets import Dataset, DatasetDict, IterableDatasetDict, config as datasets_config, load_dataset
 from datasets.data_files import EmptyDatasetError
 from datasets.exceptions import DataFilesNotFoundError, DatasetBuildError, DatasetNotFoundError, DatasetsError
 from datasets.table import CastError
@@ -18,21 +20,24 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from ..errors import DataError
 
-_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+_ONE_DOCUMENT_PER_TEXT_FILE = {"sample_by": "document"}  # datasets' default cuts a text file at every line
 # `name` or `org/name`, as the Hub spells repository ids; anything else can only be meant as a local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # What the json, csv and parquet builders raise on a file they cannot read (pandas' and pyarrow's are ValueErrors).
 _READ_ERRORS = (DatasetBuildError, pyarrow.ArrowException, ValueError)
 
 
-def load_raw_dataset(dataset_name: str, dataset_config: str | None = None) -> DatasetDict:
+def load_raw_dataset(dataset_name: str, dataset_config: str | None = None, *,
+                     streaming: bool = False) -> DatasetDict | IterableDatasetDict:
     """A Hub dataset id, a local data file, or a local folder of data files (all splits it has)."""
     path = Path(dataset_name).expanduser()
     if path.is_file():
-        return _load_file(dataset_name, path)
+        return _load_file(dataset_name, path, streaming)
     if path.is_dir():
+        options = _ONE_DOCUMENT_PER_TEXT_FILE if any(path.rglob("*.txt")) else {}
         try:
-            return load_dataset(str(path), dataset_config)
+            return load_dataset(str(path), dataset_config, streaming=streaming, **options)
         except (EmptyDatasetError, DataFilesNotFoundError):  # no files at all, or none of a format datasets reads
             raise DataError(
                 f"dataset_name {dataset_name!r} is a folder with no data files in it. Put .jsonl, .json, .parquet or "
@@ -46,30 +51,31 @@ def load_raw_dataset(dataset_name: str, dataset_config: str | None = None) -> Da
             f"dataset_name {dataset_name!r}: {path.absolute()} does not exist. Fix the path, or give a Hub dataset "
             "id, which looks like org/name."
         )
-    return _load_from_hub(dataset_name, dataset_config)
+    return _load_from_hub(dataset_name, dataset_config, streaming)
 
 
 def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).suffix.lower() in _LOCAL_FORMATS or not _HUB_ID.match(name)
 
 
-def _load_file(dataset_name: str, path: Path) -> DatasetDict:
+def _load_file(dataset_name: str, path: Path, streaming: bool) -> DatasetDict | IterableDatasetDict:
     builder = _LOCAL_FORMATS.get(path.suffix)
     if builder is None:
         raise DataError(f"{dataset_name}: unsupported file type {path.suffix!r}; use one of {sorted(_LOCAL_FORMATS)}")
     if path.stat().st_size == 0:
         raise DataError(f"{dataset_name} is empty: there is nothing to train on. Point dataset_name at the data.")
     try:
-        return load_dataset(builder, data_files={"train": str(path)})
+        options = _ONE_DOCUMENT_PER_TEXT_FILE if builder == "text" else {}
+        return load_dataset(builder, data_files={"train": str(path)}, streaming=streaming, **options)
     except _READ_ERRORS as error:
         raise _unreadable([path], dataset_name, error) from None
 
 
-def _load_from_hub(dataset_name: str, dataset_config: str | None) -> DatasetDict:
+def _load_from_hub(dataset_name: str, dataset_config: str | None, streaming: bool) -> DatasetDict | IterableDatasetDict:
     # An id like data/train may have been meant as a relative path: say that there is none of that name either.
     also_local = f" (and there is no local folder {dataset_name!r} either)" if "/" in dataset_name else ""
     try:
-        return load_dataset(dataset_name, dataset_config)
+        return load_dataset(dataset_name, dataset_config, streaming=streaming)
     except DatasetNotFoundError as error:
         raise DataError(
             f"dataset_name {dataset_name!r}: {str(error).rstrip('.')}{also_local}. Check the id (org/name), log in "

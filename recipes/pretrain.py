@@ -1,0 +1,166 @@
+"""Pretraining of a causal language model on raw text, from scratch or continued, with FSDP2.
+
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/pretrain.py \
+        --config recipes/configs/pretrain/demo_tiny_stories.yaml [--field value ...]
+
+Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
+data: the documents of one text column (local txt/JSONL/Parquet files or a Hub dataset), read as a stream
+(`streaming: true`: nothing materialised on disk, tokenised on the fly) or tokenised once and cached; each rank reads
+its own part of the corpus (whole shards, or every k-th document, or a contiguous block) and packs it into rows in
+which documents never attend to or predict each other (`packing_strategy`, `cross_document_attention`); the model
+(`model_config` from scratch, or `model_name_or_path` to continue); `accelerator.prepare`; the loop, whose loss is the
+mean over every target token of the global batch (per_device_train_batch_size x processes x
+gradient_accumulation_steps rows of max_length tokens); and the finish: what each rank read, then output_dir becomes a
+Hugging Face model folder (safetensors, config, tokenizer, card), checked after writing, optionally pushed.
+
+Checkpoints (`save_steps`) hold each rank's data position, including the packer's leftover tokens, so
+`--resume_from_checkpoint latest` continues bit for bit, streaming included, on the same number of processes (another
+number is refused: it would split the corpus differently). A stream has no known length: it needs `max_steps`.
+
+Errors raised before any weights load, on every rank: bad config, non-empty or unwritable output_dir, missing Hub
+token, degraded launch, a tokenizer without EOS, missing or empty data, no text column, a corpus part smaller than one
+row, a checkpoint written by another number of processes or with other data settings.
+
+This file is meant to be copied and edited: the data pipeline lives in `fsdp_recipes.data.text`, the distributed
+details in `fsdp_recipes`. docs/pretraining.md says what each setting trades.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+from fsdp_recipes import checkpoint as checkpoint_lib
+from fsdp_recipes import config as config_lib
+from fsdp_recipes import distributed, errors, losses, modeling, training
+from fsdp_recipes import run as run_lib
+from fsdp_recipes.data import text
+
+
+@dataclasses.dataclass
+class PretrainConfig(config_lib.TrainingConfig):
+    """The pretraining recipe's own settings, on top of those every training recipe has (max_length is the row)."""
+
+    output_dir: str = "outputs/pretrain"
+    dataset_text_field: str = "text"  # the column holding the documents (TRL's name)
+    streaming: bool = False  # read the corpus as a stream: starts at once, never writes it to disk, tokenises on the
+    # fly (a little CPU per step; needs max_steps). false: tokenised once by datasets.map, cached for the next run
+    packing_strategy: str = "wrapped"  # "wrapped": concatenate and split, every row full (no padding), documents cut
+    # at row ends; "bfd": whole documents fitted into rows (only those longer than a row cut), at the cost of padding
+    cross_document_attention: bool = False  # the classic concatenated LM (wrapped only): tokens attend to the unrelated
+    # documents before them in the row and EOS predicts the next document; in exchange, the plain causal mask
+    max_eval_samples: int | None = 256  # held-out rows evaluated each time (null: all); each costs a forward pass
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if self.packing_strategy not in text.PACKING_STRATEGIES:
+            problems.append(f"packing_strategy {self.packing_strategy!r} is not one of {', '.join(text.PACKING_STRATEGIES)}")
+        if self.cross_document_attention and self.packing_strategy != "wrapped":
+            problems.append("cross_document_attention needs packing_strategy: wrapped (bfd packs to keep documents whole)")
+        if self.streaming and self.max_steps <= 0:
+            problems.append("streaming: true needs max_steps > 0: a stream's length is unknown until it has been read")
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            problems.append(f"max_eval_samples must be >= 1 or null, got {self.max_eval_samples}")
+        return problems
+
+
+def data_settings(config: PretrainConfig, *, rank: int) -> dict:
+    """What shapes a rank's stream of rows: a checkpoint's data position is only valid with the same values."""
+    names = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_text_field", "streaming", "max_length",
+             "packing_strategy", "cross_document_attention", "seed", "tokenizer_name_or_path", "model_name_or_path")
+    return {"rank": rank, **{name: getattr(config, name) for name in names}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = config_lib.parse_config(PretrainConfig, argv)
+    run = run_lib.start(config, name="pretrain")
+    accelerator, tokenizer = run.accelerator, run.tokenizer
+
+    # --- data: documents -> tokens -> this rank's part -> packed rows, at the checkpoint's position if resuming ------
+    def prepare_data():
+        text.prepare_tokenizer(tokenizer)
+        train_raw, eval_raw = text.load_corpus(
+            config.dataset_name, config.dataset_config, text_field=config.dataset_text_field, streaming=config.streaming,
+            train_split=config.dataset_train_split, test_split=config.dataset_test_split,
+            eval_split_size=config.eval_split_size, seed=config.seed,
+        )
+        source, split = text.rank_documents(
+            text.tokenize(train_raw, tokenizer, config.dataset_text_field, num_proc=config.dataset_num_proc),
+            rank=accelerator.process_index, world_size=accelerator.num_processes, seed=config.seed,
+            max_length=config.max_length,
+        )
+        packing = dict(max_length=config.max_length, strategy=config.packing_strategy,
+                       cross_document_attention=config.cross_document_attention)
+        stream = text.PackedStream(
+            source, text.Packer(**packing), batch_size=config.per_device_train_batch_size,
+            pad_token_id=tokenizer.pad_token_id,
+            device=accelerator.device, settings=data_settings(config, rank=accelerator.process_index),
+        )
+        if run.checkpoint is not None:
+            stream.load_state_dict(checkpoint_lib.read_rank_state(run.checkpoint, accelerator.process_index))
+        eval_rows = None
+        if eval_raw is not None:
+            eval_tokens = text.tokenize(eval_raw, tokenizer, config.dataset_text_field, name="eval")
+            eval_rows = text.eval_rows(eval_tokens, limit=config.max_eval_samples, **packing)
+        return stream, split, eval_rows
+
+    batches, split, eval_rows = run.on_every_rank(prepare_data, main_process_first=True)
+
+    # --- model, optimizer, schedule -----------------------------------------------------------------------------------
+    model = modeling.load_model(
+        run.model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
+        attn_implementation=run.attn_implementation, trust_remote_code=config.trust_remote_code,
+    )
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    optimizer = training.build_optimizer(model, config)
+    model, optimizer = accelerator.prepare(model, optimizer)  # the stream is this rank's already: no loader to shard
+    batches_per_epoch = None if config.streaming else min(split["tokens_per_rank"]) // (
+        config.max_length * config.per_device_train_batch_size)  # rows are at most max_length: no rank runs past its part
+    total_steps = training.total_optimizer_steps(batches_per_epoch or 1, config.gradient_accumulation_steps,
+                                                 max_steps=config.max_steps, epochs=config.num_train_epochs)
+    scheduler = training.build_scheduler(optimizer, config, total_steps=total_steps)
+    batches, first_step = run.begin(
+        model, batches, scheduler, total_steps=total_steps, loss_sum=token_loss.loss_sum, eval_rows=eval_rows,
+        summary=dict(data=split, streaming=config.streaming, packing_strategy=config.packing_strategy,
+                     eval_rows=len(eval_rows or []), loss=token_loss.description),
+    )
+
+    # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
+    model.train()
+    bar = run.progress_bar(first_step)
+    for step in range(first_step, total_steps + 1):
+        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+        target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
+        scale = losses.global_mean_scale(accelerator, target_count)
+        loss_sum = 0.0
+        for batch in training.micro_batches_in_sync(accelerator, model, micro_batches):
+            loss = token_loss.loss_sum(model, batch)
+            accelerator.backward(loss * scale)
+            loss_sum += loss.item()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        run.fault_point(step)
+
+        run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=target_count,
+                             lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
+        run.evaluation.maybe_evaluate(step)
+        run.checkpoints.maybe_save(step)
+    bar.close()
+
+    # --- finish: what each rank read, then summary, export, card, Hub ---------------------------------------------------
+    read = {f"{key}_read_per_rank": [int(value) for value in distributed.values_of_all_ranks(accelerator, count)]
+            for key, count in batches.counts().items()}
+    run.log.log({"step": total_steps, **read})
+    eval_loss = run.log.last("eval_loss")
+    run.finish(model, results={"eval_perplexity": math.exp(eval_loss) if eval_loss is not None else None})
+
+
+
+if __name__ == "__main__":
+    errors.exit_on_user_error(lambda: main(sys.argv[1:]))
