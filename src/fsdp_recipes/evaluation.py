@@ -248,3 +248,46 @@ class MetricEvaluator:
         self.log.log({"step": step, **self.results})
         self.last_step = step
         return self.results
+
+
+class GenerationCollator:
+    """Left-padded prompts (generation appends on the right), their references and example indices."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        padding_side = self.tokenizer.padding_side
+        self.tokenizer.padding_side = "left"
+        try:
+            batch = self.tokenizer.pad({"input_ids": [e["prompt_ids"] for e in examples]}, return_tensors="pt")
+        finally:
+            self.tokenizer.padding_side = padding_side
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                "reference": [e["reference"] for e in examples],
+                "index": torch.tensor([e["index"] for e in examples], dtype=torch.long)}
+
+
+def generation_dataloader(examples: list[dict[str, Any]], tokenizer, *, batch_size: int) -> torch.utils.data.DataLoader:
+    """Prompts in dataset order (`{"prompt_ids", "reference", "index"}` each); `accelerator.prepare` splits it."""
+    return torch.utils.data.DataLoader(examples, batch_size=batch_size, shuffle=False,
+                                       collate_fn=GenerationCollator(tokenizer))
+
+
+def generation_predict(tokenizer, *, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
+                       seed: int, synced_gpus: bool) -> Predict:
+    """A `Predict` that generates a completion per prompt (ranks in lockstep with `synced_gpus`: under FSDP each
+    decoding step is a collective, and ranks finish at different lengths). Sampling is seeded by the batch's first
+    example, so a batch draws the same tokens on any number of ranks."""
+
+    def predict(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
+        if do_sample:
+            torch.manual_seed(seed + int(batch["index"][0]))
+        output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                synced_gpus=synced_gpus, **sampling)
+        texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        return {"predictions": [text.strip() for text in texts], "references": list(batch["reference"])}
+
+    return predict
