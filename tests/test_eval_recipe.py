@@ -263,3 +263,35 @@ def test_update_card_merges_results_by_dataset_split_and_metric(tmp_path):
     assert entries == {"validation": [{"type": "accuracy", "value": 0.7, "name": "Accuracy"}],
                        "test": [{"type": "accuracy", "value": 0.9, "name": "Accuracy"}]}
     assert meta["model-index"][0]["name"] == "m" and entries["test"][0]["value"] == 0.9
+
+
+def test_reproducible_sampling_draws_from_the_softmax_within_top_p():
+    import torch
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -3.0]])
+    counts = torch.zeros(4)
+    for index in range(4000):
+        sampler = evaluation.ReproducibleSampling(seed=3, indices=torch.tensor([index]), prompt_width=5,
+                                                  temperature=1.0, top_p=0.95)
+        counts[int(sampler(torch.zeros(1, 7, dtype=torch.long), logits).argmax())] += 1
+    kept = torch.softmax(logits[0, :3], -1)  # token 3 lies outside the 0.95 nucleus
+    torch.testing.assert_close(counts[:3] / 4000, kept, atol=0.03, rtol=0)
+    assert counts[3] == 0
+
+
+def test_a_sampled_completion_does_not_depend_on_its_batch(tiny_lm, tokenizer):
+    """What makes sampling identical on 1 and N ranks: N ranks see other batch neighbours (and padding) than 1."""
+    from transformers import AutoModelForCausalLM
+
+    examples = [{"prompt_ids": tokenizer(text)["input_ids"], "reference": "", "index": index}
+                for index, text in enumerate(["reverse: abc", "reverse: qwertyu", "x"])]
+    collate = evaluation.GenerationCollator(tokenizer)
+    predict = evaluation.generation_predict(tokenizer, max_new_tokens=8, do_sample=True, temperature=1.0, top_p=1.0,
+                                            seed=5, synced_gpus=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
+    alone = predict(model, collate(examples[:1]))["predictions"]
+    together = predict(model, collate(examples))["predictions"]
+    assert together[0] == alone[0]
+    greedy = evaluation.generation_predict(tokenizer, max_new_tokens=8, do_sample=False, temperature=1.0, top_p=1.0,
+                                           seed=5, synced_gpus=False)
+    assert greedy(model, collate(examples))["predictions"] != together  # it does sample
