@@ -295,3 +295,30 @@ def test_a_sampled_completion_does_not_depend_on_its_batch(tiny_lm, tokenizer):
     greedy = evaluation.generation_predict(tokenizer, max_new_tokens=8, do_sample=False, temperature=1.0, top_p=1.0,
                                            seed=5, synced_gpus=False)
     assert greedy(model, collate(examples))["predictions"] != together  # it does sample
+
+
+def test_a_checkpoint_of_a_run_without_fsdp_exports_too(tmp_path, tokenizer):
+    """`python recipes/classify.py` without a launcher saves plain `model.safetensors` in its checkpoints."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fsdp_recipes.checkpoint import write_model_files
+    from fsdp_recipes.checkpoint_export import export_checkpoint
+
+    config = AutoConfig.from_pretrained(write_tiny_model_config(tmp_path / "config.json", tokenizer), num_labels=3)
+    model = AutoModelForSequenceClassification.from_config(config)
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    write_model_files(checkpoint / "model", model_config=config, generation_config=None, tokenizer=tokenizer,
+                      recipe_config={}, accelerate_config={}, run_info={"recipe": "classify",
+                                                                          "task": "sequence-classification"})
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, checkpoint / "model.safetensors")
+    (checkpoint / "progress.json").write_text(json.dumps(dict(step=2, epoch=0, batches_into_epoch=2, world_size=1,
+                                                              per_device_train_batch_size=4, gradient_accumulation_steps=1)))
+    source = model_source.resolve(str(checkpoint))
+    assert model_source.task_of(source, config) == "sequence-classification"
+    folder = export_checkpoint(checkpoint, tmp_path / "exported")
+    exported = load_file(folder / "model.safetensors")
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
