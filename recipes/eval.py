@@ -130,12 +130,10 @@ def checks_before_loading(accelerator, config: EvalConfig) -> dict:
     if task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
         classifier.configure(model_config, [model_config.id2label[i] for i in range(model_config.num_labels)],
                              pad_token_id=tokenizer.pad_token_id)  # batches of more than one row need it
+    modeling.resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
     return dict(
         source=source, tokenizer=tokenizer, model_config=model_config, task=task, metrics=metrics,
-        perplexity="perplexity" in names, output_dir=Path(output_dir), hub_model_id=hub_model_id,
-        hub_token=hub_token,
-        wrap_classes=modeling.resolve_wrap_classes(accelerator, model_config, task=task,
-                                                   trust_remote_code=config.trust_remote_code),
+        perplexity="perplexity" in names, output_dir=Path(output_dir), hub_model_id=hub_model_id, hub_token=hub_token,
         attn_implementation=modeling.resolve_attn_implementation(model_config, config.attn_implementation)[0],
     )
 

@@ -50,6 +50,8 @@ def loss_rows(dataset: Dataset, tokenizer, *, text_column: str, max_length: int,
 
 def generation_examples(dataset: Dataset, tokenizer) -> list[dict[str, Any]]:
     """`{"prompt_ids", "reference", "index"}` per example, in dataset order."""
+    if len(dataset) == 0:
+        raise DataError("the eval split is empty: there is nothing to evaluate")
     if not _chat_format(dataset.column_names):
         raise DataError(
             f"the eval split has columns {sorted(dataset.column_names)}: generation metrics need prompts and "
