@@ -93,6 +93,9 @@ def test_label_names_and_ids_from_each_label_kind():
     assert classification.label_names(declared, "label") == ["neg", "neu", "pos"]  # declared classes kept
     assert classification.label_ids(declared, "label", {"neg": 0, "neu": 1, "pos": 2}, name="eval") == [2, 0]
     assert classification.label_ids(strings, "label", {"NEG": 0, "POS": 1}, name="eval") == [1, 0, 1]
+    unlabelled = Dataset.from_dict({"label": [0, -1]}, features=features)  # GLUE-style test split
+    with pytest.raises(DataError, match="1 rows have no label"):
+        classification.label_ids(unlabelled, "label", {"neg": 0, "neu": 1, "pos": 2}, name="eval")
 
 
 def test_integer_labels_are_ids_only_for_a_model_without_label_names():

@@ -37,7 +37,14 @@ def check_columns(dataset: Dataset, *, text_column: str, text_pair_column: str |
 def _texts_of(dataset: Dataset, column: str) -> list[str]:
     feature = dataset.features[column]
     if isinstance(feature, ClassLabel):
-        return [feature.names[value] for value in dataset[column]]
+        values = dataset[column]
+        unlabelled = sum(not 0 <= value < feature.num_classes for value in values)
+        if unlabelled:
+            raise DataError(
+                f"{unlabelled} rows have no label in column {column!r} (ClassLabel value -1, as in the test splits of "
+                "GLUE-style datasets): evaluate on a labelled split (e.g. validation), or drop those rows"
+            )
+        return [feature.names[value] for value in values]
     values = dataset[column]
     if any(isinstance(value, (bool, float)) or not isinstance(value, (int, str)) for value in values):
         kinds = sorted({type(value).__name__ for value in values})
