@@ -231,3 +231,51 @@ def full_state_dict_run(tmp_path_factory, tokenizer, small_chat_data) -> Path:
                            gradient_checkpointing=True, optim="adamw_torch_fused", exact_match_eval_samples=0)
     run_sft(tmp, "full", values, accelerate_config=full_yaml)
     return tmp / "out"
+
+
+# ----------------------------------------------------------------------------------- classify and eval: shared launch
+CLASSIFY = REPO / "recipes" / "classify.py"
+EVAL = REPO / "recipes" / "eval.py"
+CLASSIFY_STEPS = 40
+CLASSIFY_TEST_ROWS = 45  # 2 ranks x 8 rows per eval batch: the last of 3 global batches holds 13 rows, so accelerate
+# pads it with copies that gather_for_metrics must drop
+
+
+def first_letter_examples(count: int, seed: int) -> list[dict]:
+    """Random lowercase strings labelled by their first letter: "low" (a-i), "mid" (j-r) or "high" (s-z). The label
+    is at the first token and the classifier pools the last, so attention must carry it."""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        text = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 10)))
+        examples.append({"text": text, "label": ["low", "mid", "high"][string.ascii_lowercase.index(text[0]) * 3 // 26]})
+    return examples
+
+
+@pytest.fixture(scope="session")
+def classify_data(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("classify_data")
+    write_jsonl(folder / "train.jsonl", first_letter_examples(384, seed=0))
+    write_jsonl(folder / "test.jsonl", first_letter_examples(CLASSIFY_TEST_ROWS, seed=1))
+    return folder
+
+
+def classify_values(tiny_model_config: Path, data: Path, output_dir: Path, **overrides) -> dict:
+    values = base_recipe_values(tiny_model_config, data, output_dir, max_length=32, max_steps=CLASSIFY_STEPS,
+                                per_device_train_batch_size=8, per_device_eval_batch_size=8, logging_steps=5,
+                                eval_steps=20, save_steps=CLASSIFY_STEPS, report_to="none")
+    values.update(overrides)
+    return values
+
+
+@pytest.fixture(scope="session")
+def classify_run(tmp_path_factory, tiny_model_config, classify_data) -> Path:
+    """recipes/classify.py under a real 2-process FSDP2 launch: 40 steps of 16 rows, metrics at steps 20 and 40, a
+    checkpoint at the last step (evaluated again by the eval recipe's tests)."""
+    tmp = tmp_path_factory.mktemp("classify")
+    values = classify_values(tiny_model_config, classify_data, tmp / "out")
+    require_success(launch(CLASSIFY, ["--config", str(recipe_config(tmp / "classify.yaml", **values))]))
+    return tmp / "out"

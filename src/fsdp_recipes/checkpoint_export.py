@@ -26,6 +26,7 @@ from .outputs import output_dir_problem
 
 SHARDED_MODEL = "pytorch_model_fsdp_0"
 FULL_MODEL = "pytorch_model_fsdp.bin"
+UNSHARDED_MODEL = "model.safetensors"  # what save_state writes without FSDP (a plain `python recipes/x.py` run)
 _DCP_PREFIX = "model."  # accelerate saves {"model": state_dict}; DCP flattens the nesting into the key
 
 
@@ -111,12 +112,33 @@ class _PickledTensors:
         return self.state_dict[name]
 
 
+class _SafetensorsTensors:
+    def __init__(self, file: Path):
+        self.file = file
+        with file.open("rb") as handle:  # the header alone: 8 bytes of length, then JSON with each tensor's offsets
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        self.sizes = {name: entry["data_offsets"][1] - entry["data_offsets"][0]
+                      for name, entry in header.items() if name != "__metadata__"}
+
+    def names(self) -> list[str]:
+        return list(self.sizes)
+
+    def nbytes(self, name: str) -> int:
+        return self.sizes[name]
+
+    def load(self, name: str) -> torch.Tensor:
+        with safe_open(self.file, framework="pt") as reader:
+            return reader.get_tensor(name)
+
+
 def _tensor_source(checkpoint: Path):
     if (checkpoint / SHARDED_MODEL).is_dir():
         return _DcpTensors(checkpoint / SHARDED_MODEL)
     if (checkpoint / FULL_MODEL).is_file():
         return _PickledTensors(checkpoint / FULL_MODEL)
-    raise ConfigError(f"{checkpoint} holds no model weights ({SHARDED_MODEL}/ or {FULL_MODEL})")
+    if (checkpoint / UNSHARDED_MODEL).is_file():
+        return _SafetensorsTensors(checkpoint / UNSHARDED_MODEL)
+    raise ConfigError(f"{checkpoint} holds no model weights ({SHARDED_MODEL}/, {FULL_MODEL} or {UNSHARDED_MODEL})")
 
 
 def _names_to_save(config, available: list[str], task: str) -> list[str]:

@@ -182,6 +182,10 @@ def _coerce(value: Any, base: type, nullable: bool) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"expected a number, got {value!r}")
         return float(value)
+    if typing.get_origin(base) is list:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, e.g. [{value!r}], got {value!r}")
+        return [_coerce(item, typing.get_args(base)[0], False) for item in value]
     if base is str:
         if isinstance(value, (dict, list)):
             raise ValueError(f"expected a string, got {type(value).__name__}")

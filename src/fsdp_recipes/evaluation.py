@@ -1,21 +1,34 @@
 """Evaluation that every rank runs in lockstep (under FSDP each forward pass is a collective): held-out loss with the
-recipe's own loss function, and greedy-generation exact match. `LossEvaluator` also decides when to evaluate."""
+recipe's own loss function, greedy-generation exact match, and metrics computed with `evaluate` over predictions
+gathered from every rank. `LossEvaluator` and `MetricEvaluator` also decide when to evaluate.
+
+Metrics load offline: the names in `SHIPPED_METRICS` are `evaluate` modules in `fsdp_recipes/metric_scripts/` (built
+on scikit-learn, rouge-score and sacrebleu), loaded by path; `evaluate.load("accuracy")` itself would fetch the Hub's
+script. A name that cannot be loaded is one ConfigError before any model loads (`load_metrics`)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
 from .data.rows import collate_rows
+from .errors import ConfigError
 from .losses import IGNORE_INDEX, count_targets
 from .metrics import MetricsLog
 
 LossSum = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+# (model, batch) -> per-example values of the batch: `predictions` and `references` (tensors or lists of strings) for
+# the metrics, and any other per-example number (e.g. `loss`), reported as its mean.
+Predict = Callable[[torch.nn.Module, dict[str, Any]], dict[str, Any]]
+
+METRIC_SCRIPTS = Path(__file__).parent / "metric_scripts"
+SHIPPED_METRICS = tuple(sorted(path.stem for path in METRIC_SCRIPTS.glob("*.py")))
 
 
 class LossEvaluator:
@@ -121,3 +134,188 @@ def exact_match_accuracy(
     if world > 1:
         correct = accelerator.reduce(correct, "sum")
     return {"exact_match": float(correct) / max(len(examples), 1), "num_examples": len(examples), "samples": samples}
+
+
+def prepare_for_evaluation(accelerator: Accelerator, model: torch.nn.Module, *loaders):
+    """The model sharded as the Accelerate config says (FSDP2: every rank holds a shard, so a model larger than one
+    device fits) and the loaders split across ranks, for evaluation only. Accelerate's FSDP2 `prepare` accepts a model
+    only together with an optimizer: a plain SGD stands in, which holds no state and is never stepped. Without FSDP
+    each rank keeps a whole copy, unwrapped (`generate` needs the model itself, and no gradients are reduced)."""
+    from accelerate.utils import DistributedType
+
+    model.eval()
+    if accelerator.distributed_type == DistributedType.FSDP:
+        model, _, *loaders = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0), *loaders)
+    else:
+        model = model.to(accelerator.device)
+        loaders = [accelerator.prepare_data_loader(loader) for loader in loaders]
+    return (model, *loaders)
+
+
+def load_metric(name: str):
+    """An `evaluate` module, without network access where possible: a name in SHIPPED_METRICS loads the script shipped
+    in fsdp_recipes/metric_scripts; a path loads that evaluate script (or a folder holding `<folder name>.py`); any
+    other name goes to `evaluate.load`, which needs the Hub or a copy in evaluate's cache. Kept in memory, so ranks
+    on one machine share no cache files."""
+    import evaluate
+
+    if name in SHIPPED_METRICS:
+        return evaluate.load(str(METRIC_SCRIPTS / f"{name}.py"), keep_in_memory=True)
+    if Path(name).exists():
+        return evaluate.load(str(Path(name).resolve()), keep_in_memory=True)
+    return evaluate.load(name, keep_in_memory=True)
+
+
+def load_metrics(names: list[str]) -> dict[str, Any]:
+    """name -> loaded `evaluate` module, or one ConfigError naming every metric that could not be loaded."""
+    loaded, problems = {}, []
+    for name in names:
+        try:
+            loaded[name] = load_metric(name)
+        except Exception as error:  # noqa: BLE001 - evaluate raises many types; each becomes one line
+            hint = "; for BLEU use sacrebleu" if name.lower() == "bleu" else ""
+            problems.append(
+                f"metric {name!r} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0][:160]}). "
+                f"Shipped, loaded without network: {', '.join(SHIPPED_METRICS)}{hint}; or give the path of an evaluate "
+                "metric script; other Hub metrics load only once they are in evaluate's cache (load them once with "
+                "network access)"
+            )
+    if problems:
+        raise ConfigError(problems)
+    return loaded
+
+
+@torch.no_grad()
+def gather_predictions(accelerator: Accelerator, model: torch.nn.Module, loader, predict: Predict) -> dict[str, list]:
+    """Every rank runs `predict` over its share of a loader that `accelerator.prepare` split (the same number of
+    batches on every rank, as FSDP needs); each batch's values are gathered with `gather_for_metrics`, which drops the
+    copies that pad an uneven last batch, so every example counts exactly once and in dataset order. The same lists
+    are returned on every rank."""
+    was_training = model.training
+    model.eval()
+    gathered: dict[str, list] = {}
+    try:
+        for batch in loader:
+            for key, value in predict(model, batch).items():
+                if torch.is_tensor(value):
+                    value = accelerator.gather_for_metrics(value.contiguous()).cpu().tolist()
+                else:
+                    value = accelerator.gather_for_metrics(list(value), use_gather_object=True)
+                gathered.setdefault(key, []).extend(value)
+    finally:
+        model.train(was_training)
+    return gathered
+
+
+def compute_metrics(metrics: dict[str, Any], gathered: dict[str, list], *, prefix: str = "eval_") -> dict[str, Any]:
+    """The metrics (combined with `evaluate.combine`) over the gathered predictions and references, the mean of every
+    other gathered value, and the number of examples; keys prefixed as the Trainer does (`eval_accuracy`)."""
+    import evaluate
+
+    predictions, references = gathered.get("predictions", []), gathered.get("references", [])
+    results = {}
+    if metrics and predictions:
+        results = evaluate.combine(list(metrics.values())).compute(predictions=predictions, references=references)
+    results.update({key: math.fsum(values) / len(values) for key, values in gathered.items()
+                    if key not in ("predictions", "references") and values})
+    results["samples"] = len(predictions)
+    return {f"{prefix}{key}": value for key, value in results.items()}
+
+
+class MetricEvaluator:
+    """`evaluate` metrics over a held-out loader (prepared by accelerate) every `every` optimizer steps (None: only at
+    the end) and at the last step, logged as `eval_<name>` with the mean of any other per-example value `predict`
+    returns (e.g. `eval_loss`). The last evaluation's gathered values stay in `gathered` for figures a recipe adds at
+    the end (e.g. per-class scores). Time spent here is left out of the throughput figures (`pause`)."""
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, loader, *, predict: Predict,
+                 metrics: dict[str, Any], every: int | None, total_steps: int, log: MetricsLog,
+                 pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.accelerator, self.model, self.loader, self.predict, self.metrics = accelerator, model, loader, predict, metrics
+        self.every, self.total_steps, self.log, self.pause = every, total_steps, log, pause
+        self.last_step: int | None = None
+        self.results: dict[str, Any] = {}
+        self.gathered: dict[str, list] = {}
+
+    def maybe_evaluate(self, step: int) -> dict[str, Any] | None:
+        due = step == self.total_steps or (self.every is not None and step % self.every == 0)
+        return self.evaluate(step) if due and step != self.last_step else None
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        with self.pause():
+            self.gathered = gather_predictions(self.accelerator, self.model, self.loader, self.predict)
+            self.results = compute_metrics(self.metrics, self.gathered)
+        self.log.log({"step": step, **self.results})
+        self.last_step = step
+        return self.results
+
+
+class GenerationCollator:
+    """Left-padded prompts (generation appends on the right), their references and example indices."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        padding_side = self.tokenizer.padding_side
+        self.tokenizer.padding_side = "left"
+        try:
+            batch = self.tokenizer.pad({"input_ids": [e["prompt_ids"] for e in examples]}, return_tensors="pt")
+        finally:
+            self.tokenizer.padding_side = padding_side
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                "reference": [e["reference"] for e in examples],
+                "index": torch.tensor([e["index"] for e in examples], dtype=torch.long)}
+
+
+def generation_dataloader(examples: list[dict[str, Any]], tokenizer, *, batch_size: int) -> torch.utils.data.DataLoader:
+    """Prompts in dataset order (`{"prompt_ids", "reference", "index"}` each); `accelerator.prepare` splits it."""
+    return torch.utils.data.DataLoader(examples, batch_size=batch_size, shuffle=False,
+                                       collate_fn=GenerationCollator(tokenizer))
+
+
+class ReproducibleSampling:
+    """A logits processor that turns greedy decoding into sampling from softmax(logits / temperature) within the top-p
+    nucleus, by the Gumbel-max trick with noise seeded by (seed, example index, tokens generated so far). Each
+    example's draws then depend on nothing else in its batch (plain sampling draws from one stream for the whole
+    batch, so an example's tokens change with its batch neighbours and hence with the number of ranks)."""
+
+    def __init__(self, *, seed: int, indices: torch.Tensor, prompt_width: int, temperature: float, top_p: float):
+        from transformers import TopPLogitsWarper
+
+        self.seed, self.indices, self.prompt_width, self.temperature = seed, indices.tolist(), prompt_width, temperature
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        step = input_ids.shape[1] - self.prompt_width
+        noise = torch.empty_like(scores)
+        for row, index in enumerate(self.indices):
+            generator = torch.Generator(device=scores.device)
+            generator.manual_seed(((self.seed * 1_000_003 + index) * 1_000_033 + step) % 2**63)
+            noise[row].uniform_(1e-20, 1.0, generator=generator)
+        return scores - torch.log(-torch.log(noise))
+
+
+def generation_predict(tokenizer, *, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
+                       seed: int, synced_gpus: bool) -> Predict:
+    """A `Predict` that generates a completion per prompt, greedy or sampled (`ReproducibleSampling`: the same tokens
+    for an example on any number of ranks). Ranks decode in lockstep (`synced_gpus`): under FSDP each decoding step is
+    a collective, and ranks finish at different lengths."""
+
+    def predict(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        from transformers import LogitsProcessorList
+
+        processors = LogitsProcessorList()
+        if do_sample:
+            processors.append(ReproducibleSampling(seed=seed, indices=batch["index"], temperature=temperature,
+                                                   top_p=top_p, prompt_width=batch["input_ids"].shape[1]))
+        output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, do_sample=False,
+                                logits_processor=processors, synced_gpus=synced_gpus)
+        texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        return {"predictions": [text.strip() for text in texts], "references": list(batch["reference"])}
+
+    return predict

@@ -140,7 +140,10 @@ def write_model_card(
     dataset: str | None,
     hub_model_id: str | None = None,
     task: str = "causal-lm",
+    eval_results: list | None = None,
 ) -> Path:
+    """`eval_results` (huggingface_hub EvalResults, see fsdp_recipes.model_index) go into the card's model-index,
+    which the Hub shows on the model page."""
     folder = Path(folder)
     dataset_id = dataset if dataset and not Path(dataset).exists() else None  # local paths are not Hub datasets
     card_data = ModelCardData(
@@ -167,6 +170,10 @@ def write_model_card(
     )
     path = folder / "README.md"
     card.save(path)
+    if eval_results:
+        from .model_index import update_card
+
+        update_card(folder, eval_results, model_name=hub_model_id or folder.name, pipeline_tag=pipeline_tag(task))
     return path
 
 

@@ -48,14 +48,16 @@ def push_folder_to_hub(
     private: bool = True,
     commit_message: str = "Upload model trained with FSDP Recipes",
     api: HfApi | None = None,
+    files: list[str] | None = None,
 ) -> str:
-    """Creates the repo if needed and uploads `files_to_upload(folder)` in one commit. Returns the commit URL."""
+    """Creates the repo if needed and uploads `files` (paths relative to `folder`; default `files_to_upload(folder)`)
+    in one commit. Returns the commit URL."""
     api = api or HfApi()
     folder = Path(folder)
     api.create_repo(repo_id, token=token, private=private, exist_ok=True, repo_type="model")
     operations = [
         CommitOperationAdd(path_in_repo=relative, path_or_fileobj=str(folder / relative))
-        for relative in files_to_upload(folder)
+        for relative in (files if files is not None else files_to_upload(folder))
     ]
     commit = api.create_commit(
         repo_id, operations=operations, commit_message=commit_message, token=token, repo_type="model"

@@ -189,10 +189,11 @@ class Run:
         self.log.log({"step": 0, key: value})
         return value
 
-    def finish(self, model, *, results: dict[str, Any] | None = None) -> Path | None:
+    def finish(self, model, *, results: dict[str, Any] | None = None, eval_results: list | None = None) -> Path | None:
         """Collective. Evaluates at the last step if that has not happened, prints the final metrics, draws the
-        curves, exports the model folder (read back and compared), writes the card and `eval_results.json`, pushes
-        to the Hub. Returns the folder on the main process."""
+        curves, exports the model folder (read back and compared), writes the card (with `eval_results`, a list of
+        huggingface_hub EvalResults, as its model-index) and `eval_results.json`, pushes to the Hub. Returns the
+        folder on the main process."""
         config, accelerator = self.config, self.accelerator
         self.evaluation.maybe_evaluate(self.total_steps)
         results = {key: value for key, value in (results or {}).items() if value is not None}
@@ -211,6 +212,7 @@ class Run:
                 recipe=self.name, recipe_config=config_to_dict(config), accelerate_config=self.accelerate_settings,
                 metrics={key: value for key, value in final_metrics.items() if value is not None},
                 base_model=config.model_name_or_path, dataset=config.dataset_name, hub_model_id=config.hub_model_id,
+                eval_results=eval_results,
             ),
         )
         if accelerator.is_main_process:

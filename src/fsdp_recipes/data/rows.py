@@ -124,15 +124,17 @@ class RowCollator:
         return collate_rows(rows, self.pad_token_id)
 
 
-def train_dataloader(rows: Dataset, config, *, num_processes: int, pad_token_id: int) -> torch.utils.data.DataLoader:
+def train_dataloader(rows: Dataset, config, *, num_processes: int, pad_token_id: int,
+                     collate_fn=None) -> torch.utils.data.DataLoader:
     """Batches of `config.per_device_train_batch_size` rows, ordered by `config.train_sampling_strategy`: grouped by
     length (less padding) or shuffled (accelerate then makes the order depend only on seed and epoch). Pass it to
-    `accelerator.prepare`, which splits it across ranks."""
+    `accelerator.prepare`, which splits it across ranks. `collate_fn`: for rows of another kind than token rows
+    (e.g. classification rows); it must be picklable when dataloader_num_workers > 0."""
     sampler = None
     if config.train_sampling_strategy == "group_by_length":
         sampler = LengthGroupedSampler([len(ids) for ids in rows["input_ids"]], seed=config.seed,
                                        group_size=config.per_device_train_batch_size * num_processes)
     return torch.utils.data.DataLoader(
         rows, batch_size=config.per_device_train_batch_size, shuffle=sampler is None, sampler=sampler,
-        collate_fn=RowCollator(pad_token_id), drop_last=False, num_workers=config.dataloader_num_workers,
+        collate_fn=collate_fn or RowCollator(pad_token_id), drop_last=False, num_workers=config.dataloader_num_workers,
     )

@@ -1,0 +1,163 @@
+"""Sequence classification (reward models, routers, moderation) from a causal-LM or encoder base, with FSDP2.
+
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/classify.py \
+        --config recipes/configs/classify/<config>.yaml [--field value ...]
+
+Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
+metrics (`evaluate` modules shipped with fsdp_recipes, loaded without network); the data (a text column, optionally a
+text-pair column, and a label column of ClassLabel, integers or strings; the classes are those of the training split,
+their names kept in the model's `config.id2label`); the model (`AutoModelForSequenceClassification`: the body's
+weights, a new head with one row per class, `pad_token_id` set so decoder classifiers pool the last real token; under
+FSDP2 the head is sharded with the root unit); `accelerator.prepare`; the loop, whose loss is the (optionally
+class-weighted) mean cross-entropy over every example of the global batch; and the finish: accuracy, macro F1 and
+per-class F1 on the held-out data, computed over all ranks with `gather_for_metrics` (the padding of an uneven last
+batch is dropped, so each example counts once), in `eval_results.json` and in the card's model-index; the folder loads
+in `pipeline("text-classification", model=output_dir)`. Metrics are also logged every `eval_steps`.
+
+LoRA: the head is new and must be trained in full, so adapters need `modules_to_save=classifier.head_module_names(
+model)` (the run summary lists them as `classifier_head`).
+
+Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: no held-out data, a
+missing text or label column, empty values, a single class in training, held-out labels absent from training, class
+weights that do not match the classes, a checkpoint trained on other classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+
+from fsdp_recipes import classifier, errors, evaluation, model_index, modeling, training
+from fsdp_recipes import config as config_lib
+from fsdp_recipes import run as run_lib
+from fsdp_recipes.data import classification, files, rows
+
+
+@dataclasses.dataclass
+class ClassifyConfig(config_lib.TrainingConfig):
+    """The classification recipe's own settings, on top of those every training recipe has."""
+
+    output_dir: str = "outputs/classify"
+    max_length: int = 512  # tokens per example (text and pair together); longer ones lose their end
+    text_column: str = "text"
+    text_pair_column: str | None = None  # a second text (e.g. the response a reward model judges), joined by the tokenizer
+    label_column: str = "label"  # ClassLabel, integers or strings; the classes are those seen in training
+    class_weights: str | None = None  # null: plain cross-entropy. "balanced": each class weighs in inversely to its
+    # frequency (rare classes count more, at some cost to accuracy on frequent ones); or "w0,w1,..." in label-id order
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if self.text_pair_column is not None and self.text_pair_column == self.text_column:
+            problems.append("text_pair_column must differ from text_column (null: no pair)")
+        if self.class_weights not in (None, "balanced"):
+            try:
+                weights = [float(value) for value in self.class_weights.split(",")]
+            except ValueError:
+                weights = []
+            if not weights or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+                problems.append(f"class_weights {self.class_weights!r} is not 'balanced' nor comma-separated weights >= 0")
+        return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = config_lib.parse_config(ClassifyConfig, argv)
+    run = run_lib.start(config, name="classify", task="sequence-classification")
+    accelerator, tokenizer = run.accelerator, run.tokenizer
+    metrics = run.on_every_rank(lambda: evaluation.load_metrics(["accuracy", "f1"]))
+
+    # --- data: label ids from the training split, token ids -----------------------------------------------------------
+    def prepare_data():
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        train_raw, eval_raw = files.split_train_eval(
+            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+        )
+        if eval_raw is None:
+            raise errors.DataError(f"the dataset has no {config.dataset_test_split!r} split and eval_split_size is 0: "
+                                   "classification needs held-out data for its metrics. Set one of them.")
+        columns = dict(text_column=config.text_column, text_pair_column=config.text_pair_column)
+        classification.check_columns(train_raw, **columns, label_column=config.label_column, name="train")
+        classification.check_columns(eval_raw, **columns, label_column=config.label_column, name="eval")
+        names = classification.label_names(train_raw, config.label_column)
+        label2id = {name: index for index, name in enumerate(names)}
+        train_labels = classification.label_ids(train_raw, config.label_column, label2id, name="train")
+        eval_labels = classification.label_ids(eval_raw, config.label_column, label2id, name="eval")
+        options = dict(**columns, max_length=config.max_length, num_proc=config.dataset_num_proc)
+        train_rows, stats = classification.tokenize(train_raw, tokenizer, labels=train_labels, name="train", **options)
+        eval_rows, _ = classification.tokenize(eval_raw, tokenizer, labels=eval_labels, name="eval", **options)
+        weights = classification.class_weights(train_labels, len(names), config.class_weights)
+        split = config.dataset_test_split if config.dataset_test_split in raw else f"{config.dataset_train_split} (held out)"
+        return names, train_rows, eval_rows, weights, split, stats
+
+    names, train_rows, eval_rows, weights, eval_split, train_stats = run.on_every_rank(prepare_data,
+                                                                                       main_process_first=True)
+    if run.resumed:
+        classifier.check_resumed_labels(run.checkpoint, names)
+    classifier.configure(run.model_config, names, pad_token_id=tokenizer.pad_token_id)
+    collator = classification.Collator(tokenizer.pad_token_id)
+    train_loader = rows.train_dataloader(train_rows, config, num_processes=accelerator.num_processes,
+                                         pad_token_id=tokenizer.pad_token_id, collate_fn=collator)
+    eval_loader = classification.eval_dataloader(eval_rows, batch_size=config.per_device_eval_batch_size,
+                                                 pad_token_id=tokenizer.pad_token_id)
+
+    # --- model, optimizer, schedule -----------------------------------------------------------------------------------
+    model = modeling.load_model(
+        run.model_config, model_name_or_path=config.model_name_or_path, task="sequence-classification",
+        revision=config.model_revision, attn_implementation=run.attn_implementation,
+        trust_remote_code=config.trust_remote_code,
+    )
+    head = classifier.head_module_names(model)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = training.build_optimizer(model, config)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    total_steps = training.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
+                                                 max_steps=config.max_steps, epochs=config.num_train_epochs)
+    scheduler = training.build_scheduler(optimizer, config, total_steps=total_steps)
+    batches, first_step = run.begin(  # held-out figures come from the metric evaluator below, so no eval_rows here
+        model, train_loader, scheduler, total_steps=total_steps, eval_rows=None,
+        loss_sum=functools.partial(classifier.loss_sum, weights=weights),
+        summary=dict(train_rows=len(train_rows), eval_rows=len(eval_rows), labels=names, classifier_head=head,
+                     class_weights=weights.tolist() if weights is not None else None, data=train_stats),
+    )
+    evaluator = evaluation.MetricEvaluator(
+        accelerator, model, eval_loader, predict=classifier.predict, metrics=metrics, every=config.eval_steps,
+        total_steps=total_steps, log=run.log, pause=run.metrics.window.paused,
+    )
+
+    # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
+    model.train()
+    bar = run.progress_bar(first_step)
+    for step in range(first_step, total_steps + 1):
+        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+        weight_total = run.sum_over_ranks(sum(classifier.weight_sum(batch, weights) for batch in micro_batches))
+        scale = classifier.global_mean_scale(accelerator, weight_total)
+        loss_sum = 0.0
+        for batch in training.micro_batches_in_sync(accelerator, model, micro_batches):
+            loss = classifier.loss_sum(model, batch, weights)
+            accelerator.backward(loss * scale)
+            loss_sum += loss.item()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        run.fault_point(step)
+
+        run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=weight_total,
+                             lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
+        evaluator.maybe_evaluate(step)
+        run.checkpoints.maybe_save(step)
+    bar.close()
+
+    # --- finish: held-out metrics (per class too), summary, export, card with model-index, Hub ---------------------------
+    results = dict(evaluator.maybe_evaluate(total_steps) or evaluator.results)
+    results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], evaluator.gathered, names)
+    card_results = model_index.eval_results(results, task="text-classification", dataset=config.dataset_name,
+                                            dataset_config=config.dataset_config, split=eval_split)
+    run.finish(model, results=results, eval_results=card_results)
+
+
+if __name__ == "__main__":
+    errors.exit_on_user_error(lambda: main(sys.argv[1:]))

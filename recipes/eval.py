@@ -1,0 +1,240 @@
+"""Evaluation of a model folder, a Hub id or a recipe checkpoint, sharded with the same Accelerate configs as training,
+so a model larger than one device can be evaluated.
+
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/eval.py \
+        --config recipes/configs/eval/<config>.yaml [--field value ...]
+
+(Named eval.py, not evaluate.py: a file of that name beside the recipes would shadow the `evaluate` package.)
+
+Top to bottom: the config; the accelerator and every check that needs no weights, on all ranks together (the metric
+names, loaded offline: see fsdp_recipes/metric_scripts; the model source; the output folder; the Hub token; tokenizer,
+model config and task); the data; the model (a checkpoint is first exported to a temporary folder on each machine),
+sharded by `accelerator.prepare`; then what the metrics ask for:
+- `perplexity`: exp of the mean loss over every target token (plain text: all tokens; chat or prompt/completion data:
+  the assistant / completion tokens), sums reduced over ranks;
+- generation metrics (`exact_match`, `rouge`, `sacrebleu`, `chrf`, or an evaluate script) on prompt/completion or
+  chat data, greedy or sampled, all ranks decoding in lockstep;
+- classification metrics (`accuracy`, `f1`, `precision`, `recall`) for a classifier, with per-class F1 and the mean
+  cross-entropy.
+Predictions are gathered with `gather_for_metrics` (an uneven last batch adds no duplicates), so the results are the
+same on 1 and N ranks. They are written to `output_dir/eval_results.json` and merged into the model card's
+model-index (`output_dir/README.md`, the model folder's own card by default), which the Hub shows on the model page;
+`push_to_hub` uploads those two files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+from accelerate.utils import set_seed
+
+from fsdp_recipes import classifier, config_lint, distributed, errors, evaluation, hub, losses, model_index
+from fsdp_recipes import config as config_lib
+from fsdp_recipes import model_source, modeling, outputs
+from fsdp_recipes.data import classification, files, held_out
+from fsdp_recipes.metrics import format_table, write_json
+
+CLASSIFICATION_METRICS = {"accuracy", "f1", "precision", "recall"}
+DEFAULT_METRICS = {"causal-lm": ["perplexity"], "sequence-classification": ["accuracy", "f1"]}
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """What to evaluate, on what, and where the results go. Names as in the training configs where they exist."""
+
+    # --- the model -------------------------------------------------------------------------------------------------
+    model_name_or_path: str | None = None  # model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)
+    model_revision: str = "main"  # Hub branch, tag or commit
+    tokenizer_name_or_path: str | None = None  # defaults to the model's own
+    chat_template: str | None = None  # Jinja text or a .jinja path; overrides the tokenizer's own
+    trust_remote_code: bool = False  # runs Python code from the model repo: only for repos you trust
+    attn_implementation: str | None = None  # null: sdpa
+    task: str | None = None  # null: from the model (a *ForSequenceClassification is a classifier); or causal-lm, ...
+    # --- the data --------------------------------------------------------------------------------------------------
+    dataset_name: str | None = None  # Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them
+    dataset_config: str | None = None
+    dataset_split: str = "test"
+    max_eval_samples: int | None = None  # the first N examples (null: all): faster, less precise
+    max_length: int = 1024  # tokens per example: longer ones are truncated
+    text_column: str = "text"  # plain text for perplexity; the text a classifier reads
+    text_pair_column: str | None = None  # classifiers: the second text, if the model was trained with one
+    label_column: str = "label"  # classifiers: label names (as in the model's id2label) or ids
+    dataset_num_proc: int | None = None  # processes for tokenisation
+    # --- what is measured --------------------------------------------------------------------------------------------
+    metrics: list[str] | None = None  # null: [perplexity] for a causal LM, [accuracy, f1] for a classifier. A causal
+    # LM also takes generation metrics (each costs a full generation pass, shared between them)
+    per_device_eval_batch_size: int = 8  # larger is faster and needs more memory
+    max_new_tokens: int = 64  # generation budget per prompt
+    do_sample: bool = False  # false: greedy decoding; true: sampling (seeded per batch, so reproducible)
+    temperature: float = 1.0  # sampling only
+    top_p: float = 1.0  # sampling only: nucleus size
+    seed: int = 42
+    # --- results ---------------------------------------------------------------------------------------------------
+    output_dir: str | None = None  # where eval_results.json and the card (README.md) go; null: the model folder itself
+    push_to_hub: bool = False  # upload eval_results.json and README.md (needs a token)
+    hub_model_id: str | None = None  # the repo to update; null: model_name_or_path when that is a Hub id
+    hub_private_repo: bool = True  # if the repo must be created
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not self.model_name_or_path:
+            problems.append("model_name_or_path is required: a model folder, a Hub id or a recipe checkpoint")
+        if not self.dataset_name:
+            problems.append("dataset_name is required: a Hub dataset id or a local data file or folder")
+        for name in ("max_length", "per_device_eval_batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            problems.append(f"max_eval_samples must be >= 1 or null, got {self.max_eval_samples}")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1):
+            problems.append(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature} and {self.top_p}")
+        if self.task not in (None, *DEFAULT_METRICS):
+            problems.append(f"task {self.task!r} is not one of {', '.join(DEFAULT_METRICS)} (or null: from the model)")
+        if self.metrics is not None and (not self.metrics or len(set(self.metrics)) != len(self.metrics)):
+            problems.append(f"metrics must name each metric once, got {self.metrics}")
+        return problems
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def checks_before_loading(accelerator, config: EvalConfig) -> dict:
+    source = model_source.resolve(config.model_name_or_path)
+    output_dir = config.output_dir or (str(source.local_folder) if source.local_folder else None)
+    problem = ("output_dir is required when evaluating a Hub id or a checkpoint: the folder for eval_results.json "
+               "and the card" if output_dir is None else outputs.output_dir_problem(output_dir, overwrite=True))
+    hub_model_id = config.hub_model_id or (source.name if source.kind == "hub" else None)
+    if config.push_to_hub and not hub_model_id:
+        problem = problem or "push_to_hub needs hub_model_id: the repo whose card gets the results"
+    if problem:
+        raise errors.ConfigError(problem)
+    hub_token = hub.require_hub_token() if config.push_to_hub else None
+    tokenizer = modeling.load_tokenizer(config.tokenizer_name_or_path or source.files, revision=config.model_revision,
+                                        trust_remote_code=config.trust_remote_code, chat_template=config.chat_template)
+    model_config = modeling.load_model_config(source.files, None, revision=config.model_revision,
+                                              trust_remote_code=config.trust_remote_code)
+    task = config.task or model_source.task_of(source, model_config)
+    names = config.metrics or DEFAULT_METRICS[task]
+    for_causal_lm = {"perplexity", *evaluation.SHIPPED_METRICS} - CLASSIFICATION_METRICS
+    wrong = [n for n in names if n in (CLASSIFICATION_METRICS if task == "causal-lm" else for_causal_lm)]
+    if wrong:
+        raise errors.ConfigError(f"metrics {wrong} do not apply to a {task} model (classifiers: "
+                                 f"{sorted(CLASSIFICATION_METRICS)}; causal LMs: perplexity and generation metrics)")
+    metrics = evaluation.load_metrics([n for n in names if n != "perplexity"])
+    modeling.check_tokenizer_fits_model(tokenizer, model_config)
+    if task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
+        classifier.configure(model_config, [model_config.id2label[i] for i in range(model_config.num_labels)],
+                             pad_token_id=tokenizer.pad_token_id)  # batches of more than one row need it
+    modeling.resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
+    return dict(
+        source=source, tokenizer=tokenizer, model_config=model_config, task=task, metrics=metrics,
+        perplexity="perplexity" in names, output_dir=Path(output_dir), hub_model_id=hub_model_id, hub_token=hub_token,
+        attn_implementation=modeling.resolve_attn_implementation(model_config, config.attn_implementation)[0],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = config_lib.parse_config(EvalConfig, argv)
+    launch_warnings = config_lint.check_launch_environment()  # errors in the Accelerate config stop every rank here
+    accelerator = distributed.build_accelerator()
+    set_seed(config.seed)
+    for warning in launch_warnings:
+        accelerator.print(f"warning: the Accelerate config: {warning.key}: {warning.message}")
+    setup = distributed.on_every_rank_together(accelerator, lambda: checks_before_loading(accelerator, config))
+    tokenizer, task, metrics = setup["tokenizer"], setup["task"], setup["metrics"]
+
+    # --- data ----------------------------------------------------------------------------------------------------------
+    def prepare_data() -> dict:
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        if config.dataset_split not in raw:
+            raise errors.DataError(f"the dataset has no split {config.dataset_split!r} (it has {sorted(raw)}); "
+                                   "set dataset_split")
+        data = raw[config.dataset_split]
+        data = data.select(range(min(config.max_eval_samples, len(data)))) if config.max_eval_samples else data
+        if task == "sequence-classification":
+            columns = dict(text_column=config.text_column, text_pair_column=config.text_pair_column)
+            classification.check_columns(data, **columns, label_column=config.label_column, name="eval")
+            label2id = {name: int(i) for i, name in setup["model_config"].id2label.items()}
+            unnamed = all(name == f"LABEL_{i}" for name, i in label2id.items())
+            labels = classification.label_ids(data, config.label_column, label2id, name="eval", ids_allowed=unnamed)
+            rows, _ = classification.tokenize(data, tokenizer, **columns, labels=labels, max_length=config.max_length,
+                                              num_proc=config.dataset_num_proc, name="eval")
+            return {"classification": rows}
+        parts = {}
+        if setup["perplexity"]:
+            parts["loss"] = held_out.loss_rows(data, tokenizer, text_column=config.text_column,
+                                               max_length=config.max_length, num_proc=config.dataset_num_proc)[0]
+        if metrics:
+            parts["generation"] = held_out.generation_examples(data, tokenizer)
+        return parts
+
+    data = distributed.on_every_rank_together(accelerator, prepare_data, main_process_first=True)
+    batch_size = config.per_device_eval_batch_size
+    loader = None
+    if "classification" in data:
+        loader = classification.eval_dataloader(data["classification"], batch_size=batch_size,
+                                                pad_token_id=tokenizer.pad_token_id)
+    elif "generation" in data:
+        loader = evaluation.generation_dataloader(data["generation"], tokenizer, batch_size=batch_size)
+
+    # --- model, sharded as the Accelerate config says -------------------------------------------------------------------
+    with model_source.weights_folder(accelerator, setup["source"]) as weights:
+        model = modeling.load_model(
+            setup["model_config"], model_name_or_path=weights, task=task, revision=config.model_revision,
+            attn_implementation=setup["attn_implementation"], trust_remote_code=config.trust_remote_code,
+        )
+        token_loss = losses.TokenLoss(model) if task == "causal-lm" else None  # chunked: no whole-batch logits
+        model, *loaders = evaluation.prepare_for_evaluation(accelerator, model, *([loader] if loader else []))
+
+    # --- the measurements -----------------------------------------------------------------------------------------------
+    results = {}
+    if "loss" in data:
+        loss = evaluation.evaluate_loss(accelerator, model, data["loss"], loss_sum=token_loss.loss_sum,
+                                        batch_size=batch_size, pad_token_id=tokenizer.pad_token_id)
+        results.update(eval_loss=loss, eval_perplexity=math.exp(loss))
+    if loaders:
+        predict = classifier.predict if task == "sequence-classification" else evaluation.generation_predict(
+            tokenizer, max_new_tokens=config.max_new_tokens, do_sample=config.do_sample,
+            temperature=config.temperature, top_p=config.top_p, seed=config.seed,
+            synced_gpus=accelerator.num_processes > 1,
+        )
+        gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict)
+        results.update(evaluation.compute_metrics(metrics, gathered))
+        if task == "sequence-classification" and "f1" in metrics:
+            names = [setup["model_config"].id2label[i] for i in range(setup["model_config"].num_labels)]
+            results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], gathered, names)
+
+    # --- results: eval_results.json, the card's model-index, the Hub ------------------------------------------------------
+    if accelerator.is_main_process:
+        folder, source = setup["output_dir"], setup["source"]
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / "eval_results.json", dict(model=source.name, dataset=config.dataset_name,
+                                                      dataset_config=config.dataset_config,
+                                                      split=config.dataset_split, **results))
+        if loaders:  # every example once, in dataset order, to read what the model answered
+            name = setup["model_config"].id2label.get if task == "sequence-classification" else str
+            write_jsonl(folder / "eval_predictions.jsonl", [dict(prediction=name(p), reference=name(r)) for p, r in
+                                                            zip(gathered["predictions"], gathered["references"])])
+        model_index.update_card(
+            folder, model_index.eval_results(results, task=modeling.pipeline_tag(task), dataset=config.dataset_name,
+                                             dataset_config=config.dataset_config, split=config.dataset_split),
+            model_name=setup["hub_model_id"] or Path(source.name).name, pipeline_tag=modeling.pipeline_tag(task),
+            base_model=source.name if source.kind == "hub" else None,
+        )
+        print("results:\n" + format_table(list(results.items())))
+        if config.push_to_hub:
+            url = hub.push_folder_to_hub(folder, setup["hub_model_id"], token=setup["hub_token"],
+                                         private=config.hub_private_repo, files=["README.md", "eval_results.json"],
+                                         commit_message="Evaluation results from FSDP Recipes")
+            print(f"pushed to the Hub: {url}")
+        print(f"results written to {folder.resolve()}: eval_results.json, README.md (model-index)")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    errors.exit_on_user_error(lambda: main(sys.argv[1:]))

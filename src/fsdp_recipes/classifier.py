@@ -1,0 +1,89 @@
+"""Sequence classifiers (a causal-LM or encoder body with a classification head): the model config for the data's
+classes, the head, the loss and the predictions.
+
+The loss of an optimizer step is the (class-weighted) mean over every example of the global batch, whatever its split
+into ranks and micro-batches: each rank sums `weight[label] x cross-entropy` and scales by world size / (sum of the
+weights of the global batch), as the token losses in `fsdp_recipes.losses` do with their target counts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from .checkpoint import saved_model_config_path
+from .errors import DataError
+
+
+def configure(model_config, label_names: list[str], *, pad_token_id: int) -> None:
+    """The head for these classes, and the padding id: decoder classifiers (Llama, Qwen, ...) pool the rightmost token
+    that is not `pad_token_id`, and refuse batches of more than one row without it."""
+    model_config.num_labels = len(label_names)
+    model_config.id2label = dict(enumerate(label_names))
+    model_config.label2id = {name: index for index, name in enumerate(label_names)}
+    model_config.problem_type = "single_label_classification"
+    model_config.pad_token_id = pad_token_id
+    model_config.get_text_config().pad_token_id = pad_token_id
+    if hasattr(model_config, "use_cache"):
+        model_config.use_cache = False  # a classifier never decodes; a KV cache would only cost memory in training
+
+
+def head_module_names(model: torch.nn.Module) -> list[str]:
+    """The modules outside the pretrained body (`score` for decoder classifiers, `classifier` for BERT-likes): newly
+    initialised, and what LoRA must train in full (peft's `modules_to_save`)."""
+    prefix = getattr(model, "base_model_prefix", None)
+    return [name for name, child in model.named_children()
+            if name != prefix and any(True for _ in child.parameters())]
+
+
+def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over the batch of weight[label] x cross-entropy (weight 1 without class weights)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    weights = weights.to(logits.device) if weights is not None else None
+    return F.cross_entropy(logits.float(), batch["labels"], weight=weights, reduction="sum")
+
+
+def weight_sum(batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> float:
+    """The denominator of the batch's share of the mean: its examples, or the sum of their class weights."""
+    if weights is None:
+        return float(batch["labels"].numel())
+    return float(weights[batch["labels"].cpu()].double().sum())
+
+
+def global_mean_scale(accelerator: Accelerator, global_weight_sum: float) -> float:
+    """FSDP averages gradients over ranks: world size / the global batch's weight sum turns a rank's summed loss into
+    its share of the global (weighted) mean. A batch whose classes all weigh 0 contributes nothing."""
+    return accelerator.num_processes / global_weight_sum if global_weight_sum > 0 else 0.0
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per example: the predicted class, the reference, and the (unweighted) cross-entropy, for
+    `evaluation.MetricEvaluator`."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    return {"predictions": logits.argmax(-1), "references": batch["labels"],
+            "loss": F.cross_entropy(logits, batch["labels"], reduction="none")}
+
+
+def check_resumed_labels(checkpoint: Path, label_names: list[str]) -> None:
+    """A resumed run must see the classes it was trained on, in the same order (the head's rows are those classes)."""
+    config_path = saved_model_config_path(checkpoint)
+    saved = json.loads(config_path.read_text()).get("id2label", {}) if config_path.is_file() else {}
+    saved_names = [saved[key] for key in sorted(saved, key=int)]
+    if saved_names != label_names:
+        raise DataError(
+            f"the checkpoint was trained on the classes {saved_names} but this data gives {label_names}: resume with "
+            "the data it was trained on, or start a new run in another output_dir"
+        )
+
+
+def per_class(metric, gathered: dict[str, list], label_names: list[str]) -> dict[str, float]:
+    """A per-class score (e.g. the shipped `f1` with average=None) as {label name: value}, over gathered predictions."""
+    values = metric.compute(predictions=gathered["predictions"], references=gathered["references"], average=None,
+                            labels=list(range(len(label_names))))
+    (scores,) = values.values()
+    return dict(zip(label_names, scores))

@@ -1,0 +1,24 @@
+"""Recall, the share of examples of a class that are found (scikit-learn's recall_score).
+
+`average` defaults to "macro", the unweighted mean over classes, the usual figure for several classes (the
+Hub's `recall` defaults to "binary"); `average=None` gives one value per class, in the order of `labels` (default:
+the sorted ids that occur)."""
+
+import datasets
+import evaluate
+from sklearn.metrics import recall_score
+
+
+class Recall(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="Recall, the share of examples of a class that are found, per class or averaged over classes.",
+            citation="",
+            inputs_description="predictions, references: class ids (int); average: macro, micro, weighted, binary or "
+            "None; labels: the class ids to report; zero_division: value when a class is never predicted or present",
+            features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
+        )
+
+    def _compute(self, predictions, references, average="macro", labels=None, zero_division=0.0):
+        value = recall_score(references, predictions, average=average, labels=labels, zero_division=zero_division)
+        return {"recall": float(value) if average is not None else [float(v) for v in value]}

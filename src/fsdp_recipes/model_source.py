@@ -1,0 +1,90 @@
+"""What an evaluation loads: a model folder, a Hub id, or a recipe checkpoint (`output_dir/checkpoints/step-N`),
+which holds sharded weights and is exported to a temporary model folder first (`fsdp_recipes.checkpoint_export`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from .checkpoint import MODEL_FILES, PROGRESS, RUN_INFO
+from .checkpoint_export import export_checkpoint
+from .distributed import on_every_rank_together
+from .errors import ConfigError
+
+
+@dataclasses.dataclass
+class ModelSource:
+    name: str  # as the user gave it
+    kind: str  # "folder", "checkpoint" or "hub"
+    files: str  # where the config and tokenizer are read: the folder, the checkpoint's model files, or the Hub id
+
+    @property
+    def local_folder(self) -> Path | None:
+        return Path(self.name) if self.kind == "folder" else None
+
+
+def resolve(name: str) -> ModelSource:
+    """ConfigError if `name` is a local path that is neither a model folder nor a recipe checkpoint."""
+    path = Path(name)
+    if not path.exists():
+        return ModelSource(name=name, kind="hub", files=name)
+    if (path / "config.json").is_file():
+        return ModelSource(name=name, kind="folder", files=name)
+    if (path / MODEL_FILES / "config.json").is_file() and (path / PROGRESS).is_file():
+        return ModelSource(name=name, kind="checkpoint", files=str(path / MODEL_FILES))
+    hint = ""
+    if (path / "checkpoints" / "latest").is_file():
+        latest = (path / "checkpoints" / "latest").read_text().strip()
+        hint = f" It looks like a recipe output_dir whose training did not finish: evaluate {path / 'checkpoints' / latest}."
+    raise ConfigError(
+        f"{name!r} is neither a model folder (no config.json) nor a complete recipe checkpoint (progress.json and "
+        f"{MODEL_FILES}/config.json).{hint}"
+    )
+
+
+def task_of(source: ModelSource, model_config) -> str:
+    """sequence-classification for a classifier (its architecture, or the task its checkpoint records), else
+    causal-lm."""
+    if source.kind == "checkpoint":
+        run_info = Path(source.files) / RUN_INFO
+        if run_info.is_file():
+            return json.loads(run_info.read_text()).get("task", "causal-lm")
+    architectures = getattr(model_config, "architectures", None) or []
+    return "sequence-classification" if any(a.endswith("ForSequenceClassification") for a in architectures) else "causal-lm"
+
+
+@contextlib.contextmanager
+def weights_folder(accelerator: Accelerator, source: ModelSource):
+    """Collective. Yields what to load weights from. A checkpoint is exported once per machine, by its first process,
+    into a temporary folder (machines need not share /tmp), removed when the block ends: load the model inside it."""
+    if source.kind != "checkpoint":
+        yield source.name
+        return
+
+    def export_here() -> str | None:
+        if not accelerator.is_local_main_process:
+            return None
+        folder = tempfile.mkdtemp(prefix="fsdp-recipes-eval-")
+        try:
+            export_checkpoint(source.name, folder, overwrite=True)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder
+
+    mine = on_every_rank_together(accelerator, export_here)
+    folders = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    folder = folders[accelerator.process_index - accelerator.local_process_index]  # torchrun numbers ranks by machine
+    try:
+        yield folder
+    finally:
+        accelerator.wait_for_everyone()
+        if mine is not None:
+            shutil.rmtree(mine, ignore_errors=True)
