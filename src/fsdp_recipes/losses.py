@@ -32,7 +32,8 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     row, so for flash the rows are laid end to end in one row (padding restarts its positions too, so it stays a
     sequence of its own); sdpa, eager and flex isolate examples in every row."""
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
-    if str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
+    config = getattr(model, "module", model).config  # DDP (NO_SHARD) wraps the model; FSDP2 does not
+    if str(getattr(config, "_attn_implementation", "")).startswith("flash"):
         input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
     return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
 
