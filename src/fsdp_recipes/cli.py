@@ -145,6 +145,14 @@ def cp_command(parser: argparse.ArgumentParser) -> Runner:
     return run
 
 
+@subcommand("from-deepspeed", help="the FSDP2 Accelerate config and recipe fields equivalent to a DeepSpeed config")
+def from_deepspeed_command(parser: argparse.ArgumentParser) -> Runner:
+    from .from_deepspeed import add_arguments, run
+
+    add_arguments(parser)
+    return run
+
+
 def parse_bytes(text: str) -> int:
     """'5GB', '500MB', '141GiB' or a plain number of bytes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
