@@ -55,7 +55,8 @@ def test_ls_lists_every_recipe_and_config_present_with_its_estimate(capsys):
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and "/" in line.split()[0]}
     assert sorted(rows) == configs
     assert "8 x 80GB" in rows["sft/llama-3.1-8b_ultrachat"] and "fits" in rows["sft/llama-3.1-8b_ultrachat"]
-    assert "1 x 24GB" in rows["sft/qwen2.5-0.5b_ultrachat_24gb"] and "single_gpu.yaml" in rows["sft/qwen2.5-0.5b_ultrachat_24gb"]
+    one_gpu = rows["sft/qwen2.5-0.5b_ultrachat_24gb"]
+    assert "1 x 24GB" in one_gpu and "single_gpu.yaml" in one_gpu
     assert "host RAM" in rows["sft/qwen2.5-32b_ultrachat"]  # CPU offload: the state is on the host
     assert "2 CPU" in rows["sft/demo_reverse"]
     assert "--fsdp_transformer_layer_cls_to_wrap" in rows["sft/gemma-3-27b_ultrachat"]
@@ -107,7 +108,8 @@ def test_problems_name_what_would_go_wrong(tmp_path):
         "sft/good": config_text("sft/good", "meta-llama/Llama-3.1-8B"),
         "sft/too_big": config_text("sft/too_big", "meta-llama/Llama-3.1-70B"),
         "sft/small_gpu": config_text("sft/small_gpu", "meta-llama/Llama-3.1-8B", header="# GPU memory: 24GB\n"),
-        "sft/wrap": config_text("sft/wrap", "meta-llama/Llama-3.1-8B", flags="--fsdp_transformer_layer_cls_to_wrap GPT2Block"),
+        "sft/wrap": config_text("sft/wrap", "meta-llama/Llama-3.1-8B",
+                                flags="--fsdp_transformer_layer_cls_to_wrap GPT2Block"),
         "sft/gemma3": config_text("sft/gemma3", "google/gemma-3-4b-pt"),
         "sft/unknown_model": config_text("sft/unknown_model", "someone/unknown"),
         "sft/other_script": config_text("sft/other_script", "meta-llama/Llama-3.1-8B", script="recipes/dpo.py"),

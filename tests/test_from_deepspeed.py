@@ -60,7 +60,7 @@ CASES = [
     ("zero3_fp32", {"zero_optimization": {"stage": 3}}, [], {"ACCELERATE_MIXED_PRECISION": "no"}),
     ("zero3_hf_auto", HF_ZERO3_AUTO, [], {"FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_OFFLOAD_PARAMS": "true",
                                           "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "8"}),
-    ("zero3_mics_two_nodes", zero(3, **{"train_batch_size": 128}) | {"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
+    ("zero3_mics_two_nodes", zero(3, train_batch_size=128) | {"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
      ["--num-machines", "2"], {"WORLD_SIZE": "16", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
                                "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8"}),
 ]
@@ -197,7 +197,8 @@ def test_the_docs_table_of_per_rank_bytes_is_what_the_estimator_says():
         ("stage 2", "fsdp_8gpu_shard_grad_op.yaml", 2 + 14 / 8), ("stage 3", "fsdp_8gpu.yaml", 16 / 8),
         ("stage 3, MiCS 8 on 2 x 8 GPUs", "hsdp_2x8gpu.yaml", 16 / 8),
     ]:
-        estimate = memory.estimate(info, memory.load_topology(REPO / "accelerate_configs" / accelerate_config), workload)
+        topology = memory.load_topology(REPO / "accelerate_configs" / accelerate_config)
+        estimate = memory.estimate(info, topology, workload)
         cells = [cell.strip() for cell in rows[stage].split("|")[3:9]]
         assert cells[:4] == [gib(estimate.state["parameters"]), gib(estimate.state["gradients"]),
                              gib(estimate.state["optimizer_state"]), gib(sum(estimate.state.values()))], stage

@@ -209,7 +209,8 @@ class Catalog:
         if by_name:
             raise UserError(f"{name!r} is a config of several recipes: name one of "
                             f"{', '.join(config.key for config in by_name)}")
-        close = [key for key in configs if wanted in key][:3] or difflib.get_close_matches(wanted, [*recipes, *configs], n=3)
+        close = ([key for key in configs if wanted in key][:3]
+                 or difflib.get_close_matches(wanted, [*recipes, *configs], n=3))
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
         raise UserError(f"no recipe or config named {name!r}; {hint}`fsdp-recipes ls` lists them")
 
@@ -224,7 +225,8 @@ class Catalog:
             raise ConfigError(f"{config.key}: its opening comment has no `accelerate launch --config_file ...` line")
         path = self.root / launch.accelerate_config
         if not path.is_file():
-            raise ConfigError(f"{config.key}: its launch command names {launch.accelerate_config}, which does not exist")
+            raise ConfigError(f"{config.key}: its launch command names {launch.accelerate_config}, which does not "
+                              "exist")
         raw = yaml.safe_load(path.read_text()) or {}
         fsdp = {key if key.startswith("fsdp_") else f"fsdp_{key}": value
                 for key, value in (raw.get("fsdp_config") or {}).items()}
@@ -257,7 +259,8 @@ class Catalog:
         if model is None:
             raise ConfigError(f"no local config.json for model {config.model!r}: add {HUB_CONFIGS / str(config.model)}"
                               "/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
-        topology = memory.topology_from_dict(self.accelerate_settings(config), where=f"{config.key}'s Accelerate config")
+        where = f"{config.key}'s Accelerate config"
+        topology = memory.topology_from_dict(self.accelerate_settings(config), where=where)
         workload = memory.workload_from_recipe(config.values)
         lora_rank = int(config.values.get("lora_r") or memory.LORA_RANK) if config.values.get("use_peft") else None
         gpu_memory = memory.parse_size(config.gpu_memory)
@@ -291,7 +294,8 @@ class Catalog:
             effective.write_text(yaml.safe_dump(settings))
             for finding in lint_config_file(effective, model=str(model)):
                 if finding.severity == ERROR:
-                    found.append(f"{launch.accelerate_config} (with the command's flags): {finding.key}: {finding.message}")
+                    found.append(f"{launch.accelerate_config} (with the command's flags): {finding.key}: "
+                                 f"{finding.message}")
         if found:
             return found
         try:
@@ -429,7 +433,8 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
         rows = [("config", "model", "method", "accelerate config", "processes", "memory per GPU (estimate)")]
         for config in configs:
             launch = config.launch
-            accelerate_config = Path(launch.accelerate_config).name if launch and launch.accelerate_config else "-"
+            named = launch and launch.accelerate_config
+            accelerate_config = Path(launch.accelerate_config).name if named else "-"
             if launch and launch.overrides:
                 accelerate_config += " + " + " ".join(f"--{key}" for key in launch.overrides)
             try:
