@@ -3,8 +3,8 @@
 In-process: discovery from folders, the checks of each shipped config (launch command, Accelerate config through the
 linter with the command's flags, the model's wrap classes, the memory estimate against the GPU memory it names), the
 model shapes kept in tests/data/hub_configs, the chat templates configs set, every `cp` mode and refusal, and what the
-wheel bundles. Launched: a copied and edited recipe runs a copied config from a folder outside the repository; a
-wheel installed outside the repository lists and copies (no accelerate launch)."""
+wheel bundles. One launch: after a pip install of the wheel, outside any clone, `ls` lists, `cp` copies, and the
+copied recipe, edited, runs the copied demo config from its folder."""
 
 from __future__ import annotations
 
@@ -268,7 +268,10 @@ def test_the_wheel_bundles_every_file_ls_and_cp_use():
 
 
 @pytest.mark.slow
-def test_an_installed_wheel_lists_and_copies_outside_a_clone(tmp_path):
+def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repository(tmp_path):
+    """A wheel built from the repository, installed in a folder of its own, used from outside any clone: `ls` lists
+    the bundled configs, `cp` copies the SFT recipe with the demo config, and the copy, edited, runs on 2 processes
+    from its folder with the installed package."""
     source = tmp_path / "source"
     for name in ("src", "recipes", "accelerate_configs", "demo", "benchmarks", "tests/data/hub_configs"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -276,32 +279,30 @@ def test_an_installed_wheel_lists_and_copies_outside_a_clone(tmp_path):
         shutil.copy(REPO / name, source / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path)], check=True)
-    wheel = next(tmp_path.glob("fsdp_recipes-*.whl"))
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)], check=True)
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *tmp_path.glob("fsdp_recipes-*.whl")],
+                   check=True)
+    installed = {"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}  # the wheel's package, not the checkout's
     script = ("import sys; from fsdp_recipes import catalog, cli; print('root', catalog.source_root()); "
               "sys.exit(cli.main(['ls']) or cli.main(['cp', 'sft/demo_reverse', 'project']))")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "site"), "HF_HUB_OFFLINE": "1"}
-    result = run_process_group([sys.executable, "-c", script], timeout=120, env=env, cwd=tmp_path)
+    result = run_process_group([sys.executable, "-c", script], timeout=120, env={"PATH": "/usr/bin:/bin", **installed},
+                               cwd=tmp_path)
     require_success(result)
-    assert f"root {tmp_path / 'site' / 'fsdp_recipes' / 'bundled'}" in result.stdout
+    assert f"root {site / 'fsdp_recipes' / 'bundled'}" in result.stdout
     assert all(f"  {config.key} " in result.stdout for config in SHIPPED)
-    assert (tmp_path / "project" / "demo" / "assets" / "reverse" / "train.jsonl").is_file()
-    assert filecmp.cmp(tmp_path / "project" / "recipes" / "sft.py", REPO / "recipes" / "sft.py", shallow=False)
 
-
-@pytest.mark.slow
-def test_a_copied_and_edited_recipe_runs_a_copied_config_from_outside_the_repository(tmp_path):
     project = tmp_path / "project"
-    assert cli.main(["cp", "sft/demo_reverse", str(project)]) == 0
     recipe = project / "recipes" / "sft.py"
-    recipe.write_text(recipe.read_text().replace('if __name__ == "__main__":\n',
-                                                 'if __name__ == "__main__":\n    print("the edited copy runs")\n'))
+    assert filecmp.cmp(recipe, REPO / "recipes" / "sft.py", shallow=False)
+    recipe.write_text(recipe.read_text().replace(
+        'if __name__ == "__main__":\n',
+        'if __name__ == "__main__":\n    import fsdp_recipes\n    print("the edited copy runs with", fsdp_recipes.__file__)\n'))
     command = CATALOG.read_config(project / "recipes/configs/sft/demo_reverse.yaml", recipe="sft").launch
     short = ["--max_steps", "4", "--logging_steps", "1", "--eval_steps", "null", "--save_steps", "null",
              "--exact_match_eval_samples", "0", "--output_dir", "out", "--report_to", "none"]
     result = launch(Path(command.script), [*command.script_args, *short],
-                    accelerate_config=Path(command.accelerate_config), cwd=project)
+                    accelerate_config=Path(command.accelerate_config), cwd=project, env=installed)
     require_success(result)
-    assert "the edited copy runs" in result.stdout
+    assert f"the edited copy runs with {site / 'fsdp_recipes' / '__init__.py'}" in result.stdout
     assert [record["step"] for record in read_metrics(project / "out") if "loss" in record] == [1, 2, 3, 4]
     assert json.loads((project / "out" / "config.json").read_text())["hidden_size"] == 128  # demo/tiny_llama.json
