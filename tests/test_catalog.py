@@ -115,6 +115,7 @@ def test_problems_name_what_would_go_wrong(tmp_path):
         "sft/other_script": config_text("sft/other_script", "meta-llama/Llama-3.1-8B", script="recipes/dpo.py"),
         "sft/missing_accelerate": config_text("sft/missing_accelerate", "meta-llama/Llama-3.1-8B", "nope.yaml"),
         "sft/no_command": "# No command here.\n\nmodel_name_or_path: x\n",
+        "orphan/lost": config_text("orphan/lost", "meta-llama/Llama-3.1-8B"),
     })
     problems = {config.key: "\n".join(catalog.problems(config)) for config in catalog.configs()}
     assert problems.pop("sft/good") == ""
@@ -126,7 +127,9 @@ def test_problems_name_what_would_go_wrong(tmp_path):
     assert "runs recipes/dpo.py, not recipes/sft.py" in problems.pop("sft/other_script")
     assert "names accelerate_configs/nope.yaml, which does not exist" in problems.pop("sft/missing_accelerate")
     assert "no `accelerate launch ...` command" in problems.pop("sft/no_command")
+    assert "recipes/orphan.py does not exist" in problems.pop("orphan/lost")
     assert problems == {}
+    assert "orphan  recipes/orphan.py: (missing: these configs have no recipe)" in listing(catalog, "orphan")
 
 
 # --- the shipped configs ------------------------------------------------------------------------------------------

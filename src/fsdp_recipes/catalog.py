@@ -280,6 +280,8 @@ class Catalog:
         found = []
         if launch.script != f"recipes/{config.recipe}.py":
             found.append(f"its launch command runs {launch.script}, not recipes/{config.recipe}.py")
+        if not (self.root / "recipes" / f"{config.recipe}.py").is_file():
+            found.append(f"recipes/{config.recipe}.py does not exist: configs live in recipes/configs/<recipe>/")
         if launch.recipe_config != relative:
             found.append(f"its launch command passes --config {launch.recipe_config}, not {relative}")
         try:
@@ -425,11 +427,13 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
     if topologies_file.is_file():
         devices = {t.file: t.device for t in topology_lib.load_topologies(topologies_file)}
     lines, notes = [], []
-    for recipe in catalog.recipes():
-        configs = [c for c in catalog.configs(recipe.name) if not text or text in c.key]
-        if text and text not in recipe.name and not configs:
+    recipes = {recipe.name: recipe.summary for recipe in catalog.recipes()}
+    config_folders = {path.name for path in (catalog.root / "recipes" / "configs").glob("*") if path.is_dir()}
+    for name in sorted(recipes.keys() | config_folders):
+        configs = [c for c in catalog.configs(name) if not text or text in c.key]
+        if text and text not in name and not configs:
             continue
-        lines += ["", f"{recipe.name}  recipes/{recipe.name}.py: {recipe.summary}"]
+        lines += ["", f"{name}  recipes/{name}.py: {recipes.get(name, '(missing: these configs have no recipe)')}"]
         rows = [("config", "model", "method", "accelerate config", "processes", "memory per GPU (estimate)")]
         for config in configs:
             launch = config.launch
