@@ -109,6 +109,7 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = LAUNCH_TIMEOUT_S,
     launcher_args: list[str] = (),
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
     """`accelerate launch` with real processes; a hang fails the test at `timeout` instead of blocking the suite."""
     command = [str(ACCELERATE), "launch"]
@@ -119,14 +120,14 @@ def launch(
         command += ["--main_process_port", str(free_port())]
     command += [*launcher_args, str(script), *args]
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return run_process_group(command, timeout=timeout, env=full_env)
+    return run_process_group(command, timeout=timeout, env=full_env, cwd=cwd)
 
 
-def run_process_group(command: list[str], *, timeout: float, env: dict[str, str] | None = None):
+def run_process_group(command: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO):
     """subprocess.run, but a timeout kills the launcher's whole process group: ranks left behind would keep the
     CPU busy for the rest of the suite."""
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)

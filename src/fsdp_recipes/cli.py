@@ -104,6 +104,55 @@ def export_command(parser: argparse.ArgumentParser) -> Runner:
     return run
 
 
+@subcommand("ls", help="every recipe and config: model, Accelerate config, estimated memory per GPU")
+def ls_command(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("text", nargs="?", help="only recipes and configs whose names contain this text")
+    parser.add_argument("--check", action="store_true",
+                        help="also check each config as the tests do (its launch command, the Accelerate config with "
+                        "the linter, the model's wrap classes, the memory estimate); exit 1 on a problem")
+
+    def run(args: argparse.Namespace) -> int:
+        from .catalog import Catalog, listing
+
+        catalog = Catalog()
+        print("\n".join(listing(catalog, args.text)))
+        if not args.check:
+            return 0
+        problems = [f"{config.key}: {problem}" for config in catalog.configs()
+                    if not args.text or args.text in config.key for problem in catalog.problems(config)]
+        print("\n" + ("\n".join(problems) if problems else "every config passes its checks"))
+        return 1 if problems else 0
+
+    return run
+
+
+@subcommand("cp", help="copy a recipe or a config, with what it needs, to adapt it")
+def cp_command(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("name", metavar="NAME",
+                        help="a recipe (sft: the script and all its configs) or a config (sft/demo_reverse, or "
+                        "demo_reverse: the config, its recipe and the files it names)")
+    parser.add_argument("dest", type=Path, metavar="DEST",
+                        help="a folder (files keep their relative paths, so the commands in them run from there), or a "
+                        ".py/.yaml path to copy only the recipe or config itself")
+    parser.add_argument("--force", action="store_true", help="overwrite copied files that exist and differ")
+
+    def run(args: argparse.Namespace) -> int:
+        from .catalog import Catalog
+
+        print("\n".join(Catalog().copy(args.name, args.dest, force=args.force)))
+        return 0
+
+    return run
+
+
+@subcommand("from-deepspeed", help="the FSDP2 Accelerate config and recipe fields equivalent to a DeepSpeed config")
+def from_deepspeed_command(parser: argparse.ArgumentParser) -> Runner:
+    from .from_deepspeed import add_arguments, run
+
+    add_arguments(parser)
+    return run
+
+
 def parse_bytes(text: str) -> int:
     """'5GB', '500MB', '141GiB' or a plain number of bytes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -346,6 +346,14 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
                 f"{', '.join(missing)} not in this {config.model_type} model; {fix}, or remove the key to use the "
                 "model's _no_split_modules",
             ))
+        absent = sorted(name for name in no_split if name not in present) if not requested else []
+        if absent:  # accelerate wraps every class _no_split_modules names, and raises for one the model lacks
+            findings.append(Finding(
+                ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                f"not set, so accelerate wraps the model's _no_split_modules, which name {', '.join(absent)}: not in "
+                f"this {config.model_type} model (accelerate raises); set it to "
+                f"{','.join(sorted(name for name in no_split if name in present))}",
+            ))
         if not requested and not no_split:
             findings.append(Finding(
                 ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",

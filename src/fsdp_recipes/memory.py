@@ -392,12 +392,10 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
             if "Norm" in type(child).__name__:
                 final_norm = child
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    linears = []
-    for path, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and module is not out and any(
-            type(m).__name__ in no_split for p, m in model.named_modules() if path.startswith(p + ".") and p
-        ):
-            linears.append((module.in_features, module.out_features))
+    inside_layers = {id(inner) for path, layer in model.named_modules() if path and type(layer).__name__ in no_split
+                     for inner in layer.modules() if inner is not layer}
+    linears = [(module.in_features, module.out_features) for module in model.modules()
+               if isinstance(module, torch.nn.Linear) and module is not out and id(module) in inside_layers]
     return ModelInfo(
         model_type=str(config.model_type), hidden_size=hidden,
         intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * hidden),

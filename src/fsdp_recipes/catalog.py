@@ -1,0 +1,472 @@
+"""The recipes and their configs, found in folders: nothing here lists them by hand.
+
+`fsdp-recipes ls` shows every recipe (`recipes/<name>.py`, with the first line of its docstring) and every config of it
+(`recipes/configs/<name>/*.yaml`): the model, the method, the Accelerate config it is meant for and the estimated memory
+per GPU (fsdp_recipes.memory). `fsdp-recipes cp` copies a recipe or a config, with what it needs, for editing.
+
+What a config is meant for is read from its opening comment, which every config has: the command that launches it,
+
+    #   accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/sft.py \\
+    #       --config recipes/configs/sft/<name>.yaml
+
+parsed with accelerate's own launch parser, so that launcher flags written there (`--num_processes 1`,
+`--fsdp_transformer_layer_cls_to_wrap ...`) count as they would at launch; and optionally a line `# GPU memory: 24GB`,
+the memory per GPU the config must fit (80GB otherwise). Shapes of Hub models come from
+`tests/data/hub_configs/<hub id>/config.json`, so estimates need no network.
+
+In a checkout, the folders are read in place; an installed wheel carries copies of them under fsdp_recipes/bundled/
+(setup.py puts them there), at the same relative paths.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import difflib
+import filecmp
+import functools
+import io
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError, UserError
+
+DEFAULT_GPU_MEMORY = "80GB"
+HUB_CONFIGS = Path("tests/data/hub_configs")  # <hub id>/config.json: model shapes, relative to the root
+
+
+def source_root() -> Path:
+    """The folder holding recipes/, accelerate_configs/, demo/: the checkout this package runs from, or the copy
+    packaged in the wheel."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "recipes").is_dir() and (checkout / "pyproject.toml").is_file():
+        return checkout
+    bundled = Path(__file__).resolve().parent / "bundled"
+    if not (bundled / "recipes").is_dir():
+        raise UserError(
+            f"no recipes found next to {Path(__file__).parent}: this installation was built without them. Install "
+            "fsdp-recipes from a wheel built by `pip wheel` (setup.py bundles them), or run from a clone."
+        )
+    return bundled
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    path: Path
+    summary: str  # the first line of the module docstring
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCommand:
+    """The `accelerate launch` line of a config's opening comment."""
+
+    accelerate_config: str | None  # as written, relative to the root
+    overrides: dict[str, Any]  # launcher flags given explicitly (accelerate's argument names): they win over the YAML
+    script: str
+    script_args: list[str]
+
+    @property
+    def recipe_config(self) -> str | None:
+        args = self.script_args
+        return next((args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--config"), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeConfig:
+    recipe: str
+    name: str
+    path: Path
+    values: dict[str, Any]
+    launch: LaunchCommand | None
+    gpu_memory: str  # as written, e.g. "80GB"
+
+    @property
+    def key(self) -> str:
+        return f"{self.recipe}/{self.name}"
+
+    @property
+    def model(self) -> str | None:
+        return self.values.get("model_config") or self.values.get("model_name_or_path")
+
+    @property
+    def method(self) -> str:
+        if self.values.get("load_in_4bit"):
+            return "QLoRA"
+        return "LoRA" if self.values.get("use_peft") else "full"
+
+
+def read_summary(path: Path) -> str:
+    """The first line of a script's docstring, read without importing it (recipes import torch)."""
+    try:
+        docstring = ast.get_docstring(ast.parse(path.read_text()))
+    except SyntaxError:
+        return "(does not parse)"
+    return docstring.strip().splitlines()[0] if docstring else "(no docstring)"
+
+
+def opening_comment(text: str) -> list[str]:
+    """The comment lines before the first setting, without their '#'."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            lines.append(line[1:])
+        elif line.strip():
+            break
+    return lines
+
+
+def parse_launch_command(comment: list[str], *, where: str) -> LaunchCommand | None:
+    start = next((i for i, line in enumerate(comment) if line.strip().startswith("accelerate launch")), None)
+    if start is None:
+        return None
+    parts = []
+    for line in comment[start:]:
+        parts.append(line.strip().removesuffix("\\"))
+        if not line.rstrip().endswith("\\"):
+            break
+    # Shell variables ($NODE_RANK) stand for values given at launch; any number parses where one is expected.
+    tokens = ["0" if token.startswith("$") else token for token in shlex.split(" ".join(parts))]
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as stderr:
+            args = parser.parse_args(tokens[2:])
+    except SystemExit:
+        raise ConfigError(f"{where}: the launch command in its opening comment is not one accelerate launch "
+                          f"accepts ({stderr.getvalue().strip().splitlines()[-1]})") from None
+    written = {token.split("=")[0] for token in tokens[2:tokens.index(args.training_script)]}
+    overrides = {action.dest: getattr(args, action.dest) for action in parser._actions
+                 if written & set(action.option_strings) and action.dest != "config_file"}
+    return LaunchCommand(args.config_file, overrides, args.training_script, list(args.training_script_args))
+
+
+def gpu_memory_line(comment: list[str]) -> str:
+    for line in comment:
+        if line.strip().lower().startswith("gpu memory:"):
+            return line.split(":", 1)[1].split()[0]
+    return DEFAULT_GPU_MEMORY
+
+
+@functools.lru_cache(maxsize=None)
+def model_info(config_file: Path):
+    """fsdp_recipes.memory's shapes of a model config.json, built once per process (a weightless model per call)."""
+    from . import memory
+
+    return memory.load_model_info(str(config_file))
+
+
+class Catalog:
+    """Recipes and configs under `root` (default: `source_root()`)."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else source_root()
+
+    def recipes(self) -> list[Recipe]:
+        return [Recipe(path.stem, path, read_summary(path)) for path in sorted((self.root / "recipes").glob("*.py"))
+                if not path.name.startswith("_")]
+
+    def configs(self, recipe: str | None = None) -> list[RecipeConfig]:
+        folders = [self.root / "recipes" / "configs" / recipe] if recipe else sorted(
+            (self.root / "recipes" / "configs").glob("*"))
+        found = []
+        for folder in folders:
+            for path in sorted(folder.glob("*.yaml")):
+                found.append(self.read_config(path, recipe=folder.name))
+        return found
+
+    def read_config(self, path: Path, *, recipe: str) -> RecipeConfig:
+        text = path.read_text()
+        where = str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)
+        try:
+            values = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{where} is not valid YAML: {error}") from None
+        comment = opening_comment(text)
+        return RecipeConfig(recipe, path.stem, path, values if isinstance(values, dict) else {},
+                            parse_launch_command(comment, where=where), gpu_memory_line(comment))
+
+    def find(self, name: str) -> Recipe | RecipeConfig:
+        """`sft` (a recipe), `sft/demo_reverse` or `demo_reverse` (a config, if only one recipe has that name); a
+        trailing .py / .yaml is allowed."""
+        recipes = {recipe.name: recipe for recipe in self.recipes()}
+        configs = {config.key: config for config in self.configs()}
+        wanted = name.removesuffix(".py").removesuffix(".yaml").strip("/")
+        if wanted in recipes:
+            return recipes[wanted]
+        if wanted in configs:
+            return configs[wanted]
+        by_name = [config for config in configs.values() if config.name == wanted]
+        if len(by_name) == 1:
+            return by_name[0]
+        if by_name:
+            raise UserError(f"{name!r} is a config of several recipes: name one of "
+                            f"{', '.join(config.key for config in by_name)}")
+        close = ([key for key in configs if wanted in key][:3]
+                 or difflib.get_close_matches(wanted, [*recipes, *configs], n=3))
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise UserError(f"no recipe or config named {name!r}; {hint}`fsdp-recipes ls` lists them")
+
+    # --- what a config runs with --------------------------------------------------------------------------------
+    def accelerate_settings(self, config: RecipeConfig) -> dict[str, Any]:
+        """The Accelerate YAML the launch command names, with the command's launcher flags applied over it (as
+        `accelerate launch` applies them)."""
+        from accelerate.commands.config.config_args import ClusterConfig
+
+        launch = config.launch
+        if launch is None or launch.accelerate_config is None:
+            raise ConfigError(f"{config.key}: its opening comment has no `accelerate launch --config_file ...` line")
+        path = self.root / launch.accelerate_config
+        if not path.is_file():
+            raise ConfigError(f"{config.key}: its launch command names {launch.accelerate_config}, which does not "
+                              "exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        fsdp = {key if key.startswith("fsdp_") else f"fsdp_{key}": value
+                for key, value in (raw.get("fsdp_config") or {}).items()}
+        top_level = {f.name for f in dataclasses.fields(ClusterConfig)}
+        for key, value in launch.overrides.items():
+            if key.startswith("fsdp_"):
+                fsdp[key] = value
+            elif key in top_level:
+                raw[key] = value
+        if fsdp:
+            raw["fsdp_config"] = fsdp
+        return raw
+
+    def model_file(self, config: RecipeConfig) -> Path | None:
+        """A local config.json for the config's model: its model_config, or the shapes kept for its Hub id."""
+        if config.values.get("model_config"):
+            path = Path(config.values["model_config"])
+            path = path if path.is_absolute() else self.root / path
+        elif config.values.get("model_name_or_path"):
+            path = self.root / HUB_CONFIGS / str(config.values["model_name_or_path"]) / "config.json"
+        else:
+            return None
+        return path if path.is_file() else None
+
+    def estimate(self, config: RecipeConfig):
+        """fsdp_recipes.memory's estimate for the config on the topology it is meant for. Raises ConfigError."""
+        from . import memory
+
+        model = self.model_file(config)
+        if model is None:
+            raise ConfigError(f"no local config.json for model {config.model!r}: add {HUB_CONFIGS / str(config.model)}"
+                              "/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
+        where = f"{config.key}'s Accelerate config"
+        topology = memory.topology_from_dict(self.accelerate_settings(config), where=where)
+        workload = memory.workload_from_recipe(config.values)
+        lora_rank = int(config.values.get("lora_r") or memory.LORA_RANK) if config.values.get("use_peft") else None
+        gpu_memory = memory.parse_size(config.gpu_memory)
+        return memory.estimate(model_info(model), topology, workload, gpu_memory=gpu_memory,
+                               model_name=str(config.model), lora_rank=lora_rank)
+
+    def problems(self, config: RecipeConfig) -> list[str]:
+        """Why the config would not run as its opening comment says: the command names another recipe or config,
+        the Accelerate config (with the command's flags) fails the linter, the model lacks the wrap classes, or the
+        estimate exceeds the GPU memory. Empty if none."""
+        from .config_lint import ERROR, lint_config_file
+
+        launch = config.launch
+        if launch is None:
+            return ["no `accelerate launch ...` command in its opening comment"]
+        relative = config.path.relative_to(self.root).as_posix()
+        found = []
+        if launch.script != f"recipes/{config.recipe}.py":
+            found.append(f"its launch command runs {launch.script}, not recipes/{config.recipe}.py")
+        if not (self.root / "recipes" / f"{config.recipe}.py").is_file():
+            found.append(f"recipes/{config.recipe}.py does not exist: configs live in recipes/configs/<recipe>/")
+        if launch.recipe_config != relative:
+            found.append(f"its launch command passes --config {launch.recipe_config}, not {relative}")
+        try:
+            settings = self.accelerate_settings(config)
+        except ConfigError as error:
+            return found + [str(error)]
+        model = self.model_file(config)
+        if model is None:
+            return found + [f"no local config.json for model {config.model!r} (add {HUB_CONFIGS}/<hub id>/config.json)"]
+        with tempfile.TemporaryDirectory() as folder:
+            effective = Path(folder) / "accelerate.yaml"
+            effective.write_text(yaml.safe_dump(settings))
+            for finding in lint_config_file(effective, model=str(model)):
+                if finding.severity == ERROR:
+                    found.append(f"{launch.accelerate_config} (with the command's flags): {finding.key}: "
+                                 f"{finding.message}")
+        if found:
+            return found
+        try:
+            estimate = self.estimate(config)
+        except ConfigError as error:
+            return [str(error)]
+        if not estimate.fits:
+            found.append(f"estimated {estimate.total / 2**30:.1f} GiB per GPU, over the {estimate.usable / 2**30:.1f} "
+                         f"GiB usable of {config.gpu_memory} (fsdp-recipes estimate shows what to change)")
+        return found
+
+    # --- copies --------------------------------------------------------------------------------------------------
+    def needs(self, config: RecipeConfig) -> list[tuple[Path, str]]:
+        """Files the config's launch command and values name that exist under the root (relative path, why)."""
+        found: list[tuple[Path, str]] = []
+        if config.launch and config.launch.accelerate_config:
+            found.append((Path(config.launch.accelerate_config), "the Accelerate config its launch command names"))
+        for key, value in config.values.items():
+            if not isinstance(value, str) or Path(value).is_absolute() or ".." in Path(value).parts:
+                continue
+            source = self.root / value
+            if source.is_file():
+                found.append((Path(value), f"{config.name}.yaml names it as {key}"))
+            elif source.is_dir() and value.strip("./"):
+                found += [(path.relative_to(self.root), f"{config.name}.yaml names {value} as {key}")
+                          for path in sorted(source.rglob("*")) if path.is_file() and "__pycache__" not in path.parts]
+        return found
+
+    def copy_plan(self, item: Recipe | RecipeConfig) -> list[tuple[Path, str, bool]]:
+        """(path relative to the root, why, primary) for everything `cp` copies for `item`: a recipe with all its
+        configs, or a config with its recipe; each config with what it names. Primary files are the ones asked for."""
+        if isinstance(item, Recipe):
+            plan = [(item.path.relative_to(self.root), "the recipe", True)]
+            configs = self.configs(item.name)
+        else:
+            plan = [(item.path.relative_to(self.root), "the config", True),
+                    (Path("recipes") / f"{item.recipe}.py", "the recipe its launch command runs", False)]
+            configs = [item]
+        for config in configs:
+            if isinstance(item, Recipe):
+                plan.append((config.path.relative_to(self.root), f"a config of {item.name}", False))
+            plan += [(path, why, False) for path, why in self.needs(config)]
+        unique: dict[Path, tuple[Path, str, bool]] = {}
+        for path, why, primary in plan:
+            unique.setdefault(path, (path, why, primary))
+        return list(unique.values())
+
+    def copy(self, name: str, dest: Path, *, force: bool = False) -> list[str]:
+        """Copies into folder `dest` at the same relative paths, so that every command written in the copied files
+        runs from `dest`; or, when `dest` names a .py/.yaml file, only the recipe or config itself. A file that exists
+        and differs is never replaced unless `force` (files it only needs are kept as they are: they may be yours).
+        Returns the report lines. Raises UserError before writing anything."""
+        item = self.find(name)
+        if dest.suffix in (".py", ".yaml", ".yml"):
+            return self._copy_one(item, dest, force=force)
+        if dest.exists() and not dest.is_dir():
+            raise UserError(f"{dest} is a file: give a folder to copy into (or a .py/.yaml path for one file)")
+        plan = self.copy_plan(item)
+        conflicts = [path for path, _, primary in plan
+                     if primary and (dest / path).exists() and not filecmp.cmp(self.root / path, dest / path, shallow=False)]
+        if conflicts and not force:
+            raise UserError(f"{', '.join(str(dest / path) for path in conflicts)} exists and differs from the packaged "
+                            "file: pass --force to overwrite it, or copy into another folder (nothing was copied)")
+        report = [f"into {dest}/:"]
+        for path, why, primary in plan:
+            target = dest / path
+            if target.exists() and filecmp.cmp(self.root / path, target, shallow=False):
+                status = "already there"
+            elif target.exists() and not primary:
+                status = "kept yours (it differs)"
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.root / path, target)
+                status = "copied"
+            report.append(f"  {path}  ({why}; {status})")
+        return report + self._how_to_run(item, dest)
+
+    def _copy_one(self, item: Recipe | RecipeConfig, dest: Path, *, force: bool) -> list[str]:
+        if isinstance(item, Recipe) != (dest.suffix == ".py"):
+            raise UserError(f"{dest} has the wrong suffix for {item.path.name}: a recipe is a .py, a config a .yaml")
+        if dest.exists() and not force and not filecmp.cmp(item.path, dest, shallow=False):
+            raise UserError(f"{dest} exists and differs: pass --force to overwrite it (nothing was copied)")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(item.path, dest)
+        report = [f"copied {item.path.relative_to(self.root)} to {dest}"]
+        if isinstance(item, RecipeConfig):
+            needs = self.needs(item)
+            if needs:
+                report.append("it names these files, relative to the folder you launch from (copy them too with "
+                              f"`fsdp-recipes cp {item.key} FOLDER`, or edit the paths):")
+                report += [f"  {path}  (packaged at {self.root / path})" for path, _ in needs]
+            report.append(f"its launch command runs recipes/{item.recipe}.py and passes --config "
+                          f"{item.path.relative_to(self.root)}: adjust both to where your copies are")
+        return report
+
+    def _how_to_run(self, item: Recipe | RecipeConfig, dest: Path) -> list[str]:
+        config = item if isinstance(item, RecipeConfig) else next(iter(self.configs(item.name)), None)
+        if config is None or config.launch is None or config.launch.accelerate_config is None:
+            return []
+        launch = config.launch
+        command = shlex.join(["accelerate", "launch", "--config_file", launch.accelerate_config,
+                              *_flags(launch.overrides), launch.script, *launch.script_args])
+        lines = [f"run from {dest}/ (the recipe imports fsdp_recipes: keep the package installed), e.g.:",
+                 f"  cd {dest} && {command}"]
+        hub = [str(config.values[key]) for key in ("model_name_or_path", "tokenizer_name_or_path", "dataset_name")
+               if isinstance(config.values.get(key), str) and not (self.root / config.values[key]).exists()]
+        if isinstance(item, RecipeConfig) and hub:
+            lines.append(f"fetched from the Hub at run time (gated models need `hf auth login`): {', '.join(hub)}")
+        return lines
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _flags(overrides: dict[str, Any]) -> list[str]:
+    return [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
+
+
+# --- fsdp-recipes ls ------------------------------------------------------------------------------------------------
+def listing(catalog: Catalog, text: str | None = None) -> list[str]:
+    """The lines `fsdp-recipes ls` prints; `text` keeps only recipes and configs whose names contain it."""
+    from . import topology as topology_lib
+
+    devices = {}
+    topologies_file = catalog.root / "accelerate_configs" / "topologies.yaml"
+    if topologies_file.is_file():
+        devices = {t.file: t.device for t in topology_lib.load_topologies(topologies_file)}
+    lines, notes = [], []
+    recipes = {recipe.name: recipe.summary for recipe in catalog.recipes()}
+    config_folders = {path.name for path in (catalog.root / "recipes" / "configs").glob("*") if path.is_dir()}
+    for name in sorted(recipes.keys() | config_folders):
+        configs = [c for c in catalog.configs(name) if not text or text in c.key]
+        if text and text not in name and not configs:
+            continue
+        lines += ["", f"{name}  recipes/{name}.py: {recipes.get(name, '(missing: these configs have no recipe)')}"]
+        rows = [("config", "model", "method", "accelerate config", "processes", "memory per GPU (estimate)")]
+        for config in configs:
+            launch = config.launch
+            named = launch and launch.accelerate_config
+            accelerate_config = Path(launch.accelerate_config).name if named else "-"
+            if launch and launch.overrides:
+                accelerate_config += " + " + " ".join(f"--{key}" for key in launch.overrides)
+            try:
+                estimate = catalog.estimate(config)
+            except ConfigError as error:
+                notes.append(f"{config.key}: {error}")
+                rows.append((config.key, str(config.model), config.method, accelerate_config, "?", "? (see below)"))
+                continue
+            topology = estimate.topology
+            on_cpu = devices.get(Path(launch.accelerate_config).name) == "cpu"
+            processes = f"{topology.world_size} CPU" if on_cpu else f"{topology.world_size} x {config.gpu_memory}"
+            if topology.num_machines > 1:
+                processes += f" ({topology.num_machines} nodes)"
+            memory = _size(estimate.total)
+            if not on_cpu:
+                memory += " fits" if estimate.fits else f" > {estimate.usable / 2**30:.1f} GiB usable!"
+            if estimate.host_state:
+                memory += f" + {_size(sum(estimate.host_state.values()))} host RAM"
+            rows.append((config.key, str(config.model), config.method, accelerate_config, processes, memory))
+        if configs:
+            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+            lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
+                      for row in rows]
+    if not lines:
+        return [f"no recipe or config name contains {text!r}"]
+    lines += ["", "Estimates: parameters, gradients, AdamW state, activations of one micro-batch and FSDP buffers on the "
+              "most loaded GPU, 10% kept free (docs/memory-estimator.md); a second model (a DPO reference) is not "
+              "counted.", "Copy one to adapt it: fsdp-recipes cp RECIPE_OR_CONFIG FOLDER"]
+    if notes:
+        lines += ["", "Not estimated:"] + [f"  {note}" for note in notes]
+    return lines[1:]

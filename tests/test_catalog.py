@@ -1,0 +1,311 @@
+"""`fsdp-recipes ls` and `cp`, and every shipped config checked the way its opening comment says it runs.
+
+In-process: discovery from folders, the checks of each shipped config (launch command, Accelerate config through the
+linter with the command's flags, the model's wrap classes, the memory estimate against the GPU memory it names), the
+model shapes kept in tests/data/hub_configs, the chat templates configs set, every `cp` mode and refusal, and what the
+wheel bundles. One launch: after a pip install of the wheel, outside any clone, `ls` lists, `cp` copies, and the
+copied recipe, edited, runs the copied demo config from its folder."""
+
+from __future__ import annotations
+
+import ast
+import filecmp
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TOKENIZER, launch, read_metrics, require_success, run_process_group
+from fsdp_recipes import cli
+from fsdp_recipes.catalog import HUB_CONFIGS, Catalog, listing, model_info
+
+CATALOG = Catalog(REPO)
+SHIPPED = CATALOG.configs()
+SFT_CONFIGS = REPO / "recipes" / "configs" / "sft"
+
+# Sizes the model cards (or the Hub's safetensors metadata) give, in billions: the shapes in tests/data/hub_configs
+# were written by hand from the published hyperparameters, and a wrong number of layers or width shows here.
+PUBLISHED_BILLIONS = {
+    "meta-llama/Llama-3.2-1B": 1.24, "meta-llama/Llama-3.2-3B": 3.21, "meta-llama/Llama-3.1-8B": 8.03,
+    "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen2.5-0.5B": 0.49, "Qwen/Qwen2.5-1.5B": 1.54, "Qwen/Qwen2.5-3B": 3.09,
+    "Qwen/Qwen2.5-7B": 7.61, "Qwen/Qwen2.5-14B": 14.7, "Qwen/Qwen2.5-32B": 32.5, "Qwen/Qwen2.5-72B": 72.7,
+    "Qwen/Qwen3-0.6B-Base": 0.6, "Qwen/Qwen3-1.7B-Base": 1.7, "Qwen/Qwen3-4B-Base": 4.0, "Qwen/Qwen3-8B-Base": 8.2,
+    "Qwen/Qwen3-14B-Base": 14.8, "Qwen/Qwen3-32B": 32.8, "mistralai/Mistral-7B-v0.3": 7.25,
+    "google/gemma-2-2b": 2.61, "google/gemma-2-9b": 9.24, "google/gemma-2-27b": 27.2, "google/gemma-3-1b-pt": 1.0,
+    "google/gemma-3-4b-pt": 4.3, "google/gemma-3-12b-pt": 12.2, "google/gemma-3-27b-pt": 27.4,
+    "microsoft/Phi-3-mini-4k-instruct": 3.82, "microsoft/Phi-3-medium-4k-instruct": 14.0, "microsoft/phi-4": 14.7,
+    "microsoft/Phi-4-mini-instruct": 3.84,
+}
+
+
+# --- ls -----------------------------------------------------------------------------------------------------------
+def test_ls_lists_every_recipe_and_config_present_with_its_estimate(capsys):
+    assert cli.main(["ls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    recipes = sorted(path.stem for path in (REPO / "recipes").glob("*.py"))
+    configs = sorted(f"{p.parent.name}/{p.stem}" for p in (REPO / "recipes" / "configs").glob("*/*.yaml"))
+    assert "sft" in recipes and len(configs) >= 29
+    for recipe in recipes:
+        assert any(line.startswith(f"{recipe}  recipes/{recipe}.py: ") for line in lines), recipe
+    rows = {line.split()[0]: line for line in lines if line.startswith("  ") and "/" in line.split()[0]}
+    assert sorted(rows) == configs
+    assert "8 x 80GB" in rows["sft/llama-3.1-8b_ultrachat"] and "fits" in rows["sft/llama-3.1-8b_ultrachat"]
+    one_gpu = rows["sft/qwen2.5-0.5b_ultrachat_24gb"]
+    assert "1 x 24GB" in one_gpu and "single_gpu.yaml" in one_gpu
+    assert "host RAM" in rows["sft/qwen2.5-32b_ultrachat"]  # CPU offload: the state is on the host
+    assert "2 CPU" in rows["sft/demo_reverse"]
+    assert "--fsdp_transformer_layer_cls_to_wrap" in rows["sft/gemma-3-27b_ultrachat"]
+
+
+def write_root(root: Path, configs: dict[str, str], recipes: dict[str, str]) -> Catalog:
+    """A catalog folder of its own: the repository's Accelerate configs and model shapes, the given recipes/configs."""
+    shutil.copytree(REPO / "accelerate_configs", root / "accelerate_configs")
+    shutil.copytree(REPO / HUB_CONFIGS, root / HUB_CONFIGS)
+    for name, text in recipes.items():
+        (root / "recipes").mkdir(exist_ok=True)
+        (root / "recipes" / f"{name}.py").write_text(text)
+    for key, text in configs.items():
+        path = root / "recipes" / "configs" / f"{key}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return Catalog(root)
+
+
+def config_text(key: str, model: str, accelerate_config: str = "fsdp_8gpu.yaml", *, flags: str = "",
+                header: str = "", script: str | None = None, **values) -> str:
+    recipe = key.split("/")[0]
+    command = (f"#   accelerate launch --config_file accelerate_configs/{accelerate_config} {flags} "
+               f"{script or f'recipes/{recipe}.py'} --config recipes/configs/{key}.yaml\n")
+    body = {"model_name_or_path": model, "dataset_name": "some/data", "max_length": 2048,
+            "per_device_train_batch_size": 1, **values}
+    return f"# A test config.\n{command}{header}\n{yaml.safe_dump(body)}"
+
+
+def test_recipes_and_configs_are_found_in_their_folders(tmp_path):
+    catalog = write_root(tmp_path, recipes={
+        "alpha": '"""Alpha: trains nothing.\n\nDetails."""\n', "beta": "print('no docstring')\n",
+        "_shared": '"""Not a recipe: a leading underscore."""\n',
+    }, configs={"alpha/one": config_text("alpha/one", "meta-llama/Llama-3.2-1B")})
+    assert [(r.name, r.summary) for r in catalog.recipes()] == [("alpha", "Alpha: trains nothing."),
+                                                               ("beta", "(no docstring)")]
+    assert [c.key for c in catalog.configs()] == ["alpha/one"]
+    (tmp_path / "recipes" / "configs" / "beta").mkdir()
+    (tmp_path / "recipes" / "configs" / "beta" / "two.yaml").write_text(config_text("beta/two", "Qwen/Qwen2.5-7B"))
+    text = "\n".join(listing(catalog))
+    assert "alpha  recipes/alpha.py: Alpha: trains nothing." in text and "beta  recipes/beta.py: (no docstring)" in text
+    assert "alpha/one" in text and "beta/two" in text and "_shared" not in text
+    assert "\n".join(listing(catalog, "two")).count("recipes/") == 1  # the filter keeps beta only
+
+
+def test_problems_name_what_would_go_wrong(tmp_path):
+    """The checks the shipped configs pass, shown failing: each bad config gets its own reason, the good one none."""
+    catalog = write_root(tmp_path, recipes={"sft": '"""SFT."""\n'}, configs={
+        "sft/good": config_text("sft/good", "meta-llama/Llama-3.1-8B"),
+        "sft/too_big": config_text("sft/too_big", "meta-llama/Llama-3.1-70B"),
+        "sft/small_gpu": config_text("sft/small_gpu", "meta-llama/Llama-3.1-8B", header="# GPU memory: 24GB\n"),
+        "sft/wrap": config_text("sft/wrap", "meta-llama/Llama-3.1-8B",
+                                flags="--fsdp_transformer_layer_cls_to_wrap GPT2Block"),
+        "sft/gemma3": config_text("sft/gemma3", "google/gemma-3-4b-pt"),
+        "sft/unknown_model": config_text("sft/unknown_model", "someone/unknown"),
+        "sft/other_script": config_text("sft/other_script", "meta-llama/Llama-3.1-8B", script="recipes/dpo.py"),
+        "sft/missing_accelerate": config_text("sft/missing_accelerate", "meta-llama/Llama-3.1-8B", "nope.yaml"),
+        "sft/no_command": "# No command here.\n\nmodel_name_or_path: x\n",
+        "orphan/lost": config_text("orphan/lost", "meta-llama/Llama-3.1-8B"),
+    })
+    problems = {config.key: "\n".join(catalog.problems(config)) for config in catalog.configs()}
+    assert problems.pop("sft/good") == ""
+    assert "over the 67.1 GiB usable of 80GB" in problems.pop("sft/too_big")
+    assert "GiB usable of 24GB" in problems.pop("sft/small_gpu")
+    assert "GPT2Block not in this llama model; set it to LlamaDecoderLayer" in problems.pop("sft/wrap")
+    assert "SiglipMultiheadAttentionPoolingHead" in problems.pop("sft/gemma3")  # its _no_split_modules lie
+    assert "no local config.json for model 'someone/unknown'" in problems.pop("sft/unknown_model")
+    assert "runs recipes/dpo.py, not recipes/sft.py" in problems.pop("sft/other_script")
+    assert "names accelerate_configs/nope.yaml, which does not exist" in problems.pop("sft/missing_accelerate")
+    assert "no `accelerate launch ...` command" in problems.pop("sft/no_command")
+    assert "recipes/orphan.py does not exist" in problems.pop("orphan/lost")
+    assert problems == {}
+    assert "orphan  recipes/orphan.py: (missing: these configs have no recipe)" in listing(catalog, "orphan")
+
+
+# --- the shipped configs ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", SHIPPED, ids=[config.key for config in SHIPPED])
+def test_every_shipped_config_fits_and_passes_its_checks(config):
+    assert CATALOG.model_file(config) is not None, (
+        f"add {HUB_CONFIGS}/{config.model}/config.json (the model's published shapes) for {config.key}")
+    assert CATALOG.problems(config) == []
+    assert CATALOG.estimate(config).fits
+
+
+def test_the_gpu_memory_line_sets_what_a_config_must_fit():
+    by_key = {config.key: config for config in SHIPPED}
+    assert CATALOG.estimate(by_key["sft/qwen2.5-0.5b_ultrachat_24gb"]).gpu_memory == 24 * 10**9
+    assert CATALOG.estimate(by_key["sft/qwen2.5-7b_ultrachat"]).gpu_memory == 80 * 10**9
+
+
+def test_every_hub_model_a_config_names_has_its_shapes_here():
+    """The mapping is the folder name: tests/data/hub_configs/<hub id>/config.json."""
+    named = {config.values["model_name_or_path"] for config in SHIPPED if config.values.get("model_name_or_path")}
+    kept = {str(path.parent.relative_to(REPO / HUB_CONFIGS)) for path in (REPO / HUB_CONFIGS).glob("*/*/config.json")}
+    assert named <= kept
+    assert kept == set(PUBLISHED_BILLIONS)
+
+
+@pytest.mark.parametrize("hub_id", sorted(PUBLISHED_BILLIONS))
+def test_model_shapes_add_up_to_the_published_size(hub_id):
+    info = model_info(REPO / HUB_CONFIGS / hub_id / "config.json")
+    assert info.num_params / 1e9 == pytest.approx(PUBLISHED_BILLIONS[hub_id], rel=0.02)
+
+
+def test_chat_templates_written_in_configs_render_conversations_turn_by_turn():
+    """The recipe locates assistant turns by rendering growing prefixes of a conversation: a template set in a config
+    must render each prefix (with the generation prompt before an assistant turn) as the start of the whole."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
+    templates = {config.values["chat_template"] for config in SHIPPED if config.values.get("chat_template")}
+    assert len(templates) == 3  # ChatML (Qwen3), Phi-3's and Phi-4-mini's formats without a trailing <|endoftext|>
+    for template in templates:
+        def render(messages, prompt=False):
+            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=prompt)
+        full = render(conversation)
+        for index in (1, 3):
+            head, upto = render(conversation[:index], prompt=True), render(conversation[: index + 1])
+            assert full.startswith(head) and full.startswith(upto) and len(head) < len(upto)
+            assert conversation[index]["content"] in upto[len(head):]
+
+
+# --- cp -----------------------------------------------------------------------------------------------------------
+def files_under(folder: Path) -> set[str]:
+    return {path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()}
+
+
+def test_cp_config_copies_it_with_its_recipe_and_what_it_names(tmp_path, capsys):
+    dest = tmp_path / "project"
+    assert cli.main(["cp", "sft/demo_reverse", str(dest)]) == 0
+    out = capsys.readouterr().out
+    demo = {path.relative_to(REPO).as_posix() for path in (REPO / "demo" / "assets").rglob("*") if path.is_file()}
+    assert files_under(dest) == {"recipes/configs/sft/demo_reverse.yaml", "recipes/sft.py", "demo/tiny_llama.json",
+                                 "accelerate_configs/fsdp_2proc_cpu.yaml", *demo}
+    assert all(filecmp.cmp(REPO / name, dest / name, shallow=False) for name in files_under(dest))
+    assert (f"cd {dest} && accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml recipes/sft.py "
+            "--config recipes/configs/sft/demo_reverse.yaml") in out
+
+
+def test_cp_recipe_copies_the_script_all_its_configs_and_what_they_name(tmp_path):
+    assert cli.main(["cp", "sft", str(tmp_path)]) == 0
+    configs = sorted(SFT_CONFIGS.glob("*.yaml"))
+    named = {match for path in configs for match in re.findall(r"--config_file (\S+)", path.read_text())}
+    copied = files_under(tmp_path)
+    assert {"recipes/sft.py", "benchmarks/llama_1b.json", "demo/tiny_llama.json", *named} <= copied
+    assert {f"recipes/configs/sft/{path.name}" for path in configs} <= copied
+    assert not any(name.startswith(("tests/", "src/")) for name in copied)
+
+
+def test_cp_never_overwrites_a_changed_file_unless_forced(tmp_path, capsys):
+    dest = tmp_path / "project"
+    assert cli.main(["cp", "demo_reverse", str(dest)]) == 0
+    config, recipe = dest / "recipes/configs/sft/demo_reverse.yaml", dest / "recipes/sft.py"
+    config.write_text(config.read_text() + "max_steps: 5\n")
+    recipe.write_text(recipe.read_text() + "# my edit\n")
+    (dest / "demo" / "tiny_llama.json").unlink()
+    capsys.readouterr()
+    assert cli.main(["cp", "demo_reverse", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "demo_reverse.yaml exists and differs" in err and "--force" in err
+    assert config.read_text().endswith("max_steps: 5\n")
+    assert not (dest / "demo" / "tiny_llama.json").exists()  # nothing at all was copied
+    assert cli.main(["cp", "demo_reverse", str(dest), "--force"]) == 0
+    assert "recipes/sft.py  (the recipe its launch command runs; kept yours (it differs))" in capsys.readouterr().out
+    assert filecmp.cmp(config, SFT_CONFIGS / "demo_reverse.yaml", shallow=False)
+    assert recipe.read_text().endswith("# my edit\n")  # a file it only needs is the user's to keep
+    assert (dest / "demo" / "tiny_llama.json").exists()
+
+
+def test_cp_to_a_file_copies_only_that_file_and_says_what_it_names(tmp_path, capsys):
+    assert cli.main(["cp", "sft/demo_reverse", str(tmp_path / "mine.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert files_under(tmp_path) == {"mine.yaml"}
+    assert f"demo/tiny_llama.json  (packaged at {REPO / 'demo/tiny_llama.json'})" in out
+    assert "accelerate_configs/fsdp_2proc_cpu.yaml" in out
+    assert cli.main(["cp", "sft", str(tmp_path / "my_sft.py")]) == 0
+    assert filecmp.cmp(tmp_path / "my_sft.py", REPO / "recipes" / "sft.py", shallow=False)
+    assert cli.main(["cp", "sft", str(tmp_path / "my_sft.yaml")]) == 2
+    assert "a recipe is a .py, a config a .yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, message", [
+    ("sfx", "no recipe or config named 'sfx'; did you mean 'sft'?"),
+    ("qwen3-8b", "did you mean 'sft/qwen3-8b_ultrachat'?"),
+])
+def test_cp_unknown_names_are_one_error_with_a_suggestion(tmp_path, capsys, name, message):
+    assert cli.main(["cp", name, str(tmp_path / "dest")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and message in err and "Traceback" not in err
+    assert not (tmp_path / "dest").exists()
+
+
+# --- packaging ----------------------------------------------------------------------------------------------------
+def bundled_patterns() -> dict[str, list[str]]:
+    """setup.py's BUNDLED, read without running setup()."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "BUNDLED")
+    return ast.literal_eval(node.value)
+
+
+def test_the_wheel_bundles_every_file_ls_and_cp_use():
+    bundled = {(Path(folder) / path.relative_to(REPO / folder)).as_posix()
+               for folder, patterns in bundled_patterns().items() for pattern in patterns
+               for path in (REPO / folder).glob(pattern) if path.is_file()}
+    needed = {path.as_posix() for recipe in CATALOG.recipes() for path, _, _ in CATALOG.copy_plan(recipe)}
+    needed |= {(CATALOG.model_file(config).relative_to(REPO)).as_posix() for config in SHIPPED}
+    needed |= {"accelerate_configs/topologies.yaml"}
+    assert needed <= bundled, sorted(needed - bundled)
+
+
+@pytest.mark.slow
+def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repository(tmp_path):
+    """A wheel built from the repository, installed in a folder of its own, used from outside any clone: `ls` lists
+    the bundled configs, `cp` copies the SFT recipe with the demo config, and the copy, edited, runs on 2 processes
+    from its folder with the installed package."""
+    source = tmp_path / "source"
+    for name in ("src", "recipes", "accelerate_configs", "demo", "benchmarks", "tests/data/hub_configs"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in"):
+        shutil.copy(REPO / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path)], check=True)
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *tmp_path.glob("fsdp_recipes-*.whl")],
+                   check=True)
+    installed = {"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}  # the wheel's package, not the checkout's
+    script = ("import sys; from fsdp_recipes import catalog, cli; print('root', catalog.source_root()); "
+              "sys.exit(cli.main(['ls']) or cli.main(['cp', 'sft/demo_reverse', 'project']))")
+    result = run_process_group([sys.executable, "-c", script], timeout=120, env={"PATH": "/usr/bin:/bin", **installed},
+                               cwd=tmp_path)
+    require_success(result)
+    assert f"root {site / 'fsdp_recipes' / 'bundled'}" in result.stdout
+    assert all(f"  {config.key} " in result.stdout for config in SHIPPED)
+
+    project = tmp_path / "project"
+    recipe = project / "recipes" / "sft.py"
+    assert filecmp.cmp(recipe, REPO / "recipes" / "sft.py", shallow=False)
+    recipe.write_text(recipe.read_text().replace(
+        'if __name__ == "__main__":\n',
+        'if __name__ == "__main__":\n    import fsdp_recipes\n    print("the edited copy runs with", fsdp_recipes.__file__)\n'))
+    command = CATALOG.read_config(project / "recipes/configs/sft/demo_reverse.yaml", recipe="sft").launch
+    short = ["--max_steps", "4", "--logging_steps", "1", "--eval_steps", "null", "--save_steps", "null",
+             "--exact_match_eval_samples", "0", "--output_dir", "out", "--report_to", "none"]
+    result = launch(Path(command.script), [*command.script_args, *short],
+                    accelerate_config=Path(command.accelerate_config), cwd=project, env=installed)
+    require_success(result)
+    assert f"the edited copy runs with {site / 'fsdp_recipes' / '__init__.py'}" in result.stdout
+    assert [record["step"] for record in read_metrics(project / "out") if "loss" in record] == [1, 2, 3, 4]
+    assert json.loads((project / "out" / "config.json").read_text())["hidden_size"] == 128  # demo/tiny_llama.json
