@@ -95,6 +95,7 @@ def base_recipe_values(tiny_model_config: Path, chat_data: Path, output_dir: Pat
         logging_steps=1,
         output_dir=str(output_dir),
         seed=7,
+        report_to="none",  # the tracker costs every launch an import; the reference run turns it on and checks it
     )
     values.update(overrides)
     return values
@@ -192,7 +193,8 @@ def run_sft(tmp: Path, name: str, values: dict, *, expect_success: bool = True, 
 def reference_run(tmp_path_factory, tiny_model_config, small_chat_data) -> Path:
     """The uninterrupted 2-process FSDP2 run (SHARDED_STATE_DICT, fp32), keeping its newest 2 checkpoints."""
     tmp = tmp_path_factory.mktemp("reference")
-    run_sft(tmp, "reference", resume_values(tiny_model_config, small_chat_data, tmp / "out", save_total_limit=2))
+    run_sft(tmp, "reference", resume_values(tiny_model_config, small_chat_data, tmp / "out", save_total_limit=2,
+                                            report_to="tensorboard"))
     return tmp / "out"
 
 

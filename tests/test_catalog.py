@@ -285,9 +285,9 @@ def test_the_wheel_bundles_every_file_ls_and_cp_use():
 
 @pytest.mark.slow
 def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repository(tmp_path):
-    """A wheel built from the repository, installed in a folder of its own, used from outside any clone: `ls` lists
-    the bundled configs, `cp` copies the SFT recipe with the demo config, and the copy, edited, runs on 2 processes
-    from its folder with the installed package."""
+    """A wheel built from the repository, installed in a folder of its own, used from outside any clone: `cp` copies
+    the SFT recipe with the demo config from the bundled files, and the copy, edited, runs on 2 processes from its
+    folder with the installed package. (`ls` reads the same bundled folders: tested in-process on the checkout.)"""
     source = tmp_path / "source"
     for name in ("src", "recipes", "accelerate_configs", "demo", "benchmarks", "tests/data/hub_configs"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -300,12 +300,11 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
                    check=True)
     installed = {"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}  # the wheel's package, not the checkout's
     script = ("import sys; from fsdp_recipes import catalog, cli; print('root', catalog.source_root()); "
-              "sys.exit(cli.main(['ls']) or cli.main(['cp', 'sft/demo_reverse', 'project']))")
+              "sys.exit(cli.main(['cp', 'sft/demo_reverse', 'project']))")
     result = run_process_group([sys.executable, "-c", script], timeout=120, env={"PATH": "/usr/bin:/bin", **installed},
                                cwd=tmp_path)
     require_success(result)
     assert f"root {site / 'fsdp_recipes' / 'bundled'}" in result.stdout
-    assert all(f"  {config.key} " in result.stdout for config in SHIPPED)
 
     project = tmp_path / "project"
     recipe = project / "recipes" / "sft.py"
