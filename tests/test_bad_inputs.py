@@ -17,29 +17,15 @@ from conftest import (
     TOKENIZER,
     base_recipe_values,
     launch,
-    load_recipe,
     recipe_config,
+    recipe_error_in_process,
     write_jsonl,
     write_tiny_model_config,
 )
 
 
 def run_failing_in_process(tmp: Path, values: dict, capsys, extra_argv: tuple[str, ...] = ()) -> str:
-    """The recipe's main under the same wrapper as `python recipes/sft.py`: returns its one `error:` line."""
-    from accelerate.state import AcceleratorState
-
-    from fsdp_recipes.errors import exit_on_user_error
-
-    config = recipe_config(tmp / "recipe.yaml", **values)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    with pytest.raises(SystemExit) as exit_info:
-        exit_on_user_error(lambda: load_recipe("sft").main(["--config", str(config), *extra_argv]))
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr[-3000:]
-    assert "Traceback" not in stderr
-    return errors[0]
+    return recipe_error_in_process("sft", tmp, values, capsys, extra_argv)
 
 
 @pytest.fixture

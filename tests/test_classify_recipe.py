@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from datasets import ClassLabel, Dataset, Features, Value
+from datasets import ClassLabel, Dataset, Features
 
 from conftest import (
     CLASSIFY_STEPS,
@@ -19,6 +19,7 @@ from conftest import (
     load_recipe,
     read_metrics,
     recipe_config,
+    recipe_error_in_process,
     write_jsonl,
     write_tiny_model_config,
 )
@@ -162,20 +163,9 @@ def test_class_weights_and_columns_are_validated_with_the_config(tmp_path):
 
 # ------------------------------------------------------------------------ errors before weights load, in this process
 def run_classify_failing(tmp: Path, values: dict, capsys) -> str:
-    from accelerate.state import AcceleratorState
-
-    from fsdp_recipes.errors import exit_on_user_error
-
-    config = recipe_config(tmp / "recipe.yaml", **values)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    with pytest.raises(SystemExit) as exit_info:
-        exit_on_user_error(lambda: load_recipe("classify").main(["--config", str(config)]))
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    error = recipe_error_in_process("classify", tmp, values, capsys)
     assert not Path(values["output_dir"]).exists()  # refused before anything was written
-    return errors[0]
+    return error
 
 
 def data_folder(tmp: Path, train: list[dict], test: list[dict]) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, TOKENIZER, launch, load_recipe, recipe_config
+from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, launch, load_recipe, recipe_config
 from conftest import require_success, write_jsonl, write_tiny_model_config
 from fsdp_recipes import evaluation, model_index, model_source
 from fsdp_recipes.config import parse_config

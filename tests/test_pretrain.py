@@ -21,6 +21,7 @@ from conftest import (
     load_recipe,
     read_metrics,
     recipe_config,
+    recipe_error_in_process,
     require_success,
     write_jsonl,
     write_tiny_model_config,
@@ -220,20 +221,7 @@ def test_a_text_file_is_one_document(tmp_path):
 # ---------------------------------------------------------------------------------------------------- bad input
 def run_failing(tmp: Path, values: dict, capsys) -> str:
     """The recipe's main in this process, under the same wrapper as `python recipes/pretrain.py`: its one error."""
-    from accelerate.state import AcceleratorState
-
-    from fsdp_recipes.errors import exit_on_user_error
-
-    config = recipe_config(tmp / "recipe.yaml", **values)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    with pytest.raises(SystemExit) as exit_info:
-        exit_on_user_error(lambda: load_recipe("pretrain").main(["--config", str(config)]))
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr[-3000:]
-    assert "Traceback" not in stderr
-    return errors[0]
+    return recipe_error_in_process("pretrain", tmp, values, capsys)
 
 
 @pytest.fixture
