@@ -29,7 +29,7 @@ import functools
 import math
 import sys
 
-from fsdp_recipes import classifier, errors, evaluation, model_index, modeling, training
+from fsdp_recipes import adapters, classifier, errors, evaluation, model_index, modeling, training
 from fsdp_recipes import config as config_lib
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.data import classification, files, rows
@@ -106,10 +106,12 @@ def main(argv: list[str] | None = None) -> None:
         run.model_config, model_name_or_path=config.model_name_or_path, task="sequence-classification",
         revision=config.model_revision, attn_implementation=run.attn_implementation,
         trust_remote_code=config.trust_remote_code,
+        **adapters.loading_options(config, accelerator),
     )
     head = classifier.head_module_names(model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = adapters.apply(model, config, task="sequence-classification")  # use_peft: LoRA adapters on a frozen base
     optimizer = training.build_optimizer(model, config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     total_steps = training.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,

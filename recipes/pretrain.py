@@ -33,7 +33,7 @@ import sys
 
 from fsdp_recipes import checkpoint as checkpoint_lib
 from fsdp_recipes import config as config_lib
-from fsdp_recipes import distributed, errors, losses, modeling, training
+from fsdp_recipes import adapters, distributed, errors, losses, modeling, training
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.data import text
 
@@ -111,9 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     model = modeling.load_model(
         run.model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
         attn_implementation=run.attn_implementation, trust_remote_code=config.trust_remote_code,
+        **adapters.loading_options(config, accelerator),
     )
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = training.build_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)  # the stream is this rank's already: no loader to shard

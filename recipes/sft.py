@@ -28,7 +28,7 @@ import dataclasses
 import sys
 
 from fsdp_recipes import config as config_lib
-from fsdp_recipes import errors, evaluation, losses, modeling, training
+from fsdp_recipes import adapters, errors, evaluation, losses, modeling, training
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.data import chat, files, rows
 
@@ -86,9 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     model = modeling.load_model(
         run.model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
         attn_implementation=run.attn_implementation, trust_remote_code=config.trust_remote_code,
+        **adapters.loading_options(config, accelerator),
     )
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = training.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)

@@ -302,3 +302,57 @@ def classify_run(tmp_path_factory, tiny_model_config, classify_data) -> Path:
     values = classify_values(tiny_model_config, classify_data, tmp / "out")
     require_success(launch(CLASSIFY, ["--config", str(recipe_config(tmp / "classify.yaml", **values))]))
     return tmp / "out"
+
+
+# ------------------------------------------------------------------------------------------------ LoRA: shared launches
+@pytest.fixture(scope="session")
+def pretrained_tiny_model(tmp_path_factory, tokenizer) -> Path:
+    """A model folder with weights (LoRA adapts pretrained weights, and its adapter is reloaded onto them)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("pretrained")
+    config = LlamaConfig.from_json_file(write_tiny_model_config(folder / "source.json", tokenizer))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return folder / "model"
+
+
+def lora_values(model: Path, data: Path, output_dir: Path, **overrides) -> dict:
+    """resume_values with LoRA on a pretrained model: rank 4 on every linear layer of the decoder blocks, no dropout
+    (dropout draws differ between one and two processes)."""
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-2)
+    values = resume_values(model, data, output_dir, **{**lora, **overrides})
+    values.pop("model_config")
+    values.pop("tokenizer_name_or_path")
+    return {**values, "model_name_or_path": str(model)}
+
+
+@pytest.fixture(scope="session")
+def lora_reference_run(tmp_path_factory, pretrained_tiny_model, small_chat_data) -> Path:
+    """2 processes, SHARDED_STATE_DICT, the merged model exported too; checkpoints every 3 steps."""
+    tmp = tmp_path_factory.mktemp("lora_reference")
+    run_sft(tmp, "lora", lora_values(pretrained_tiny_model, small_chat_data, tmp / "out", export_merged_model=True))
+    return tmp / "out"
+
+
+@pytest.fixture(scope="session")
+def lora_one_process_run(tmp_path_factory, pretrained_tiny_model, small_chat_data) -> Path:
+    """The reference's global batch on 1 process, with FULL_STATE_DICT checkpoints."""
+    tmp = tmp_path_factory.mktemp("lora_one_process")
+    full_yaml = tmp / "fsdp_full_state_dict.yaml"
+    full_yaml.write_text(FSDP_CPU_CONFIG.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
+    values = lora_values(pretrained_tiny_model, small_chat_data, tmp / "out", per_device_train_batch_size=8,
+                         exact_match_eval_samples=0)
+    run_sft(tmp, "lora_one", values, num_processes=1, accelerate_config=full_yaml)
+    return tmp / "out"
+
+
+@pytest.fixture(scope="session")
+def lora_killed_during_save(tmp_path_factory, pretrained_tiny_model, small_chat_data):
+    """The LoRA reference run with rank 1 killed while saving step 6. Returns (output_dir, values)."""
+    tmp = tmp_path_factory.mktemp("lora_killed")
+    values = lora_values(pretrained_tiny_model, small_chat_data, tmp / "out", export_merged_model=True)
+    run_sft(tmp, "killed", values, expect_success=False, env={"FSDP_RECIPES_FAULT": "kill-during-save:6@1"})
+    return tmp / "out", values

@@ -262,10 +262,10 @@ class Catalog:
         where = f"{config.key}'s Accelerate config"
         topology = memory.topology_from_dict(self.accelerate_settings(config), where=where)
         workload = memory.workload_from_recipe(config.values)
-        lora_rank = int(config.values.get("lora_r") or memory.LORA_RANK) if config.values.get("use_peft") else None
+        adapters = memory.adapters_from_recipe(config.values, topology.compute_bytes)
         gpu_memory = memory.parse_size(config.gpu_memory)
         return memory.estimate(model_info(model), topology, workload, gpu_memory=gpu_memory,
-                               model_name=str(config.model), lora_rank=lora_rank)
+                               model_name=str(config.model), adapters=adapters)
 
     def problems(self, config: RecipeConfig) -> list[str]:
         """Why the config would not run as its opening comment says: the command names another recipe or config,

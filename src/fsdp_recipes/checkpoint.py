@@ -4,6 +4,7 @@ Layout under `output_dir/checkpoints/`:
 
     step-00000200/             a complete checkpoint (never modified once it has this name)
         pytorch_model_fsdp_0/  model: DCP shards, one file per rank (SHARDED_STATE_DICT) ...
+                               (LoRA: the adapters only; the frozen base is read again from model_name_or_path)
         optimizer_0/           ... or pytorch_model_fsdp.bin / optimizer.bin written by rank 0 (FULL_STATE_DICT)
         random_states_<rank>.pkl, custom_checkpoint_0.pkl (LR scheduler)   (accelerate's save_state)
         data_state_<rank>.json the data position of each rank, for data read as per-rank streams (pretraining);
@@ -32,6 +33,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .adapters import checkpoint_state_filter
 from .errors import ConfigError, DiskFullError
 from .faults import inject_fault
 
@@ -151,7 +153,8 @@ def save_checkpoint(
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(staging))
+        with checkpoint_state_filter(accelerator):  # LoRA: the adapters, not the frozen base
+            accelerator.save_state(str(staging))
         if rank_state is not None:
             _write_atomically(rank_state_path(staging, accelerator.process_index), json.dumps(rank_state) + "\n")
         inject_fault("during-save", progress.step, accelerator.process_index)
@@ -343,6 +346,10 @@ def saved_model_config_path(checkpoint: str | Path) -> Path:
     return Path(checkpoint) / MODEL_FILES / "config.json"
 
 
+def saved_recipe_config_path(checkpoint: str | Path) -> Path:
+    return Path(checkpoint) / MODEL_FILES / "recipe_config.json"
+
+
 def read_progress(checkpoint: str | Path) -> TrainingProgress:
     return TrainingProgress(**json.loads((Path(checkpoint) / PROGRESS).read_text()))
 
@@ -366,7 +373,8 @@ def read_rank_state(checkpoint: str | Path, rank: int) -> dict:
 def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path) -> TrainingProgress:
     """Collective. Restores model and optimizer (resharded by DCP if the world size changed), LR scheduler and, for
     ranks that have one saved, their RNG state."""
-    accelerator.load_state(str(checkpoint))
+    with checkpoint_state_filter(accelerator):
+        accelerator.load_state(str(checkpoint))
     return read_progress(checkpoint)
 
 

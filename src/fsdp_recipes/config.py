@@ -38,6 +38,26 @@ class TrainingConfig:
     trust_remote_code: bool = False  # runs Python code from the model repo: only for repos you trust
     attn_implementation: str | None = None  # null: sdpa where the model supports it, else eager (the run summary says
     # which). "eager" (slow, exact), "flash_attention_2" (GPU, needs flash-attn), "flex_attention"
+    # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.adapters) --------------------------------------
+    use_peft: bool = False  # train LoRA adapters on a frozen base: a fraction of the gradients and optimizer state,
+    # output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)
+    lora_r: int = 16  # adapter rank: larger = more capacity, more trainable parameters
+    lora_alpha: int = 32  # adapter scale is lora_alpha / lora_r (or / sqrt(lora_r) with use_rslora)
+    lora_dropout: float = 0.05  # dropout on the adapters' input
+    lora_target_modules: list[str] | None = None  # module names to adapt (null: every linear layer of the decoder
+    # blocks, peft's "all-linear")
+    lora_modules_to_save: list[str] | None = None  # modules trained in full next to the adapters (e.g. [lm_head]);
+    # each costs its full gradients and optimizer state
+    use_rslora: bool = False  # rank-stabilised scaling: helps when lora_r is large
+    use_dora: bool = False  # weight-decomposed LoRA: often better quality, slower steps
+    export_merged_model: bool = False  # also write output_dir/merged: the base with the adapters merged in, a plain
+    # transformers model (needs the base model in memory on the main process at the end)
+    load_in_4bit: bool = False  # QLoRA: base weights stored in 4 bits (bitsandbytes), ~4x less memory for them
+    bnb_4bit_quant_type: str = "nf4"  # nf4 (QLoRA's) or fp4
+    use_bnb_nested_quant: bool = False  # quantise the quantisation constants too: ~0.4 bits per weight less
+    bnb_4bit_compute_dtype: str = "bfloat16"  # dtype the 4-bit weights are dequantised to for each matmul
+    bnb_4bit_quant_storage: str | None = None  # dtype the packed 4-bit weights are stored in (null: the compute
+    # dtype). FSDP shards only floating dtypes: uint8 storage is refused under FSDP
     # --- data ----------------------------------------------------------------------------------------------------
     dataset_name: str | None = None  # Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them
     dataset_config: str | None = None  # Hub dataset configuration name
@@ -144,6 +164,9 @@ class TrainingConfig:
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
             problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
+        from .adapters import adapter_config_problems  # noqa: PLC0415 (adapters imports peft)
+
+        problems.extend(adapter_config_problems(self))
         if self.push_to_hub and not self.hub_model_id:
             problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
         return problems

@@ -45,7 +45,7 @@ def export_model_folder(
         unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)
         tokenizer.save_pretrained(output_dir)
         verify_saved_weights(output_dir, state_dict)
-        write_model_card(output_dir, task=task, **card)
+        write_model_card(output_dir, **{**card, "task": task})
     accelerator.wait_for_everyone()
     return output_dir if accelerator.is_main_process else None
 
@@ -119,14 +119,25 @@ The Accelerate/FSDP settings this run received from `accelerate launch`, and wha
 ```
 
 ## Use
+{% if library_name == "peft" %}
+A LoRA adapter: load its base model, then the adapter on top.
 
+```python
+from peft import PeftModel
+from transformers import {{ model_class }}, AutoTokenizer
+
+base = {{ model_class }}.from_pretrained("{{ base_model_path }}")
+model = PeftModel.from_pretrained(base, "{{ model_path }}")  # model.merge_and_unload() gives a plain model
+tokenizer = AutoTokenizer.from_pretrained("{{ model_path }}")
+```
+{% else %}
 ```python
 from transformers import {{ model_class }}, AutoTokenizer
 
 model = {{ model_class }}.from_pretrained("{{ model_path }}")
 tokenizer = AutoTokenizer.from_pretrained("{{ model_path }}")
 ```
-"""
+{% endif %}"""
 
 
 def write_model_card(
@@ -141,16 +152,17 @@ def write_model_card(
     hub_model_id: str | None = None,
     task: str = "causal-lm",
     eval_results: list | None = None,
+    library_name: str = "transformers",
 ) -> Path:
     """`eval_results` (huggingface_hub EvalResults, see fsdp_recipes.model_index) go into the card's model-index,
-    which the Hub shows on the model page."""
+    which the Hub shows on the model page. `library_name` "peft": the folder is a LoRA adapter of `base_model`."""
     folder = Path(folder)
     dataset_id = dataset if dataset and not Path(dataset).exists() else None  # local paths are not Hub datasets
     card_data = ModelCardData(
-        library_name="transformers",
+        library_name=library_name,
         base_model=base_model if base_model and not Path(base_model).exists() else None,
         datasets=[dataset_id] if dataset_id else None,
-        tags=["fsdp-recipes", recipe, "fsdp"],
+        tags=["fsdp-recipes", recipe, "fsdp"] + (["lora"] if library_name == "peft" else []),
         pipeline_tag=pipeline_tag(task),
     )
     results = "\n".join(f"| {key} | {_format(value)} |" for key, value in metrics.items())
@@ -167,6 +179,8 @@ def write_model_card(
         model_path=hub_model_id or str(folder),
         model_class=auto_model_class(task).__name__,
         curves="training_curves.png" if (folder / "training_curves.png").is_file() else None,
+        library_name=library_name,
+        base_model_path=base_model,
     )
     path = folder / "README.md"
     card.save(path)

@@ -320,6 +320,7 @@ class ModelInfo:
     output_path: str | None
     final_norm_path: str | None
     linear_shapes_in_layers: list[tuple[int, int]]  # (in, out) of every nn.Linear inside the layers (for LoRA)
+    linear_names_in_layers: list[str] = field(default_factory=list)  # their module names (q_proj, ...), same order
 
     @property
     def num_params(self) -> int:
@@ -394,8 +395,9 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     inside_layers = {id(inner) for path, layer in model.named_modules() if path and type(layer).__name__ in no_split
                      for inner in layer.modules() if inner is not layer}
-    linears = [(module.in_features, module.out_features) for module in model.modules()
-               if isinstance(module, torch.nn.Linear) and module is not out and id(module) in inside_layers]
+    layer_linears = [(path.rsplit(".", 1)[-1], module) for path, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear) and module is not out and id(module) in inside_layers]
+    linears = [(module.in_features, module.out_features) for _, module in layer_linears]
     return ModelInfo(
         model_type=str(config.model_type), hidden_size=hidden,
         intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * hidden),
@@ -406,7 +408,7 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
         embedding_path=paths.get(id(embed)) if embed is not None else None,
         output_path=paths.get(id(out)) if out is not None else None,
         final_norm_path=paths.get(id(final_norm)) if final_norm is not None else None,
-        linear_shapes_in_layers=linears,
+        linear_shapes_in_layers=linears, linear_names_in_layers=[name for name, _ in layer_linears],
     )
 
 
@@ -536,6 +538,81 @@ def state_bytes_on_rank(units: list[Unit], topology: Topology, rank: int = 0, *,
     return {"parameters": params, "gradients": grads, "optimizer_state": optim}
 
 
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA as the recipes apply it (fsdp_recipes.adapters): rank-`rank` A (rank x in) and B (out x rank) matrices,
+    fp32 and trainable, on the linear layers of the decoder blocks named in `target_modules` (None: all of them), plus
+    DoRA's magnitude vector (out) per adapted layer; the base frozen at `frozen_bytes` per element (its compute dtype:
+    no fp32 master copy, no gradient, no optimizer state). Modules trained in full beside the adapters
+    (`lora_modules_to_save`) are not counted."""
+
+    rank: int = LORA_RANK
+    target_modules: tuple[str, ...] | None = None
+    frozen_bytes: int = 2
+    dora: bool = False
+
+    def adapter_params(self, info: ModelInfo) -> list[Param]:
+        shapes = info.linear_shapes_in_layers
+        names = info.linear_names_in_layers or [""] * len(shapes)
+        params = []
+        for index, ((fan_in, fan_out), name) in enumerate(zip(shapes, names)):
+            if self.target_modules is not None and name not in self.target_modules:
+                continue
+            params += [Param(f"{index}.lora_A", (self.rank, fan_in)), Param(f"{index}.lora_B", (fan_out, self.rank))]
+            if self.dora:
+                params.append(Param(f"{index}.magnitude", (fan_out,)))
+        return params
+
+
+def adapters_from_recipe(recipe: Any, compute_bytes: int) -> Adapters | None:
+    """The Adapters of a recipe config (object or mapping with its field names), or None without use_peft."""
+    get = (lambda name, default=None: recipe.get(name, default)) if isinstance(recipe, dict) else (
+        lambda name, default=None: getattr(recipe, name, default))
+    if not get("use_peft", False):
+        return None
+    targets = get("lora_target_modules")
+    frozen = 1 if get("load_in_4bit", False) else compute_bytes  # 4 bits + quantisation constants: ~0.5 byte, say 1
+    return Adapters(rank=int(get("lora_r", LORA_RANK) or LORA_RANK), target_modules=tuple(targets) if targets else None,
+                    frozen_bytes=frozen, dora=bool(get("use_dora", False)))
+
+
+def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], topology: Topology, adapters: Adapters,
+                                rank: int = 0) -> dict[str, int]:
+    """`state_bytes_on_rank` for LoRA: every base parameter at `frozen_bytes`, padded as FSDP2 pads it, with no
+    gradient or optimizer state; every adapter matrix is a parameter of its own, sharded along dim 0 like any other
+    (padded fp32 storage for it and its gradient, unpadded AdamW state, a 4-byte step)."""
+    frozen = state_bytes_on_rank(units, topology, rank, trainable=False)["parameters"] * adapters.frozen_bytes // FP32
+    adapter_unit = Unit("adapters", "layer", adapters.adapter_params(info))
+    trained = state_bytes_on_rank([adapter_unit], topology, rank)
+    return {"parameters": frozen + trained["parameters"], "gradients": trained["gradients"],
+            "optimizer_state": trained["optimizer_state"]}
+
+
+def held_state_bytes(model, optimizer) -> dict[str, int]:
+    """What this rank really holds, to set beside `state_bytes_on_rank`: the storage behind its parameter and gradient
+    shards (FSDP2 allocates them padded; gradients may share one buffer) and its AdamW state tensors. Call it after an
+    optimizer step, before the gradients are zeroed."""
+    import torch
+
+    def local(tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    def storage_bytes(tensors) -> int:
+        storages = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    states = [local(value) for state in inner.state.values() for value in state.values() if torch.is_tensor(value)]
+    return {
+        "parameters": storage_bytes(local(p) for p in model.parameters()),
+        "gradients": storage_bytes(local(p.grad) for p in model.parameters() if p.grad is not None),
+        "optimizer_state": sum(t.numel() * t.element_size() for t in states),
+    }
+
+
 def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) -> dict[str, int]:
     """Activations of one micro-batch kept for backward (bytes), decoder-only transformer (Llama-style: RMSNorm, GQA,
     gated MLP, no dropout). Per layer and token: c*(2h + 3q + 2kv + 4i) + 4*2h + 4*heads (+ c*heads*s + 4*heads*s for eager)."""
@@ -639,20 +716,16 @@ class Estimate:
 
 
 def estimate(info: ModelInfo, topology: Topology, workload: Workload, *, gpu_memory: int = 80 * 10**9,
-             reserve: int | None = None, model_name: str = "", lora_rank: int | None = None) -> Estimate:
+             reserve: int | None = None, model_name: str = "", adapters: Adapters | None = None) -> Estimate:
     units = plan_units(info, topology)
     compute = topology.compute_bytes
-    if lora_rank is None:
+    if adapters is None:
         state = state_bytes_on_rank(units, topology, 0)
         buffers = buffer_bytes(info, units, topology)
         trainable = None
     else:
-        # Frozen base weights in the compute dtype, sharded like the full model; fp32 adapters with their gradients
-        # and AdamW state, replicated (they are tiny).
-        frozen = state_bytes_on_rank(units, topology, 0, trainable=False)["parameters"] * compute // FP32
-        trainable = sum(lora_rank * (a + b) for a, b in info.linear_shapes_in_layers)
-        state = {"parameters": frozen + FP32 * trainable, "gradients": FP32 * trainable,
-                 "optimizer_state": 2 * FP32 * trainable}
+        state = adapter_state_bytes_on_rank(info, units, topology, adapters, 0)
+        trainable = sum(p.numel for p in adapters.adapter_params(info))
         buffers = buffer_bytes(info, units, topology, trainable_fraction=0.0)
         buffers["reduce_scatter"] = FP32 * trainable
     activations = activation_bytes(info, workload, compute)
@@ -669,8 +742,8 @@ def suggestions(info: ModelInfo, current: Estimate) -> list[dict[str, Any]]:
     topo, work = current.topology, current.workload
     out: list[dict[str, Any]] = []
 
-    def add(change: str, how: str, topology: Topology = topo, workload: Workload = work, lora: int | None = None):
-        new = estimate(info, topology, workload, gpu_memory=current.gpu_memory, reserve=current.reserve, lora_rank=lora)
+    def add(change: str, how: str, topology: Topology = topo, workload: Workload = work, lora: Adapters | None = None):
+        new = estimate(info, topology, workload, gpu_memory=current.gpu_memory, reserve=current.reserve, adapters=lora)
         if new.total < current.total:
             out.append({"change": change, "how": how, "predicted_total_bytes": new.total, "fits": new.fits,
                         "host_bytes_per_gpu": sum(new.host_state.values()) if new.host_state else 0})
@@ -701,9 +774,10 @@ def suggestions(info: ModelInfo, current: Estimate) -> list[dict[str, Any]]:
         if not topo.activation_checkpointing:
             add("CPU offload + activation checkpointing", "both of the above",
                 dataclasses.replace(topo, cpu_offload=True, activation_checkpointing=True))
-    if info.linear_shapes_in_layers:
-        add(f"LoRA (rank {LORA_RANK})", f"train rank-{LORA_RANK} adapters on every linear of the decoder layers, base "
-            "weights frozen in the compute dtype (not in this recipe yet)", lora=LORA_RANK)
+    if info.linear_shapes_in_layers and current.trainable_params is None:
+        add(f"LoRA (rank {LORA_RANK})", f"use_peft: true in the recipe config: rank-{LORA_RANK} adapters on every "
+            "linear of the decoder layers, base weights frozen in the compute dtype",
+            lora=Adapters(rank=LORA_RANK, frozen_bytes=topo.compute_bytes))
     if work.per_device_train_batch_size > 1:
         smaller = dataclasses.replace(work, per_device_train_batch_size=1,
                                       gradient_accumulation_steps=work.gradient_accumulation_steps * work.per_device_train_batch_size)
@@ -743,12 +817,21 @@ def estimate_for_run(accelerator, model_config, recipe_config, *, gpu_memory: in
     info = model_info_from_config(model_config, trust_remote_code=bool(getattr(recipe_config, "trust_remote_code", False)))
     topology = topology_from_accelerator(accelerator)
     workload = workload_from_recipe(recipe_config)
-    est = estimate(info, topology, workload, gpu_memory=gpu_memory or 80 * 10**9)
+    adapters = adapters_from_recipe(recipe_config, topology.compute_bytes)
+    est = estimate(info, topology, workload, gpu_memory=gpu_memory or 80 * 10**9, adapters=adapters)
     units = plan_units(info, topology)
+
+    def on_rank(rank: int) -> dict[str, int]:
+        if adapters is None:
+            return state_bytes_on_rank(units, topology, rank)
+        return adapter_state_bytes_on_rank(info, units, topology, adapters, rank)
+
     return {
         "predicted_per_gpu_bytes": est.per_gpu(),
         "predicted_host_bytes_per_gpu": est.host_state,
-        "rank_state_bytes": state_bytes_on_rank(units, topology, accelerator.process_index),
+        "rank_state_bytes": on_rank(accelerator.process_index),
+        "rank_state_bytes_per_rank": [on_rank(rank) for rank in range(accelerator.num_processes)],
+        "trainable_parameters": est.trainable_params if adapters is not None else info.num_params,
         "sharding": topology.sharding,
         "tokens_per_micro_batch": workload.tokens,
     }

@@ -161,21 +161,29 @@ def load_model(
     revision: str = "main",
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    quantization_config=None,
+    device=None,
 ) -> torch.nn.Module:
-    """Weights in fp32: FSDP's mixed-precision policy (from the Accelerate YAML) casts for compute and keeps fp32
-    master weights. Create the Accelerator first, so that low-RAM loading under FSDP can see the process group."""
+    """Weights in fp32 by default: FSDP's mixed-precision policy (from the Accelerate YAML) casts for compute and keeps
+    fp32 master weights (a frozen LoRA base is loaded in its compute dtype instead: fsdp_recipes.adapters). Create the
+    Accelerator first, so that low-RAM loading under FSDP can see the process group. `quantization_config` (QLoRA)
+    quantises while loading, on `device`."""
     model_class = auto_model_class(task)
     if model_name_or_path is None:
         return model_class.from_config(
-            config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, dtype=torch.float32
+            config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, dtype=dtype
         )
+    quantized = {} if quantization_config is None else dict(
+        quantization_config=quantization_config, device_map={"": device if device is not None else "cpu"})
     return model_class.from_pretrained(
         model_name_or_path,
         config=config,
         revision=revision,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
-        dtype=torch.float32,
+        dtype=dtype,
+        **quantized,
     )
 
 

@@ -17,26 +17,28 @@ and its config, a `TrainingConfig` subclass.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
+from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, broadcast_object_list, gather_object, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from . import adapters
 from . import checkpoint as checkpoints_lib
 from .config import TrainingConfig, config_to_dict
 from .config_lint import check_launch_environment
 from .distributed import build_accelerator, describe_run, launch_environment, on_every_rank_together, sum_over_ranks
 from .errors import ConfigError
 from .evaluation import LossEvaluator, LossSum
-from .export import export_model_folder
+from .export import export_model_folder, write_model_card
 from .faults import inject_fault
 from .hub import push_folder_to_hub, require_hub_token
 from .losses import loss_implementation_problem
-from .memory import estimate_for_run
+from .memory import estimate_for_run, held_state_bytes
 from .metrics import MetricsLog, StepLogger, device_name, format_table, numeric_fields, peak_flops_per_device
 from .metrics import plot_training_curves, write_json
 from .modeling import (
@@ -121,9 +123,11 @@ class Run:
                                           accelerator.num_processes, config.per_device_train_batch_size))
             first_step = progress.step + 1
 
+        adapters.register_generate_as_forward(model)
         self.summary = describe_run(accelerator, model, self.wrap_classes)
         self.summary.update(
             recipe=self.name, task=self.task, attn_implementation=self.attention_note, **(summary or {}),
+            **adapters.parameter_counts(model), lora=adapters.describe(config),
             optimizer_steps=total_steps, global_batch_rows=self.global_batch_rows,
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
             torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
@@ -138,6 +142,7 @@ class Run:
             self.log.start(resumed_step=first_step - 1 if self.resumed else None)
             write_json(Path(config.output_dir) / "run_summary.json", self.summary)
             accelerator.print("run summary:\n" + format_table(list(self.summary.items())))
+        self._record_state_bytes_after_first_step(model, scheduler.optimizer)
         accelerator.init_trackers(self.name, config=numeric_fields(config_to_dict(config), keep_text=True))
         if self.resumed:
             self.log.log({"step": first_step - 1, "event": "resumed", "checkpoint": str(self.checkpoint),
@@ -170,6 +175,20 @@ class Run:
             ),
         )
         return batches, first_step
+
+    def _record_state_bytes_after_first_step(self, model, optimizer) -> None:
+        """After the first optimizer step (collective, as every rank steps), the run summary gets the bytes each rank
+        really holds (`state_bytes_per_rank`) beside what the estimator predicted for it (`memory_estimate`)."""
+        torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+
+        def record(*_):
+            hook.remove()
+            held = held_state_bytes(model, torch_optimizer)
+            self.summary["state_bytes_per_rank"] = gather_object([held]) if self.accelerator.num_processes > 1 else [held]
+            if self.accelerator.is_main_process:
+                write_json(Path(self.config.output_dir) / "run_summary.json", self.summary)
+
+        hook = torch_optimizer.register_step_post_hook(record)
 
     @property
     def global_batch_rows(self) -> int:
@@ -206,15 +225,19 @@ class Run:
             accelerator.print("final metrics (speeds: means over logged windows after the first):\n"
                               + format_table(list(final_metrics.items())))
             plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
-        folder = export_model_folder(
-            accelerator, model, self.tokenizer, config.output_dir, task=self.task,
-            card=dict(
-                recipe=self.name, recipe_config=config_to_dict(config), accelerate_config=self.accelerate_settings,
-                metrics={key: value for key, value in final_metrics.items() if value is not None},
-                base_model=config.model_name_or_path, dataset=config.dataset_name, hub_model_id=config.hub_model_id,
-                eval_results=eval_results,
-            ),
+        card = dict(
+            recipe=self.name, recipe_config=config_to_dict(config), accelerate_config=self.accelerate_settings,
+            metrics={key: value for key, value in final_metrics.items() if value is not None},
+            base_model=config.model_name_or_path, dataset=config.dataset_name, hub_model_id=config.hub_model_id,
+            eval_results=eval_results, task=self.task,
         )
+        if adapters.is_adapter_model(accelerator.unwrap_model(model)):
+            folder = adapters.export_adapter_folder(
+                accelerator, model, self.tokenizer, config.output_dir, task=self.task, config=config,
+                card_writer=lambda where, library: write_model_card(where, library_name=library, **card),
+            )
+        else:
+            folder = export_model_folder(accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card)
         if accelerator.is_main_process:
             if results:
                 write_json(folder / "eval_results.json", results)
@@ -271,10 +294,15 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         saved = load_model_config(None, str(checkpoints_lib.saved_model_config_path(checkpoint)),
                                   trust_remote_code=config.trust_remote_code)
         check_same_shapes(saved, model_config, task=task, trust_remote_code=config.trust_remote_code)
+    if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
+        saved_recipe = json.loads(checkpoints_lib.saved_recipe_config_path(checkpoint).read_text())
+        adapters.check_resume_settings(config, saved_recipe, checkpoint)
     if getattr(config, "packing", False):
         check_packing_is_isolated(model_config)
     wrap_classes = resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
     check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
+    adapters.check_before_loading(config, model_config, task=task, is_fsdp=accelerator.distributed_type.value == "FSDP",
+                                  trust_remote_code=config.trust_remote_code)
     problem = loss_implementation_problem(config.loss_implementation, accelerator.device.type)
     if problem:
         raise ConfigError(problem)

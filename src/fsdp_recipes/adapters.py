@@ -1,0 +1,384 @@
+"""LoRA and QLoRA (peft) for every training recipe, under FSDP2.
+
+A recipe calls `adapters.apply(model, config, task=...)` between loading the model and `accelerator.prepare`; with
+`use_peft: false` it returns the model unchanged. Everything else follows from the model being a peft model:
+
+- FSDP2 units stay the decoder layers of the Accelerate config: frozen base weights and trainable adapters share a
+  unit (FSDP2 shards per parameter, and frozen parameters may have another dtype than trainable ones). Trainable
+  parameters are made fp32, so one unit never holds two trainable dtypes (which FSDP2 refuses).
+- The base is loaded in the compute dtype of the Accelerate config's mixed precision (bf16 under `bf16`): frozen
+  weights need no fp32 master copy. QLoRA (`load_in_4bit`) stores them in 4 bits, in a floating storage dtype so that
+  FSDP2 shards them (with bitsandbytes' default uint8 storage accelerate leaves them whole on every rank).
+- Checkpoints hold the trainable state and its optimizer state, not the frozen base (`checkpoint_state_filter`).
+- The export (`export_adapter_folder`) gathers every adapter tensor from the shards of all ranks, writes a peft adapter
+  folder, reads it back onto a fresh copy of the base and compares its logits with the trained model's; optionally the
+  merged model too (`export_merged_model`), compared the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANT_TYPES = ("nf4", "fp4")
+QUANT_STORAGE = (*DTYPES, "uint8")
+_PEFT_TASK = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
+MERGED_FOLDER = "merged"
+
+
+def adapter_config_problems(config) -> list[str]:
+    """Problems with the LoRA/QLoRA values themselves (no files read), for `TrainingConfig.validate`."""
+    problems = []
+    if config.load_in_4bit and not config.use_peft:
+        problems.append("load_in_4bit quantises a frozen base for QLoRA: set use_peft: true as well (4-bit weights "
+                        "cannot be trained in full)")
+    if config.export_merged_model and not config.use_peft:
+        problems.append("export_merged_model merges LoRA adapters: it needs use_peft: true")
+    if not config.use_peft:
+        return problems
+    if config.lora_r < 1:
+        problems.append(f"lora_r must be >= 1, got {config.lora_r} (the adapter rank: 8 to 64 are usual)")
+    if config.lora_alpha <= 0:
+        problems.append(f"lora_alpha must be > 0, got {config.lora_alpha} (the adapter scale is lora_alpha / lora_r)")
+    if not 0 <= config.lora_dropout < 1:
+        problems.append(f"lora_dropout must be in [0, 1), got {config.lora_dropout}")
+    if config.model_name_or_path is None:
+        problems.append("use_peft adapts pretrained weights: set model_name_or_path to a model folder or Hub id (a "
+                        "model built from model_config has random weights that no adapter folder could be loaded onto)")
+    if config.lora_target_modules is not None and not config.lora_target_modules:
+        problems.append("lora_target_modules is an empty list: name modules (e.g. [q_proj, v_proj]) or null for every "
+                        "linear layer of the decoder blocks")
+    if config.load_in_4bit:
+        if config.bnb_4bit_quant_type not in QUANT_TYPES:
+            problems.append(f"bnb_4bit_quant_type {config.bnb_4bit_quant_type!r} is not one of {', '.join(QUANT_TYPES)}")
+        if config.bnb_4bit_compute_dtype not in DTYPES:
+            problems.append(f"bnb_4bit_compute_dtype {config.bnb_4bit_compute_dtype!r} is not one of {', '.join(DTYPES)}")
+        if config.bnb_4bit_quant_storage not in (None, *QUANT_STORAGE):
+            problems.append(f"bnb_4bit_quant_storage {config.bnb_4bit_quant_storage!r} is not null or one of "
+                            f"{', '.join(QUANT_STORAGE)}")
+    return problems
+
+
+def check_before_loading(config, model_config, *, task: str, is_fsdp: bool, trust_remote_code: bool = False) -> None:
+    """Collective-free checks on a weightless copy: the target modules exist, QLoRA can run here. Raises ConfigError."""
+    if not config.use_peft:
+        return
+    if config.load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("load_in_4bit needs the bitsandbytes package: pip install bitsandbytes (or train LoRA "
+                              "without quantisation: load_in_4bit: false)")
+        if is_fsdp and (config.bnb_4bit_quant_storage or config.bnb_4bit_compute_dtype) == "uint8":
+            raise ConfigError(
+                "bnb_4bit_quant_storage uint8 under FSDP: FSDP shards only floating-point tensors, so the 4-bit "
+                "weights would stay whole on every rank (and are reported to train silently wrong). Set "
+                f"bnb_4bit_quant_storage: {config.bnb_4bit_compute_dtype} (or null: the compute dtype)")
+    from .modeling import meta_model
+
+    base = meta_model(model_config, task=task, trust_remote_code=trust_remote_code)
+    _peft_model(base, config, task)
+
+
+def _peft_model(model: torch.nn.Module, config, task: str):
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import NoMatchingPeftModuleError
+
+    try:
+        return get_peft_model(model, lora_config(config, task))
+    except (NoMatchingPeftModuleError, ValueError) as error:
+        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                        if isinstance(module, torch.nn.Linear)})
+        message = str(error).strip().splitlines()[0]
+        raise ConfigError(f"LoRA cannot be applied to this {model.config.model_type} model: {message}. Its linear "
+                          f"modules are: {', '.join(names)}; set lora_target_modules to some of them (or null for "
+                          "all of them)") from None
+
+
+def lora_config(config, task: str):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        task_type=_PEFT_TASK[task], r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules or "all-linear", modules_to_save=config.lora_modules_to_save,
+        use_rslora=config.use_rslora, use_dora=config.use_dora,
+    )
+
+
+def quantization_config(config):
+    """The bitsandbytes settings for `from_pretrained` (QLoRA), or None."""
+    if not (config.use_peft and config.load_in_4bit):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    compute = DTYPES[config.bnb_4bit_compute_dtype]
+    storage = config.bnb_4bit_quant_storage or config.bnb_4bit_compute_dtype
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=config.bnb_4bit_quant_type, bnb_4bit_compute_dtype=compute,
+        bnb_4bit_use_double_quant=config.use_bnb_nested_quant,
+        bnb_4bit_quant_storage=torch.uint8 if storage == "uint8" else DTYPES[storage],
+    )
+
+
+def base_dtype(config, mixed_precision: str) -> torch.dtype:
+    """The dtype of the weights as loaded. Full training: fp32 (FSDP's mixed precision keeps fp32 master weights).
+    LoRA: the frozen base needs no master copy, so it is loaded in the compute dtype (QLoRA: bnb_4bit_compute_dtype
+    for what is not quantised)."""
+    if not config.use_peft:
+        return torch.float32
+    if config.load_in_4bit:
+        return DTYPES[config.bnb_4bit_compute_dtype]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+
+
+def loading_options(config, accelerator) -> dict[str, Any]:
+    """`modeling.load_model` keywords for this config: the base's dtype, and QLoRA's quantisation."""
+    return dict(dtype=base_dtype(config, accelerator.mixed_precision), quantization_config=quantization_config(config),
+                device=accelerator.device)
+
+
+def apply(model: torch.nn.Module, config, *, task: str) -> torch.nn.Module:
+    """The model with LoRA adapters (a peft model) when `use_peft`, else `model` itself. Call it before
+    `accelerator.prepare` and before building the optimizer (which takes only trainable parameters)."""
+    if not config.use_peft:
+        return model
+    if config.gradient_checkpointing:
+        # The frozen embedding's output needs requires_grad, or checkpointed layers get no gradient path.
+        model.enable_input_require_grads()
+    model = _peft_model(model, config, task)
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()  # one trainable dtype per FSDP2 unit; fp32 optimizer math
+    return model
+
+
+def is_adapter_model(model: torch.nn.Module) -> bool:
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def describe(config) -> str | None:
+    """One line for the run summary, or None without LoRA."""
+    if not config.use_peft:
+        return None
+    targets = ", ".join(config.lora_target_modules) if config.lora_target_modules else "all-linear"
+    kind = "DoRA" if config.use_dora else "LoRA"
+    line = f"{kind} r={config.lora_r} alpha={config.lora_alpha}{' (rsLoRA)' if config.use_rslora else ''} on {targets}"
+    if config.lora_modules_to_save:
+        line += f", {', '.join(config.lora_modules_to_save)} trained in full"
+    if config.load_in_4bit:
+        storage = config.bnb_4bit_quant_storage or config.bnb_4bit_compute_dtype
+        line += (f"; base in 4 bits (QLoRA {config.bnb_4bit_quant_type}, compute {config.bnb_4bit_compute_dtype}, "
+                 f"storage {storage}{', nested' if config.use_bnb_nested_quant else ''})")
+    return line
+
+
+def register_generate_as_forward(model: torch.nn.Module) -> None:
+    """peft's `generate` calls the base model directly, past the FSDP2 root (the peft model) whose forward hooks
+    gather the parameters it holds itself: make `generate` run those hooks. No-op for other models and without FSDP2."""
+    if is_adapter_model(model):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    """Trainable and total parameters (whole tensors, whatever the sharding), for the run summary."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable_parameters": trainable, "total_parameters": total}
+
+
+@contextlib.contextmanager
+def checkpoint_state_filter(accelerator):
+    """Within it, `accelerator.save_state` / `load_state` write and read only the adapters (the trainable state) of
+    a prepared peft model under FSDP, not a copy of the frozen base. accelerate's FSDP model save has an
+    `adapter_only` switch that `save_state` does not expose, so it is turned on here for the duration."""
+    from accelerate import accelerator as accelerator_module
+    from accelerate.utils import DistributedType
+
+    prepared = getattr(accelerator, "_models", [])  # what save_state saves: the models given to prepare
+    if accelerator.distributed_type != DistributedType.FSDP or not any(
+            is_adapter_model(accelerator.unwrap_model(model)) for model in prepared):
+        yield
+        return
+    saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
+    accelerator_module.save_fsdp_model = functools.partial(saved[0], adapter_only=True)
+    accelerator_module.load_fsdp_model = functools.partial(saved[1], adapter_only=True)
+    try:
+        yield
+    finally:
+        accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
+
+
+# What a checkpoint's adapter shapes depend on: resuming with other values cannot restore it.
+RESUME_SETTINGS = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save", "use_dora", "load_in_4bit")
+
+
+def check_resume_settings(config, saved: dict[str, Any], checkpoint: Path) -> None:
+    """Raises ConfigError when the checkpoint was trained with other adapter settings than `config`."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}  # older checkpoints lack them
+    changed = [f"{name} {saved.get(name, defaults[name])!r} in the checkpoint, {getattr(config, name)!r} now"
+               for name in RESUME_SETTINGS if saved.get(name, defaults[name]) != getattr(config, name)]
+    if changed:
+        raise ConfigError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(changed)}): resume with the "
+                          "settings that wrote it, or start a new run in a new output_dir")
+
+
+# ------------------------------------------------------------------------------------------------------------ export
+class AdapterVerificationError(RuntimeError):
+    """An exported adapter (or merged model), loaded back from disk, does not reproduce the trained model."""
+
+
+def gathered_trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full (unsharded) trainable tensors of a prepared model, on CPU on rank 0 (empty elsewhere).
+    Every element comes from the shards of all ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not torch.distributed.is_initialized():
+        return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                               ignore_frozen_params=True))
+
+
+def verification_inputs(vocab_size: int, *, rows: int = 2, width: int = 16, seed: int = 0) -> torch.Tensor:
+    """Token ids every rank builds identically, for comparing the trained model with what was written."""
+    return torch.randint(0, vocab_size, (rows, width), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Collective for a sharded model (every rank passes the same ids): fp32 logits on CPU."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
+    model.train(was_training)
+    return logits
+
+
+def logits_tolerance(mixed_precision: str) -> float:
+    """Relative tolerance between the trained (sharded) model's logits and a reloaded fp32 copy's: the same fp32
+    arithmetic up to reduction order, or bf16/fp16 compute on one side."""
+    return 1e-4 if mixed_precision in ("no", None) else 5e-2
+
+
+def compare_logits(expected: torch.Tensor, actual: torch.Tensor, *, tolerance: float, what: str) -> float:
+    """The largest absolute difference relative to the largest logit; raises AdapterVerificationError above
+    `tolerance`."""
+    scale = max(expected.abs().max().item(), 1.0)
+    difference = (expected - actual).abs().max().item() / scale
+    if not difference <= tolerance:
+        raise AdapterVerificationError(f"{what}: its logits differ from the trained model's by {difference:.3g} "
+                                       f"(relative; tolerance {tolerance:g})")
+    return difference
+
+
+def load_base(model_name_or_path: str, *, task: str, revision: str = "main", trust_remote_code: bool = False,
+              model_config=None, quantization_config=None, device=None):
+    from .modeling import auto_model_class
+
+    options: dict[str, Any] = {}
+    if model_config is not None:
+        model_config = copy.deepcopy(model_config)
+        if hasattr(model_config, "quantization_config"):  # the trained model's; quantisation is chosen here
+            del model_config.quantization_config
+        options["config"] = model_config
+    if quantization_config is not None:
+        options.update(quantization_config=quantization_config, device_map={"": device or "cpu"},
+                       dtype=quantization_config.bnb_4bit_compute_dtype)
+    else:
+        options["dtype"] = torch.float32
+    return auto_model_class(task).from_pretrained(model_name_or_path, revision=revision,
+                                                  trust_remote_code=trust_remote_code, **options)
+
+
+def write_adapter_folder(unwrapped, state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """Writes adapter_config.json and adapter_model.safetensors from the gathered `state` (peft keeps the adapter
+    entries and drops the adapter name from the keys) and checks every tensor on disk against what was saved. Returns
+    the saved tensors by their on-disk names."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    expected = get_peft_model_state_dict(unwrapped, state_dict=dict(state))
+    unwrapped.save_pretrained(folder, state_dict=dict(state), safe_serialization=True)
+    on_disk = load_file(folder / "adapter_model.safetensors")
+    problems = [f"{key}: missing from the file" for key in sorted(expected.keys() - on_disk.keys())]
+    problems += [f"{key}: not in the trained adapter" for key in sorted(on_disk.keys() - expected.keys())]
+    problems += [f"{key}: values on disk differ from the trained ones" for key in sorted(expected.keys() & on_disk.keys())
+                 if not torch.equal(expected[key].cpu(), on_disk[key])]
+    if problems:
+        raise AdapterVerificationError("adapter export verification failed:\n  " + "\n  ".join(problems))
+    return on_disk
+
+
+def export_adapter_folder(accelerator, model: torch.nn.Module, tokenizer, output_dir: str | Path, *, task: str,
+                          config, card_writer) -> Path | None:
+    """Collective. `output_dir` becomes a peft adapter folder (adapter_config.json, adapter_model.safetensors,
+    tokenizer, card with base_model and library_name: peft), and with `export_merged_model` also `output_dir/merged`,
+    a plain transformers model. Before returning, both are loaded back from disk onto a fresh base and must reproduce
+    the trained model's logits. `card_writer(folder, library_name)` writes the model card."""
+    output_dir = Path(output_dir)
+    unwrapped = accelerator.unwrap_model(model)
+    state = gathered_trainable_state(model)
+    inputs = verification_inputs(unwrapped.config.vocab_size)
+    trained_logits = logits_of(model, inputs)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_adapter_folder(unwrapped, state, output_dir)
+        _point_adapter_config_at_base(output_dir, config.model_name_or_path)
+        tokenizer.save_pretrained(output_dir)
+        tolerance = logits_tolerance(accelerator.mixed_precision)
+        trained_config = unwrapped.get_base_model().config
+        reloaded = reload_adapter(output_dir, config, task=task, model_config=trained_config,
+                                  quantized=config.load_in_4bit, device=accelerator.device)
+        compare_logits(trained_logits, logits_of(reloaded, inputs), tolerance=tolerance,
+                       what=f"the adapter in {output_dir} loaded onto {config.model_name_or_path}")
+        if config.export_merged_model:
+            merged_dir = output_dir / MERGED_FOLDER
+            if config.load_in_4bit:  # merge into the full-precision base, not into re-quantised 4-bit weights
+                reloaded = reload_adapter(output_dir, config, task=task, model_config=trained_config, quantized=False)
+            expected = logits_of(reloaded, inputs)
+            reloaded.merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)
+            tokenizer.save_pretrained(merged_dir)
+            merged = load_base(str(merged_dir), task=task, trust_remote_code=config.trust_remote_code)
+            compare_logits(expected, logits_of(merged, inputs), tolerance=1e-4,
+                           what=f"the merged model in {merged_dir}")
+            card_writer(merged_dir, "transformers")
+        card_writer(output_dir, "peft")
+    accelerator.wait_for_everyone()
+    return output_dir if accelerator.is_main_process else None
+
+
+def reload_adapter(folder: str | Path, config, *, task: str, model_config, quantized: bool, device=None):
+    """A fresh copy of the base with the adapter in `folder`, as a user would load it: fp32 on CPU, or (QLoRA) the
+    same 4-bit quantisation the training used, on `device`. `model_config` is the trained model's (a classifier's
+    labels and pad token are not in the base's)."""
+    from peft import PeftModel
+
+    base = load_base(config.model_name_or_path, task=task, revision=config.model_revision,
+                     trust_remote_code=config.trust_remote_code, model_config=model_config,
+                     quantization_config=quantization_config(config) if quantized else None, device=device)
+    return PeftModel.from_pretrained(base, str(folder))
+
+
+def _point_adapter_config_at_base(folder: Path, base_model: str | None) -> None:
+    """peft records the base model as the model's `name_or_path`; make it the recipe's model_name_or_path, which is
+    what PeftModel/AutoPeftModel users need."""
+    path = folder / "adapter_config.json"
+    values: dict[str, Any] = json.loads(path.read_text())
+    if base_model:
+        values["base_model_name_or_path"] = base_model
+    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,228 @@
+"""LoRA and QLoRA (fsdp_recipes.adapters) in the SFT recipe: real 2-process FSDP2 runs for what distribution changes
+(parity with one process, adapters gathered from every shard, checkpoints and resume), in-process for the rest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from conftest import STEPS, lora_values, read_metrics, recipe_config, recipe_error_in_process, run_sft
+from fsdp_recipes import adapters, memory
+from fsdp_recipes.errors import ConfigError
+
+RESUMED_FROM = 3
+
+
+def losses_by_step(output_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
+
+
+def summary_of(output_dir: Path) -> dict:
+    return json.loads((output_dir / "run_summary.json").read_text())
+
+
+def reload(output_dir: Path, base: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), output_dir).eval()
+
+
+# ------------------------------------------------------------------------------------------------ real launches (slow)
+@pytest.mark.slow
+def test_two_ranks_train_as_one_process_and_save_the_same_adapter(lora_reference_run, lora_one_process_run):
+    two, one = losses_by_step(lora_reference_run), losses_by_step(lora_one_process_run)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([two[s] for s in sorted(two)]), torch.tensor([one[s] for s in sorted(two)]),
+                               rtol=1e-5, atol=1e-6)
+    assert two[STEPS] < two[1]  # it learns
+    # Every element of every adapter tensor, gathered from both ranks' shards, equals the unsharded run's.
+    two_adapter = load_file(lora_reference_run / "adapter_model.safetensors")
+    one_adapter = load_file(lora_one_process_run / "adapter_model.safetensors")
+    assert two_adapter.keys() == one_adapter.keys() and len(two_adapter) == 2 * 7 * 2  # A and B, 7 linears, 2 layers
+    for key in two_adapter:
+        torch.testing.assert_close(two_adapter[key], one_adapter[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert any(key.endswith("lora_B.weight") and two_adapter[key].abs().min() > 0 for key in two_adapter)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["lora_reference_run", "lora_one_process_run"])
+def test_the_adapter_folder_reloads_onto_the_base_as_the_trained_model(run, request, pretrained_tiny_model,
+                                                                       small_chat_data):
+    """SHARDED (2 ranks) and FULL (1 process) state dicts: output_dir is a peft adapter folder that PeftModel loads,
+    and with it the base computes the training run's final held-out loss."""
+    from transformers import AutoTokenizer
+
+    from fsdp_recipes.data import chat, files, rows
+    from fsdp_recipes.losses import causal_lm_loss_sum, count_targets
+
+    out = request.getfixturevalue(run)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    assert config["base_model_name_or_path"] == str(pretrained_tiny_model)
+    assert not (out / "model.safetensors").exists()
+    card = (out / "README.md").read_text()
+    assert "library_name: peft" in card and "PeftModel.from_pretrained" in card
+    model, tokenizer = reload(out, pretrained_tiny_model), AutoTokenizer.from_pretrained(out)
+    held_out = files.load_raw_dataset(str(small_chat_data), None)["test"]
+    tokens = chat.tokenize_dataset(held_out, tokenizer, name="eval", assistant_only_loss=True, completion_only_loss=True,
+                                   max_length=64, num_proc=None)[0]
+    batch = rows.collate_rows(list(rows.build_rows(tokens, max_length=64, packing=False)), tokenizer.pad_token_id)
+    with torch.no_grad():
+        loss = causal_lm_loss_sum(model, batch).item() / count_targets(batch)
+    final_eval_loss = [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r][-1]
+    assert loss == pytest.approx(final_eval_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_merged_model_is_a_plain_transformers_model_with_the_same_logits(lora_reference_run, pretrained_tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    merged_dir = lora_reference_run / adapters.MERGED_FOLDER
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    assert not any("lora" in name for name in merged.state_dict())
+    ids = adapters.verification_inputs(merged.config.vocab_size, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, reload(lora_reference_run, pretrained_tiny_model)(
+            input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    assert "library_name: transformers" in (merged_dir / "README.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["lora_reference_run", "lora_one_process_run"])
+def test_frozen_weights_get_no_gradient_and_no_optimizer_state(run, request):
+    """What each rank holds after a step (measured in the run) is what the estimator predicts for LoRA, to the byte:
+    gradients and AdamW state for the adapters only, the frozen base as parameters alone."""
+    summary = summary_of(request.getfixturevalue(run))
+    held, predicted = summary["state_bytes_per_rank"], summary["memory_estimate"]["rank_state_bytes_per_rank"]
+    assert held == predicted
+    # rank 4 x (in + out) over q, k, v, o (64->64, 64->32, 64->32, 64->64) and gate, up, down (64->128 twice, 128->64)
+    trainable = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
+    assert summary["trainable_parameters"] == summary["memory_estimate"]["trainable_parameters"] == trainable
+    assert trainable < summary["total_parameters"] / 5
+    world = summary["world_size"]
+    for rank in held:
+        assert rank["gradients"] == 4 * trainable // world  # fp32, split evenly (every adapter's rows divide by 2)
+        assert rank["optimizer_state"] == 2 * 4 * trainable // world + 4 * 2 * 7 * 2  # exp_avg, exp_avg_sq; steps
+        assert rank["parameters"] > 5 * rank["gradients"]
+    assert summary["lora"].startswith("LoRA r=4 alpha=8 on all-linear")
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_the_adapters_not_the_frozen_base(lora_reference_run, lora_one_process_run):
+    sharded = lora_reference_run / "checkpoints" / "step-00000012" / "pytorch_model_fsdp_0"
+    keys = list(dcp.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata)
+    assert keys and all("lora_" in key for key in keys)
+    full = torch.load(lora_one_process_run / "checkpoints" / "step-00000012" / "pytorch_model_fsdp.bin",
+                      weights_only=True)
+    assert full and all("lora_" in key for key in full)
+
+
+@pytest.mark.slow
+def test_a_killed_lora_run_resumes_with_identical_losses_and_bitwise_equal_adapters(tmp_path, lora_reference_run,
+                                                                                   lora_killed_during_save):
+    source, values = lora_killed_during_save
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    run_sft(tmp_path, "resumed", {**values, "output_dir": str(out), "resume_from_checkpoint": "latest"})
+    assert losses_by_step(out) == losses_by_step(lora_reference_run)
+    resumed, reference = load_file(out / "adapter_model.safetensors"), load_file(lora_reference_run / "adapter_model.safetensors")
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key
+    merged, reference_merged = (load_file(folder / adapters.MERGED_FOLDER / "model.safetensors")
+                                for folder in (out, lora_reference_run))
+    assert all(torch.equal(merged[key], reference_merged[key]) for key in reference_merged)
+
+
+@pytest.mark.slow
+def test_resuming_with_another_lora_rank_is_refused(tmp_path, lora_killed_during_save, capsys):
+    source, values = lora_killed_during_save
+    error = recipe_error_in_process("sft", tmp_path, {**values, "output_dir": str(tmp_path / "new"), "lora_r": 8,
+                                                      "resume_from_checkpoint": str(source / "checkpoints" / "step-00000003")},
+                                    capsys)
+    assert "other LoRA settings" in error and "lora_r 4 in the checkpoint, 8 now" in error
+
+
+# ------------------------------------------------------------------------------------------------ in-process
+@pytest.mark.parametrize("overrides, expected", [
+    ({"lora_r": 0}, "lora_r must be >= 1, got 0"),
+    ({"lora_dropout": 1.5}, "lora_dropout must be in [0, 1)"),
+    ({"lora_target_modules": ["qkv_proj"]}, "Its linear modules are: down_proj, gate_proj, k_proj"),
+    ({"use_peft": False, "load_in_4bit": True}, "set use_peft: true as well"),
+    ({"bnb_4bit_quant_type": "int3", "load_in_4bit": True}, "bnb_4bit_quant_type 'int3' is not one of nf4, fp4"),
+])
+def test_bad_lora_settings_are_one_error_before_loading(tmp_path, overrides, expected, pretrained_tiny_model,
+                                                        small_chat_data, capsys):
+    values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out", **overrides)
+    assert expected in recipe_error_in_process("sft", tmp_path, values, capsys)
+
+
+def test_lora_needs_pretrained_weights(tmp_path, tiny_model_config, small_chat_data, pretrained_tiny_model, capsys):
+    values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out")
+    values.pop("model_name_or_path")
+    values.update(model_config=str(tiny_model_config), tokenizer_name_or_path=str(pretrained_tiny_model))
+    assert "use_peft adapts pretrained weights" in recipe_error_in_process("sft", tmp_path, values, capsys)
+
+
+def test_qlora_without_bitsandbytes_is_refused(tmp_path, pretrained_tiny_model, small_chat_data, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out", load_in_4bit=True)
+    assert "load_in_4bit needs the bitsandbytes package" in recipe_error_in_process("sft", tmp_path, values, capsys)
+
+
+def test_uint8_4bit_storage_is_refused_under_fsdp(tiny_model_config):
+    from transformers import AutoConfig
+
+    from fsdp_recipes.config import TrainingConfig
+
+    config = TrainingConfig(model_name_or_path="m", dataset_name="d", use_peft=True, load_in_4bit=True,
+                            bnb_4bit_quant_storage="uint8")
+    model_config = AutoConfig.from_pretrained(tiny_model_config)
+    with pytest.raises(ConfigError, match="FSDP shards only floating-point tensors.*bnb_4bit_quant_storage: bfloat16"):
+        adapters.check_before_loading(config, model_config, task="causal-lm", is_fsdp=True)
+    adapters.check_before_loading(config, model_config, task="causal-lm", is_fsdp=False)  # one process: allowed
+
+
+@pytest.mark.parametrize("targets, dora", [(None, False), (("q_proj", "v_proj"), False), (None, True)])
+def test_the_estimator_counts_the_adapters_peft_creates(tiny_model_config, targets, dora):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig
+
+    from fsdp_recipes.modeling import meta_model
+
+    model_config = AutoConfig.from_pretrained(tiny_model_config)
+    info = memory.model_info_from_config(model_config)
+    predicted = sum(p.numel for p in memory.Adapters(rank=4, target_modules=targets, dora=dora).adapter_params(info))
+    model = get_peft_model(meta_model(model_config), LoraConfig(r=4, target_modules=list(targets) if targets else "all-linear",
+                                                                use_dora=dora))
+    assert predicted == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_qlora_trains_and_exports_on_one_cpu_process(tmp_path, pretrained_tiny_model, small_chat_data, capsys):
+    """bitsandbytes' CPU kernels: 4-bit NF4 base (bf16 storage and compute), fp32 adapters; the exported adapter,
+    reloaded onto a freshly quantised base, reproduces the trained model's logits (checked by the export itself)."""
+    pytest.importorskip("bitsandbytes")
+    from accelerate.state import AcceleratorState
+
+    from conftest import load_recipe
+
+    values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out", load_in_4bit=True, max_steps=3,
+                         save_steps=None, exact_match_eval_samples=0, gradient_accumulation_steps=1)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    load_recipe("sft").main(["--config", str(recipe_config(tmp_path / "q.yaml", **values))])
+    out = tmp_path / "out"
+    summary = summary_of(out)
+    assert "QLoRA nf4" in summary["lora"] and summary["distributed_type"] == "NO"
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    losses = losses_by_step(out)
+    assert len(losses) == 3 and all(loss == loss for loss in losses.values())  # no NaN
