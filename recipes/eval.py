@@ -8,8 +8,8 @@ so a model larger than one device can be evaluated.
 
 Top to bottom: the config; the accelerator and every check that needs no weights, on all ranks together (the metric
 names, loaded offline: see fsdp_recipes/metric_scripts; the model source; the output folder; the Hub token; tokenizer,
-model config and task); the data; the model (a checkpoint is first exported to a temporary folder on each machine),
-sharded by `accelerator.prepare`; then what the metrics ask for:
+model config and task); the data; the model (a checkpoint is first exported to a temporary folder on each machine;
+a LoRA adapter folder or checkpoint is merged into its base), sharded by `accelerator.prepare`; then what the metrics ask for:
 - `perplexity`: exp of the mean loss over every target token (plain text: all tokens; chat or prompt/completion data:
   the assistant / completion tokens), sums reduced over ranks;
 - generation metrics (`exact_match`, `rouge`, `sacrebleu`, `chrf`, or an evaluate script) on prompt/completion or
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from fsdp_recipes import classifier, config_lint, distributed, errors, evaluation, hub, losses, model_index
+from fsdp_recipes import adapters, classifier, config_lint, distributed, errors, evaluation, hub, losses, model_index
 from fsdp_recipes import config as config_lib
 from fsdp_recipes import model_source, modeling, outputs
 from fsdp_recipes.data import classification, files, held_out
@@ -116,7 +116,7 @@ def checks_before_loading(accelerator, config: EvalConfig) -> dict:
     hub_token = hub.require_hub_token() if config.push_to_hub else None
     tokenizer = modeling.load_tokenizer(config.tokenizer_name_or_path or source.files, revision=config.model_revision,
                                         trust_remote_code=config.trust_remote_code, chat_template=config.chat_template)
-    model_config = modeling.load_model_config(source.files, None, revision=config.model_revision,
+    model_config = modeling.load_model_config(source.config_files, None, revision=config.model_revision,
                                               trust_remote_code=config.trust_remote_code)
     task = config.task or model_source.task_of(source, model_config)
     names = config.metrics or DEFAULT_METRICS[task]
@@ -185,9 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     # --- model, sharded as the Accelerate config says -------------------------------------------------------------------
     with model_source.weights_folder(accelerator, setup["source"]) as weights:
         model = modeling.load_model(
-            setup["model_config"], model_name_or_path=weights, task=task, revision=config.model_revision,
-            attn_implementation=setup["attn_implementation"], trust_remote_code=config.trust_remote_code,
+            setup["model_config"], model_name_or_path=setup["source"].base or weights, task=task,
+            revision=config.model_revision, attn_implementation=setup["attn_implementation"],
+            trust_remote_code=config.trust_remote_code,
         )
+        if setup["source"].base:  # a LoRA adapter (folder or checkpoint): merged into its base, then sharded
+            model = adapters.merge_into(model, weights)
         token_loss = losses.TokenLoss(model) if task == "causal-lm" else None  # chunked: no whole-batch logits
         model, *loaders = evaluation.prepare_for_evaluation(accelerator, model, *([loader] if loader else []))
 

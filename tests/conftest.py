@@ -35,6 +35,20 @@ def load_recipe(name: str):
     return sys.modules[module_name]
 
 
+def run_recipe_in_process(recipe: str, tmp: Path, name: str, values: dict) -> None:
+    """recipes/<recipe>.py's main on this one process (no launcher, no FSDP), as `python recipes/<recipe>.py` runs it."""
+    from accelerate.state import AcceleratorState
+
+    from fsdp_recipes.errors import exit_on_user_error
+
+    config = recipe_config(tmp / f"{name}.yaml", **values)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        exit_on_user_error(lambda: load_recipe(recipe).main(["--config", str(config)]))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def recipe_error_in_process(recipe: str, tmp: Path, values: dict, capsys, extra_argv: tuple[str, ...] = ()) -> str:
     """recipes/<recipe>.py's main in this process, under the same wrapper as `python recipes/<recipe>.py`, with a
     config that must be refused before weights load: returns its one `error:` line (exit 2, no traceback). The checks

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, launch, load_recipe, recipe_config
-from conftest import require_success, write_jsonl, write_tiny_model_config
+from conftest import require_success, run_recipe_in_process, write_jsonl, write_tiny_model_config
 from fsdp_recipes import evaluation, model_index, model_source
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.errors import ConfigError
@@ -22,17 +22,7 @@ GENERATION_ROWS = 13  # 2 ranks x 4 prompts per batch: the last global batch hol
 
 
 def run_in_process(tmp: Path, name: str, values: dict) -> None:
-    """The eval recipe's main on this one process, as `python recipes/eval.py` runs it."""
-    from accelerate.state import AcceleratorState
-
-    from fsdp_recipes.errors import exit_on_user_error
-
-    config = recipe_config(tmp / f"{name}.yaml", **values)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        exit_on_user_error(lambda: load_recipe("eval").main(["--config", str(config)]))
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    run_recipe_in_process("eval", tmp, name, values)
 
 
 def run_failing(tmp: Path, values: dict, capsys) -> tuple[str, str]:

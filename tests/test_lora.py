@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from conftest import STEPS, lora_values, read_metrics, recipe_config, recipe_error_in_process, run_sft
+from conftest import STEPS, lora_values, read_metrics, recipe_error_in_process, run_recipe_in_process, run_sft
 from fsdp_recipes import adapters, memory
 from fsdp_recipes.errors import ConfigError
 
@@ -142,6 +142,35 @@ def test_a_killed_lora_run_resumes_with_identical_losses_and_bitwise_equal_adapt
 
 
 @pytest.mark.slow
+def test_export_turns_a_lora_checkpoint_into_the_runs_adapter_and_merged_model(tmp_path, lora_reference_run):
+    from fsdp_recipes import cli
+
+    checkpoint = lora_reference_run / "checkpoints" / f"step-{STEPS:08d}"  # the trained state: the run's last step
+    assert cli.main(["export", str(checkpoint), str(tmp_path / "exported"), "--merged"]) == 0
+    for name in ("adapter_model.safetensors", f"{adapters.MERGED_FOLDER}/model.safetensors"):
+        exported, trained = load_file(tmp_path / "exported" / name), load_file(lora_reference_run / name)
+        assert exported.keys() == trained.keys()
+        assert all(torch.equal(exported[key], trained[key]) for key in trained), name
+    config = json.loads((tmp_path / "exported" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == json.loads(
+        (lora_reference_run / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["adapter folder", "checkpoint"])
+def test_the_eval_recipe_scores_an_adapter_as_the_training_run(tmp_path, lora_reference_run, small_chat_data, source):
+    """eval.py merges a LoRA adapter (a folder, or a LoRA run's checkpoint exported first) into its base: the held-out
+    loss is the training run's final one."""
+    model = lora_reference_run if source == "adapter folder" else lora_reference_run / "checkpoints" / f"step-{STEPS:08d}"
+    run_recipe_in_process("eval", tmp_path, "eval", dict(model_name_or_path=str(model), dataset_name=str(small_chat_data),
+                                                         output_dir=str(tmp_path / "scores"), max_length=64,
+                                                         metrics=["perplexity"]))
+    results = json.loads((tmp_path / "scores" / "eval_results.json").read_text())
+    final_eval_loss = [r["eval_loss"] for r in read_metrics(lora_reference_run) if "eval_loss" in r][-1]
+    assert results["eval_loss"] == pytest.approx(final_eval_loss, rel=1e-5)
+
+
+@pytest.mark.slow
 def test_resuming_with_another_lora_rank_is_refused(tmp_path, lora_killed_during_save, capsys):
     source, values = lora_killed_during_save
     error = recipe_error_in_process("sft", tmp_path, {**values, "output_dir": str(tmp_path / "new"), "lora_r": 8,
@@ -212,14 +241,9 @@ def test_qlora_trains_and_exports_on_one_cpu_process(tmp_path, pretrained_tiny_m
     """bitsandbytes' CPU kernels: 4-bit NF4 base (bf16 storage and compute), fp32 adapters; the exported adapter,
     reloaded onto a freshly quantised base, reproduces the trained model's logits (checked by the export itself)."""
     pytest.importorskip("bitsandbytes")
-    from accelerate.state import AcceleratorState
-
-    from conftest import load_recipe
-
     values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out", load_in_4bit=True, max_steps=3,
                          save_steps=None, exact_match_eval_samples=0, gradient_accumulation_steps=1)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    load_recipe("sft").main(["--config", str(recipe_config(tmp_path / "q.yaml", **values))])
+    run_recipe_in_process("sft", tmp_path, "qlora", values)
     out = tmp_path / "out"
     summary = summary_of(out)
     assert "QLoRA nf4" in summary["lora"] and summary["distributed_type"] == "NO"

@@ -374,6 +374,14 @@ def reload_adapter(folder: str | Path, config, *, task: str, model_config, quant
     return PeftModel.from_pretrained(base, str(folder))
 
 
+def merge_into(model: torch.nn.Module, adapter_folder: str | Path) -> torch.nn.Module:
+    """`model` (the base, loaded unsharded) with the adapter in `adapter_folder` merged into its weights: a plain model
+    that FSDP shards like any other, for evaluation."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter_folder)).merge_and_unload()
+
+
 def _point_adapter_config_at_base(folder: Path, base_model: str | None) -> None:
     """peft records the base model as the model's `name_or_path`; make it the recipe's model_name_or_path, which is
     what PeftModel/AutoPeftModel users need."""

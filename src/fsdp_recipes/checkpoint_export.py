@@ -31,8 +31,11 @@ _DCP_PREFIX = "model."  # accelerate saves {"model": state_dict}; DCP flattens t
 
 
 def export_checkpoint(
-    checkpoint: str | Path, output_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False
+    checkpoint: str | Path, output_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+    merged: bool = False,
 ) -> Path:
+    """A LoRA checkpoint becomes a peft adapter folder (and with `merged`, also OUTPUT_DIR/merged: the base from the
+    recipe's model_name_or_path with the adapter merged in, which loads that base into memory)."""
     checkpoint, output_dir = Path(checkpoint), Path(output_dir)
     model_files = checkpoint / MODEL_FILES
     if not (model_files / "config.json").is_file():
@@ -44,6 +47,9 @@ def export_checkpoint(
     run_info = _json_or_empty(model_files / RUN_INFO)
     task = run_info.get("task", "causal-lm")
     tensors = _tensor_source(checkpoint)
+    recipe_config = _json_or_empty(model_files / "recipe_config.json")
+    if recipe_config.get("use_peft"):
+        return _export_adapter_checkpoint(checkpoint, output_dir, tensors, recipe_config, task, merged=merged)
     names = _names_to_save(config, tensors.names(), task)
 
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -74,6 +80,42 @@ def export_checkpoint(
         accelerate_config=_json_or_empty(model_files / "accelerate_config.json"),
         metrics={"step": progress.step, "exported_from": str(checkpoint)}, base_model=None, dataset=None,
     )
+    return output_dir
+
+
+def _export_adapter_checkpoint(checkpoint: Path, output_dir: Path, tensors, recipe_config: dict, task: str, *,
+                               merged: bool) -> Path:
+    """The adapter tensors (stored under peft's own names) as adapter_model.safetensors, the LoRA settings of the run
+    as adapter_config.json, the tokenizer and a card."""
+    from types import SimpleNamespace
+
+    from .adapters import MERGED_FOLDER, load_base, lora_config, reload_adapter
+
+    settings = SimpleNamespace(**recipe_config)
+    names = tensors.names()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    loaded = {name: tensors.load(name).contiguous() for name in names}
+    save_file(loaded, output_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    _check_file(output_dir / "adapter_model.safetensors", loaded)
+    adapter_config = lora_config(settings, task)
+    adapter_config.base_model_name_or_path = settings.model_name_or_path
+    adapter_config.inference_mode = True
+    adapter_config.save_pretrained(output_dir)
+    AutoTokenizer.from_pretrained(checkpoint / MODEL_FILES).save_pretrained(output_dir)
+    progress = read_progress(checkpoint)
+    card = dict(recipe=_json_or_empty(checkpoint / MODEL_FILES / RUN_INFO).get("recipe", "export"), task=task,
+                recipe_config=recipe_config, accelerate_config=_json_or_empty(checkpoint / MODEL_FILES / "accelerate_config.json"),
+                metrics={"step": progress.step, "exported_from": str(checkpoint)}, base_model=settings.model_name_or_path,
+                dataset=None)
+    write_model_card(output_dir, library_name="peft", **card)
+    if merged:
+        model_config = AutoConfig.from_pretrained(checkpoint / MODEL_FILES)
+        merged_model = reload_adapter(output_dir, settings, task=task, model_config=model_config, quantized=False)
+        merged_dir = output_dir / MERGED_FOLDER
+        merged_model.merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)
+        AutoTokenizer.from_pretrained(checkpoint / MODEL_FILES).save_pretrained(merged_dir)
+        write_model_card(merged_dir, **card)
+        load_base(str(merged_dir), task=task)  # it loads as a plain transformers model
     return output_dir
 
 

@@ -91,12 +91,16 @@ def export_command(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("--max-shard-size", type=parse_bytes, default="5GB",
                         help="largest safetensors file to write, e.g. 5GB, 500MB (RAM use is about one file)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUTPUT_DIR")
+    parser.add_argument("--merged", action="store_true",
+                        help="LoRA checkpoints: also write OUTPUT_DIR/merged, the base with the adapter merged in (loads "
+                        "the base model named in the checkpoint's recipe config)")
 
     def run(args: argparse.Namespace) -> int:
         from .checkpoint_export import export_checkpoint
 
         folder = export_checkpoint(
-            args.checkpoint, args.output_dir, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite
+            args.checkpoint, args.output_dir, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+            merged=args.merged,
         )
         print(f"exported {args.checkpoint} to {folder}")
         return 0

@@ -22,12 +22,19 @@ from .errors import ConfigError
 @dataclasses.dataclass
 class ModelSource:
     name: str  # as the user gave it
-    kind: str  # "folder", "checkpoint" or "hub"
-    files: str  # where the config and tokenizer are read: the folder, the checkpoint's model files, or the Hub id
+    kind: str  # "folder", "adapter" (a peft LoRA folder), "checkpoint" or "hub"
+    files: str  # where the tokenizer (and, but for adapters, the config) is read: the folder, the checkpoint's model
+    # files, or the Hub id
+    base: str | None = None  # LoRA (an adapter folder or a LoRA run's checkpoint): the base model the adapter is for
+
+    @property
+    def config_files(self) -> str:
+        """Where the model config is read: an adapter folder has none of its own (its base's applies)."""
+        return self.base if self.kind == "adapter" else self.files
 
     @property
     def local_folder(self) -> Path | None:
-        return Path(self.name) if self.kind == "folder" else None
+        return Path(self.name) if self.kind in ("folder", "adapter") else None
 
 
 def resolve(name: str) -> ModelSource:
@@ -35,10 +42,19 @@ def resolve(name: str) -> ModelSource:
     path = Path(name)
     if not path.exists():
         return ModelSource(name=name, kind="hub", files=name)
+    if (path / "adapter_config.json").is_file():
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ConfigError(f"{name!r} is a LoRA adapter folder whose adapter_config.json names no "
+                              "base_model_name_or_path: set it to the base model's folder or Hub id")
+        return ModelSource(name=name, kind="adapter", files=name, base=base)
     if (path / "config.json").is_file():
         return ModelSource(name=name, kind="folder", files=name)
     if (path / MODEL_FILES / "config.json").is_file() and (path / PROGRESS).is_file():
-        return ModelSource(name=name, kind="checkpoint", files=str(path / MODEL_FILES))
+        recipe_config = path / MODEL_FILES / "recipe_config.json"
+        settings = json.loads(recipe_config.read_text()) if recipe_config.is_file() else {}
+        base = settings.get("model_name_or_path") if settings.get("use_peft") else None
+        return ModelSource(name=name, kind="checkpoint", files=str(path / MODEL_FILES), base=base)
     hint = ""
     if (path / "checkpoints" / "latest").is_file():
         latest = (path / "checkpoints" / "latest").read_text().strip()
@@ -52,6 +68,13 @@ def resolve(name: str) -> ModelSource:
 def task_of(source: ModelSource, model_config) -> str:
     """sequence-classification for a classifier (its architecture, or the task its checkpoint records), else
     causal-lm."""
+    if source.kind == "adapter":
+        task_type = json.loads((Path(source.name) / "adapter_config.json").read_text()).get("task_type")
+        if task_type == "SEQ_CLS":
+            raise ConfigError(f"{source.name} is a classifier's LoRA adapter: its labels are not in its base's config. "
+                              "Evaluate the merged model (export_merged_model: true writes it to <output_dir>/merged) "
+                              "or the run's checkpoint")
+        return "causal-lm"
     if source.kind == "checkpoint":
         run_info = Path(source.files) / RUN_INFO
         if run_info.is_file():
@@ -62,8 +85,9 @@ def task_of(source: ModelSource, model_config) -> str:
 
 @contextlib.contextmanager
 def weights_folder(accelerator: Accelerator, source: ModelSource):
-    """Collective. Yields what to load weights from. A checkpoint is exported once per machine, by its first process,
-    into a temporary folder (machines need not share /tmp), removed when the block ends: load the model inside it."""
+    """Collective. Yields what to load weights from (for LoRA, the adapter folder: load `source.base` and merge it in,
+    `adapters.merge_into`). A checkpoint is exported once per machine, by its first process, into a temporary folder
+    (machines need not share /tmp), removed when the block ends: load the model inside it."""
     if source.kind != "checkpoint":
         yield source.name
         return
