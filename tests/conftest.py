@@ -370,3 +370,44 @@ def lora_killed_during_save(tmp_path_factory, pretrained_tiny_model, small_chat_
     values = lora_values(pretrained_tiny_model, small_chat_data, tmp / "out", export_merged_model=True)
     run_sft(tmp, "killed", values, expect_success=False, env={"FSDP_RECIPES_FAULT": "kill-during-save:6@1"})
     return tmp / "out", values
+
+
+# ------------------------------------------------------------------------------------------------ DPO: shared launches
+DPO = REPO / "recipes" / "dpo.py"
+DPO_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def preference_data(tmp_path_factory) -> Path:
+    """64 training pairs and 16 held-out ones from the DPO demo's data (conversational, explicit prompt)."""
+    folder = tmp_path_factory.mktemp("pairs")
+    source = REPO / "demo" / "assets" / "reverse_preferences"
+    (folder / "train.jsonl").write_text("\n".join((source / "train.jsonl").read_text().splitlines()[:64]) + "\n")
+    (folder / "test.jsonl").write_text("\n".join((source / "test.jsonl").read_text().splitlines()[:16]) + "\n")
+    return folder
+
+
+def dpo_values(model: Path, data: Path, output_dir: Path, **overrides) -> dict:
+    """2 processes x 4 pairs x 2 accumulation steps = 16 pairs per step (8 rows of 2 x 4 per micro-batch), fp32, a
+    checkpoint every 3 steps, held-out figures every 4."""
+    values = dict(model_name_or_path=str(model), dataset_name=str(data), output_dir=str(output_dir), max_length=48,
+                  max_steps=DPO_STEPS, per_device_train_batch_size=4, per_device_eval_batch_size=8,
+                  gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=0, logging_steps=1, eval_steps=4,
+                  save_steps=3, seed=7, report_to="none", beta=0.5)
+    values.update(overrides)
+    return values
+
+
+def run_dpo(tmp: Path, name: str, values: dict, *, expect_success: bool = True, **launch_options):
+    result = launch(DPO, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))], **launch_options)
+    if expect_success:
+        require_success(result)
+    return result
+
+
+@pytest.fixture(scope="session")
+def dpo_reference_run(tmp_path_factory, pretrained_tiny_model, preference_data) -> Path:
+    """Full DPO on 2 processes, the reference a frozen copy sharded like the policy."""
+    tmp = tmp_path_factory.mktemp("dpo_reference")
+    run_dpo(tmp, "dpo", dpo_values(pretrained_tiny_model, preference_data, tmp / "out"))
+    return tmp / "out"

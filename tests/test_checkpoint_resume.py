@@ -69,6 +69,10 @@ def test_resume_on_another_world_size(tmp_path, reference_run, killed_during_sav
                                   "exact_match_eval_samples": 0}, num_processes=num_processes)
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == num_processes and summary["distributed_type"] == "FSDP"
+    # What each of the 4 ranks holds is predicted to the byte (the ranks differ: the last one's chunks are short).
+    held = summary["state_bytes_per_rank"]
+    assert held == summary["memory_estimate"]["rank_state_bytes_per_rank"]
+    assert held[0]["optimizer_state"] != held[3]["optimizer_state"]
     resumed, expected = losses_by_step(out), losses_by_step(reference_run)
     steps = list(range(RESUMED_FROM + 1, STEPS + 1))
     torch.testing.assert_close(

@@ -23,5 +23,5 @@ def test_every_training_recipe_steps_the_same_way():
             "else None", "run.fault_point(step)")
     sft = section("sft", *step)
     assert len(sft) == 6
-    for recipe in ("pretrain", "classify"):
+    for recipe in ("pretrain", "classify", "dpo"):
         assert section(recipe, *step) == sft, recipe

@@ -260,7 +260,8 @@ class Catalog:
             raise ConfigError(f"no local config.json for model {config.model!r}: add {HUB_CONFIGS / str(config.model)}"
                               "/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
         where = f"{config.key}'s Accelerate config"
-        topology = memory.topology_from_dict(self.accelerate_settings(config), where=where)
+        topology = memory.for_recipe(memory.topology_from_dict(self.accelerate_settings(config), where=where),
+                                     config.values)
         workload = memory.workload_from_recipe(config.values)
         adapters = memory.adapters_from_recipe(config.values, topology.compute_bytes)
         gpu_memory = memory.parse_size(config.gpu_memory)

@@ -218,7 +218,7 @@ def compute_metrics(metrics: dict[str, Any], gathered: dict[str, list], *, prefi
         results = evaluate.combine(list(metrics.values())).compute(predictions=predictions, references=references)
     results.update({key: math.fsum(values) / len(values) for key, values in gathered.items()
                     if key not in ("predictions", "references") and values})
-    results["samples"] = len(predictions)
+    results["samples"] = len(predictions) if predictions else max((len(v) for v in gathered.values()), default=0)
     return {f"{prefix}{key}": value for key, value in results.items()}
 
 

@@ -588,6 +588,15 @@ def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], topology: To
             "optimizer_state": trained["optimizer_state"]}
 
 
+def for_recipe(topology: Topology, recipe: Any) -> Topology:
+    """The topology as the recipe config changes it: the model's own activation checkpointing
+    (`gradient_checkpointing: true`) saves the same activations as FSDP's."""
+    get = recipe.get if isinstance(recipe, dict) else (lambda name, default=None: getattr(recipe, name, default))
+    if get("gradient_checkpointing", False) and not topology.activation_checkpointing:
+        return dataclasses.replace(topology, activation_checkpointing=True)
+    return topology
+
+
 def held_state_bytes(model, optimizer) -> dict[str, int]:
     """What this rank really holds, to set beside `state_bytes_on_rank`: the storage behind its parameter and gradient
     shards (FSDP2 allocates them padded; gradients may share one buffer) and its AdamW state tensors. Call it after an
@@ -645,7 +654,8 @@ def buffer_bytes(info: ModelInfo, units: list[Unit], topology: Topology, *, trai
     if not topology.is_fsdp or (topology.shard_size == 1 and topology.world_size > 1):  # DDP, one process, NO_SHARD
         total = sum(u.numel for u in units) if units else info.num_params
         matrices = sum(p.numel for p in info.params if len(p.shape) >= 2 and not p.name.endswith("embed_tokens.weight"))
-        autocast = c * matrices if topology.mixed_precision != "no" else 0
+        # autocast keeps a compute-dtype copy of each trainable fp32 matrix; a frozen LoRA base is loaded in that dtype
+        autocast = c * matrices if topology.mixed_precision != "no" and trainable_fraction > 0 else 0
         buckets = FP32 * total * trainable_fraction if topology.distributed_type == "MULTI_GPU" else 0
         return {"all_gather": int(autocast), "reduce_scatter": int(buckets), "held": 0, "in_flight": int(autocast)}
     held = sum(u.numel for u in units if not u.reshard_after_forward)
@@ -705,6 +715,7 @@ class Estimate:
             "parameters": self.state["parameters"] if on_device else 0,
             "gradients": self.state["gradients"] if on_device else 0,
             "optimizer_state": self.state["optimizer_state"] if on_device else 0,
+            "reference_model": self.state.get("reference_model", 0) if on_device else 0,
             "activations": self.activations_used,
             "activations_without_checkpointing": self.activations["without_checkpointing"],
             "activations_with_checkpointing": self.activations["with_checkpointing"],
@@ -716,7 +727,10 @@ class Estimate:
 
 
 def estimate(info: ModelInfo, topology: Topology, workload: Workload, *, gpu_memory: int = 80 * 10**9,
-             reserve: int | None = None, model_name: str = "", adapters: Adapters | None = None) -> Estimate:
+             reserve: int | None = None, model_name: str = "", adapters: Adapters | None = None,
+             frozen_copies: int = 0) -> Estimate:
+    """`frozen_copies`: whole frozen copies of the model sharded like it, at the compute dtype (preference tuning's
+    reference model)."""
     units = plan_units(info, topology)
     compute = topology.compute_bytes
     if adapters is None:
@@ -728,6 +742,9 @@ def estimate(info: ModelInfo, topology: Topology, workload: Workload, *, gpu_mem
         trainable = sum(p.numel for p in adapters.adapter_params(info))
         buffers = buffer_bytes(info, units, topology, trainable_fraction=0.0)
         buffers["reduce_scatter"] = FP32 * trainable
+    if frozen_copies:
+        copy = state_bytes_on_rank(units, topology, 0, trainable=False)["parameters"] * compute // FP32
+        state["reference_model"] = frozen_copies * copy  # its gathered units are in flight when the policy's are not
     activations = activation_bytes(info, workload, compute)
     host = dict(state) if topology.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
@@ -794,6 +811,7 @@ def estimate_report(est: Estimate, info: ModelInfo) -> dict[str, Any]:
         "model": est.model,
         "model_type": info.model_type,
         "parameters_total": est.num_params,
+        "trainable_parameters": est.trainable_params,  # LoRA: the adapters; null: every parameter
         "topology": {**dataclasses.asdict(topo), "sharding": topo.sharding, "description": topo.describe()},
         "workload": {**dataclasses.asdict(est.workload), "tokens_per_micro_batch": est.workload.tokens},
         "units": {"count": len(est.units), "largest": largest.name if largest else None,
@@ -810,15 +828,17 @@ def estimate_report(est: Estimate, info: ModelInfo) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------- recipe hook
-def estimate_for_run(accelerator, model_config, recipe_config, *, gpu_memory: int | None = None) -> dict[str, Any]:
+def estimate_for_run(accelerator, model_config, recipe_config, *, gpu_memory: int | None = None,
+                     frozen_copies: int = 0) -> dict[str, Any]:
     """The estimate for the launch in progress, for the run summary beside the measured peak memory. Cheap (a meta
     model, no weights) and no collectives: call it on any rank. Bytes are for the most loaded rank; `rank_state_bytes`
     is the state this very rank should hold (parameters, gradients, AdamW state)."""
     info = model_info_from_config(model_config, trust_remote_code=bool(getattr(recipe_config, "trust_remote_code", False)))
-    topology = topology_from_accelerator(accelerator)
+    topology = for_recipe(topology_from_accelerator(accelerator), recipe_config)
     workload = workload_from_recipe(recipe_config)
     adapters = adapters_from_recipe(recipe_config, topology.compute_bytes)
-    est = estimate(info, topology, workload, gpu_memory=gpu_memory or 80 * 10**9, adapters=adapters)
+    est = estimate(info, topology, workload, gpu_memory=gpu_memory or 80 * 10**9, adapters=adapters,
+                   frozen_copies=frozen_copies)
     units = plan_units(info, topology)
 
     def on_rank(rank: int) -> dict[str, int]:
@@ -883,7 +903,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         shard = topology.shard_size if hsdp or topology.shard_size == 1 else args.num_processes
         topology = dataclasses.replace(topology, world_size=args.num_processes, shard_size=shard)
     info = load_model_info(str(model), trust_remote_code=args.trust_remote_code)
-    est = estimate(info, topology, workload, gpu_memory=gpu_memory, reserve=reserve, model_name=str(model))
+    topology = for_recipe(topology, recipe)
+    est = estimate(info, topology, workload, gpu_memory=gpu_memory, reserve=reserve, model_name=str(model),
+                   adapters=adapters_from_recipe(recipe, topology.compute_bytes))
     report = estimate_report(est, info)
     if args.json:
         print(json.dumps(report, indent=None))
@@ -906,9 +928,13 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     offload = " (on the host: CPU offload)" if topo["cpu_offload"] else ""
     host = report["host_bytes_per_gpu"]
+    lora = report.get("trainable_parameters") is not None
+    if lora:
+        lines.insert(1, f"LoRA: {report['trainable_parameters'] / 1e6:.1f}M trainable adapter parameters, base frozen")
     rows = [
-        ("parameters (fp32, sharded)", host.get("parameters") if offload else g["parameters"]),
-        ("gradients (fp32, sharded)", host.get("gradients") if offload else g["gradients"]),
+        ("parameters (frozen base + fp32 adapters)" if lora else "parameters (fp32, sharded)",
+         host.get("parameters") if offload else g["parameters"]),
+        ("gradients (fp32 adapters)" if lora else "gradients (fp32, sharded)", host.get("gradients") if offload else g["gradients"]),
         ("optimizer state (AdamW, 2 x fp32)", host.get("optimizer_state") if offload else g["optimizer_state"]),
         (f"activations, checkpointing {'on' if ac else 'off'}", g["activations"]),
         (f"  (checkpointing {'off' if ac else 'on'}: {gib(g['activations_with_checkpointing' if not ac else 'activations_without_checkpointing'])};"

@@ -247,17 +247,25 @@ class StepLogger:
         self.window = ThroughputWindow()
         self._first_window = True
 
-    def log_step(self, step: int, *, loss_sum: float, target_count: float, lr: float, grad_norm=None, **fields) -> None:
+    def log_step(self, step: int, *, loss_sum: float, target_count: float, lr: float, grad_norm=None,
+                 sums: dict[str, float] | None = None, **fields) -> None:
         """Collective at logging steps (all ranks call it every step). `loss_sum` is this rank's summed loss over the
-        step's `target_count` targets of all ranks."""
+        step's `target_count` targets (or examples) of all ranks; each of `sums` is this rank's sum of a per-example
+        figure, logged as its mean over the step's global batch."""
         from .distributed import sum_over_ranks
 
         self.window.steps += 1
         if step % self.every and step != self.total_steps:
             return
+        means = {}
+        if sums:
+            names = sorted(sums)
+            totals = [sum_over_ranks(self.accelerator, sums[name]) for name in names]  # a few scalars: cheap
+            means = {name: total / max(target_count, 1.0) for name, total in zip(names, totals)}
         record = {
             "step": step,
             **fields,
+            **means,
             "loss": sum_over_ranks(self.accelerator, loss_sum) / max(target_count, 1.0),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,

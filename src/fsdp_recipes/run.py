@@ -101,7 +101,7 @@ class Run:
                     desc=self.name)
 
     def begin(self, model, train_loader, scheduler, *, total_steps: int, loss_sum: LossSum, eval_rows=None,
-              summary: dict[str, Any] | None = None) -> tuple[BatchStream, int]:
+              summary: dict[str, Any] | None = None, frozen_copies: int = 0) -> tuple[BatchStream, int]:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
         batch stream at the right data position and the first optimizer step to run.
@@ -109,7 +109,8 @@ class Run:
         `train_loader` is a prepared DataLoader (its position is progress.json's, valid on any world size), or a
         stream that keeps each rank's own position: it has BatchStream's `take`, `epoch` and `batches_into_epoch`
         plus `state_dict()`, which every checkpoint stores per rank; the recipe restores it (`read_rank_state`)
-        before loading weights, so it is used here as it is."""
+        before loading weights, so it is used here as it is. `frozen_copies`: frozen model copies the recipe keeps
+        beside the trained one (a preference recipe's reference), for the memory estimate."""
         config, accelerator = self.config, self.accelerator
         self.total_steps = total_steps
         accelerator.register_for_checkpointing(scheduler)
@@ -132,7 +133,8 @@ class Run:
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
             torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
             memory_estimate=estimate_for_run(
-                accelerator, self.model_config, dataclasses.replace(config, attn_implementation=self.attn_implementation)
+                accelerator, self.model_config, dataclasses.replace(config, attn_implementation=self.attn_implementation),
+                frozen_copies=frozen_copies,
             ),
         )
         self.log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write,

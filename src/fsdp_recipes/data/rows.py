@@ -18,7 +18,7 @@ from datasets import Dataset
 from ..losses import IGNORE_INDEX
 
 
-def _shifted_targets(input_ids: list[int], loss_mask: list[int]) -> list[int]:
+def shifted_targets(input_ids: list[int], loss_mask: list[int]) -> list[int]:
     """targets[i] is the token position i must predict (input_ids[i + 1]) or IGNORE_INDEX; the last position of an
     example predicts nothing, so packed neighbours never leak into each other's loss."""
     targets = [ids if keep else IGNORE_INDEX for ids, keep in zip(input_ids[1:], loss_mask[1:])]
@@ -53,7 +53,7 @@ def build_rows(tokenized: Dataset, *, max_length: int, packing: bool) -> Dataset
         row_ids, row_targets, row_positions = [], [], []
         for index in group:
             row_ids += input_ids[index]
-            row_targets += _shifted_targets(input_ids[index], loss_masks[index])
+            row_targets += shifted_targets(input_ids[index], loss_masks[index])
             row_positions += list(range(len(input_ids[index])))
         rows["input_ids"].append(row_ids)
         rows["targets"].append(row_targets)
@@ -129,10 +129,12 @@ def train_dataloader(rows: Dataset, config, *, num_processes: int, pad_token_id:
     """Batches of `config.per_device_train_batch_size` rows, ordered by `config.train_sampling_strategy`: grouped by
     length (less padding) or shuffled (accelerate then makes the order depend only on seed and epoch). Pass it to
     `accelerator.prepare`, which splits it across ranks. `collate_fn`: for rows of another kind than token rows
-    (e.g. classification rows); it must be picklable when dataloader_num_workers > 0."""
+    (e.g. classification rows or preference pairs); it must be picklable when dataloader_num_workers > 0. Rows are
+    grouped by their `length` column if they have one, else by the length of `input_ids`."""
     sampler = None
     if config.train_sampling_strategy == "group_by_length":
-        sampler = LengthGroupedSampler([len(ids) for ids in rows["input_ids"]], seed=config.seed,
+        lengths = rows["length"] if "length" in rows.column_names else [len(ids) for ids in rows["input_ids"]]
+        sampler = LengthGroupedSampler(lengths, seed=config.seed,
                                        group_size=config.per_device_train_batch_size * num_processes)
     return torch.utils.data.DataLoader(
         rows, batch_size=config.per_device_train_batch_size, shuffle=sampler is None, sampler=sampler,

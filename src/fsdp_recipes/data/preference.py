@@ -1,0 +1,166 @@
+"""Preference pairs for DPO: the formats TRL's DPO accepts, recognised by their columns, tokenised into a chosen and a
+rejected row per pair that share the prompt and carry loss on their completion only.
+
+- explicit prompt: `prompt`, `chosen`, `rejected`: strings, or lists of {"role", "content"} turns (the prompt's
+  turns, then the assistant turn(s) of each answer), formatted with the tokenizer's chat template;
+- implicit prompt: `chosen` and `rejected` only (whole texts or whole conversations): the prompt is what they share,
+  the leading turns of two conversations or the common start of two strings.
+
+A batch of B pairs is 2B rows (`PairCollator`): the B chosen rows, then the B rejected ones, so one forward pass
+scores both; `pair_index` says which pair each of the first B rows is (to find precomputed reference values).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from datasets import Dataset
+from jinja2.exceptions import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import DataError
+from .chat import conversation_problem, tokenize_example
+from .rows import collate_rows, shifted_targets
+
+FORMATS = {
+    "explicit": ("prompt", "chosen", "rejected"),
+    "implicit": ("chosen", "rejected"),
+}
+
+
+def detect_format(column_names: list[str]) -> str:
+    if all(column in column_names for column in FORMATS["explicit"]):
+        return "explicit"
+    if all(column in column_names for column in FORMATS["implicit"]):
+        return "implicit"
+    raise DataError(
+        f"the dataset has columns {sorted(column_names)}, but preference tuning needs 'prompt', 'chosen' and 'rejected' "
+        "columns, or 'chosen' and 'rejected' alone (the prompt is then what they share). Each holds strings or lists "
+        "of {'role', 'content'} turns. Rename the columns (e.g. dataset.rename_column) or convert the data."
+    )
+
+
+def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """(prompt, chosen completion, rejected completion) from two whole texts or conversations: the turns both start
+    with (up to the last user turn before they differ), or the characters both start with."""
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        while shared > 0 and chosen[shared - 1].get("role") == "assistant":  # answers start at an assistant turn
+            shared -= 1
+        return chosen[:shared], chosen[shared:], rejected[shared:]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        shared = len(os.path.commonprefix([chosen, rejected]))
+        return chosen[:shared], chosen[shared:], rejected[shared:]
+    raise ValueError("'chosen' and 'rejected' must both be strings or both lists of turns")
+
+
+def pair_problem(prompt: Any, chosen: Any, rejected: Any) -> str | None:
+    """What makes a pair unusable, or None."""
+    kinds = {type(value) for value in (prompt, chosen, rejected)}
+    if kinds not in ({str}, {list}):
+        return ("'prompt', 'chosen' and 'rejected' must all be strings or all lists of turns, got "
+                f"{', '.join(type(v).__name__ for v in (prompt, chosen, rejected))}")
+    if isinstance(chosen, list):
+        for column, answer in (("chosen", chosen), ("rejected", rejected)):
+            problem = conversation_problem(prompt + answer, column, assistant_from=len(prompt))
+            if problem:
+                return problem
+    if chosen == rejected:
+        return "'chosen' and 'rejected' are the same: the pair prefers nothing"
+    return None
+
+
+def _side(tokenizer, prompt, completion, *, max_length: int, max_prompt_length: int | None) -> tuple[list[int], list[int]]:
+    """Tokens and loss mask of prompt + completion: the prompt cut from the left to max_prompt_length, then the
+    whole cut from the right to max_length."""
+    tokens = tokenize_example({"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion",
+                              assistant_only_loss=True, completion_only_loss=True, max_length=1 << 30)
+    ids, mask = tokens["input_ids"], tokens["loss_mask"]
+    prompt_length = next((i for i, keep in enumerate(mask) if keep), len(mask))
+    if max_prompt_length is not None and prompt_length > max_prompt_length:
+        cut = prompt_length - max_prompt_length
+        ids, mask = ids[cut:], mask[cut:]
+    return ids[:max_length], mask[:max_length]
+
+
+def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, *, data_format: str,
+                  max_length: int, max_prompt_length: int | None, name: str) -> dict[str, Any]:
+    if data_format == "explicit":
+        prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
+    else:
+        try:
+            prompt, chosen, rejected = split_implicit_prompt(example["chosen"], example["rejected"])
+        except ValueError as error:
+            raise DataError(f"pair {index} of the {name} split: {error}. Fix or remove that pair.") from None
+    problem = pair_problem(prompt, chosen, rejected)
+    if problem is None:
+        try:
+            sides = [_side(tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length)
+                     for answer in (chosen, rejected)]
+        except TemplateError as error:
+            problem = f"the chat template refused it: {error}"
+    if problem is not None:
+        raise DataError(f"pair {index} of the {name} split: {problem}. Fix or remove that pair.")
+    row: dict[str, Any] = {"index": index}
+    for side, (ids, mask) in zip(("chosen", "rejected"), sides):
+        if sum(mask[1:]) == 0:
+            raise DataError(
+                f"pair {index} of the {name} split: its {side} answer has no token left after truncation to "
+                f"max_length={max_length}" + (f" with max_prompt_length={max_prompt_length}" if max_prompt_length else "")
+                + ". Raise max_length, set (or lower) max_prompt_length, or remove that pair."
+            )
+        row[f"{side}_input_ids"] = ids
+        row[f"{side}_targets"] = shifted_targets(ids, mask)
+    row["length"] = max(len(row["chosen_input_ids"]), len(row["rejected_input_ids"]))
+    return row
+
+
+def tokenize_pairs(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, *, max_length: int,
+                   max_prompt_length: int | None = None, num_proc: int | None = None,
+                   name: str = "train") -> tuple[Dataset, dict[str, Any]]:
+    """Pairs as `chosen_input_ids`, `chosen_targets`, `rejected_input_ids`, `rejected_targets` (targets shifted,
+    IGNORE_INDEX outside the completion), `index` (the pair's position in `dataset`) and `length` (the longer row),
+    with counts for the run summary."""
+    if len(dataset) == 0:
+        raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
+    data_format = detect_format(dataset.column_names)
+    first = dataset[0]["chosen"]
+    if isinstance(first, list) and not tokenizer.chat_template:
+        raise DataError(
+            f"tokenizer {tokenizer.name_or_path!r} has no chat template, so conversations cannot be formatted. Set "
+            "chat_template in the recipe config to a Jinja template (a path to a .jinja file or the text itself)."
+        )
+    pairs = dataset.map(
+        tokenize_pair, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
+        fn_kwargs=dict(tokenizer=tokenizer, data_format=data_format, max_length=max_length,
+                       max_prompt_length=max_prompt_length, name=name),
+        desc=f"Tokenizing {name} pairs",
+    )
+    lengths = pairs["length"]
+    stats = {"pairs": len(pairs), "format": data_format, "longest_row": max(lengths),
+             "mean_row_tokens": round(sum(lengths) / len(lengths), 1)}
+    return pairs, stats
+
+
+def count_pairs(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["pair_index"].numel())
+
+
+class PairCollator:
+    """B pairs -> 2B right-padded rows (the chosen rows, then the rejected ones) and `pair_index`. Picklable, for
+    DataLoader workers."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = [{"input_ids": pair[f"{side}_input_ids"], "targets": pair[f"{side}_targets"],
+                 "position_ids": list(range(len(pair[f"{side}_input_ids"])))}
+                for side in ("chosen", "rejected") for pair in pairs]
+        batch = collate_rows(rows, self.pad_token_id)
+        batch["pair_index"] = torch.tensor([pair["index"] for pair in pairs], dtype=torch.long)
+        return batch

@@ -1,0 +1,235 @@
+"""recipes/dpo.py: preference data, the DPO loss, the three reference modes. Real 2-process FSDP2 launches for what
+distribution changes (parity, resume); one-process runs in this process for the rest."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import DPO_STEPS, dpo_values, read_metrics, recipe_error_in_process, run_dpo, run_recipe_in_process
+from fsdp_recipes import losses
+from fsdp_recipes.data import preference
+from fsdp_recipes.faults import FAULT_ENV, InjectedFault
+
+FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def step_records(output_dir: Path) -> dict[int, dict]:
+    """The last training record logged for each step (a resumed run logs again the steps after its checkpoint)."""
+    return {r["step"]: r for r in read_metrics(output_dir) if "loss" in r}
+
+
+def losses_of(output_dir: Path) -> list[float]:
+    records = step_records(output_dir)
+    return [records[step]["loss"] for step in sorted(records)]
+
+
+def assert_first_step_is_the_reference(output_dir: Path) -> None:
+    """Before the first update the policy is the reference: every reward is 0 and the sigmoid loss is ln 2."""
+    first = step_records(output_dir)[1]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0
+    assert first["rewards/accuracies"] == 0  # a tie is not a win
+    assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+
+
+# ------------------------------------------------------------------------------------------------ in-process runs
+@pytest.fixture(scope="module")
+def one_process_precomputed(tmp_path_factory, pretrained_tiny_model, preference_data) -> Path:
+    """The reference run's global batch on one process (8 pairs per micro-batch), reference values precomputed."""
+    tmp = tmp_path_factory.mktemp("dpo_one")
+    run_recipe_in_process("dpo", tmp, "one", dpo_values(pretrained_tiny_model, preference_data, tmp / "out",
+                                                        per_device_train_batch_size=8, precompute_ref_log_probs=True))
+    return tmp / "out"
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_values(dpo_reference_run,
+                                                                                     one_process_precomputed):
+    for run in (dpo_reference_run, one_process_precomputed):
+        assert_first_step_is_the_reference(run)
+    two, one = losses_of(dpo_reference_run), losses_of(one_process_precomputed)
+    assert len(two) == DPO_STEPS
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-6)
+    records = step_records(dpo_reference_run)
+    assert records[DPO_STEPS]["rewards/margins"] > 0 and records[DPO_STEPS]["loss"] < math.log(2)  # it learns
+    summary = json.loads((dpo_reference_run / "run_summary.json").read_text())
+    assert summary["reference"].startswith("a frozen copy sharded like the policy")
+    assert summary["memory_estimate"]["predicted_per_gpu_bytes"]["reference_model"] > 0
+    one_summary = json.loads((one_process_precomputed / "run_summary.json").read_text())
+    assert one_summary["reference"].startswith("precomputed") and "reference_model" not in json.dumps(
+        {k: v for k, v in one_summary["memory_estimate"]["predicted_per_gpu_bytes"].items() if v})
+
+
+@pytest.mark.slow
+def test_held_out_figures_use_trls_names_and_the_model_is_exported(dpo_reference_run):
+    evaluations = [r for r in read_metrics(dpo_reference_run) if "eval_loss" in r]
+    assert [r["step"] for r in evaluations] == [4, 8]
+    for name in FIGURES:
+        assert f"eval_{name}" in evaluations[-1] and f"{name}" in step_records(dpo_reference_run)[DPO_STEPS]
+    assert evaluations[-1]["eval_samples"] == 16
+    results = json.loads((dpo_reference_run / "eval_results.json").read_text())
+    assert results["eval_rewards/accuracies"] == evaluations[-1]["eval_rewards/accuracies"]
+    assert (dpo_reference_run / "model.safetensors").is_file() and "dpo" in (dpo_reference_run / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_path, dpo_reference_run,
+                                                                              pretrained_tiny_model, preference_data):
+    values = dpo_values(pretrained_tiny_model, preference_data, tmp_path / "out")
+    killed = run_dpo(tmp_path, "killed", values, expect_success=False, env={FAULT_ENV: "kill-during-save:6@1"})
+    assert killed.returncode != 0
+    run_dpo(tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest"})
+    resumed, reference = step_records(tmp_path / "out"), step_records(dpo_reference_run)
+    assert [resumed[s]["loss"] for s in sorted(resumed)] == [reference[s]["loss"] for s in sorted(reference)]
+    assert all(resumed[s][name] == reference[s][name] for s in resumed for name in FIGURES)
+    weights, expected = load_file(tmp_path / "out" / "model.safetensors"), load_file(dpo_reference_run / "model.safetensors")
+    assert all(torch.equal(weights[key], expected[key]) for key in expected)
+
+
+@pytest.mark.slow
+def test_lora_dpo_uses_the_policy_without_adapters_as_reference(tmp_path, pretrained_tiny_model, preference_data):
+    """2 processes under FSDP2 and 1 process here give the same losses; no second model."""
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-2, save_steps=None)
+    run_dpo(tmp_path, "two", dpo_values(pretrained_tiny_model, preference_data, tmp_path / "two", **lora))
+    run_recipe_in_process("dpo", tmp_path, "one", dpo_values(pretrained_tiny_model, preference_data, tmp_path / "one",
+                                                             per_device_train_batch_size=8, **lora))
+    for run in ("two", "one"):
+        assert_first_step_is_the_reference(tmp_path / run)
+        summary = json.loads((tmp_path / run / "run_summary.json").read_text())
+        assert summary["reference"].startswith("the policy with its LoRA adapters disabled")
+        assert (tmp_path / run / "adapter_model.safetensors").is_file()
+    torch.testing.assert_close(torch.tensor(losses_of(tmp_path / "two")), torch.tensor(losses_of(tmp_path / "one")),
+                               rtol=1e-5, atol=1e-6)
+    assert losses_of(tmp_path / "two")[-1] < math.log(2)
+
+
+def test_precomputed_values_survive_a_resume(tmp_path, one_process_precomputed, pretrained_tiny_model, preference_data,
+                                             monkeypatch):
+    """A run that fails after step 4 (its last checkpoint is step 3's) resumes with the values it stored before its
+    first step, not values from the half-trained policy: its losses are the uninterrupted run's."""
+    values = dpo_values(pretrained_tiny_model, preference_data, tmp_path / "out", per_device_train_batch_size=8,
+                        precompute_ref_log_probs=True)
+    monkeypatch.setenv(FAULT_ENV, "raise-after-step:4")
+    with pytest.raises(InjectedFault):
+        run_recipe_in_process("dpo", tmp_path, "failed", values)
+    monkeypatch.delenv(FAULT_ENV)
+    run_recipe_in_process("dpo", tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest"})
+    assert losses_of(tmp_path / "out") == losses_of(one_process_precomputed)
+
+
+def test_resuming_with_precomputed_values_that_are_gone_is_refused(tmp_path, one_process_precomputed, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(one_process_precomputed, out)
+    (out / "reference_log_probs.json").unlink()
+    values = json.loads((out / "checkpoints" / "latest").parent.joinpath(
+        (out / "checkpoints" / "latest").read_text().strip(), "model", "recipe_config.json").read_text())
+    values = {k: v for k, v in values.items() if v is not None}
+    error = recipe_error_in_process("dpo", tmp_path, {**values, "output_dir": str(out), "resume_from_checkpoint": "latest",
+                                                      "max_steps": DPO_STEPS + 2}, capsys)
+    assert "reference_log_probs.json" in error and "cannot be recomputed" in error
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("rows, overrides, expected", [
+    ([{"prompt": "a", "answer": "b"}], {}, "columns ['answer', 'prompt'], but preference tuning needs 'prompt', 'chosen'"),
+    ([{"prompt": "reverse: abc", "chosen": "cba", "rejected": "cba"}], {}, "pair 0 of the train split: 'chosen' and "
+     "'rejected' are the same"),
+    ([{"prompt": "reverse: " + "a" * 80, "chosen": "cba", "rejected": "abc"}], {},
+     "pair 0 of the train split: its chosen answer has no token left after truncation to max_length=48"),
+    ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"beta": 0}, "beta must be a number > 0, got 0"),
+    ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"loss_type": "kto"}, "loss_type 'kto' is not one of"),
+])
+def test_bad_input_is_one_error_before_loading(tmp_path, pretrained_tiny_model, rows, overrides, expected, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 4))
+    values = dpo_values(pretrained_tiny_model, data, tmp_path / "out", eval_split_size=0, **overrides)
+    assert expected in recipe_error_in_process("dpo", tmp_path, values, capsys)
+
+
+# ------------------------------------------------------------------------------------------------ data and loss
+def test_the_four_formats_split_prompt_and_answers(tokenizer):
+    from datasets import Dataset
+
+    turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
+    formats = {
+        "explicit strings": {"prompt": ["reverse: abc"], "chosen": ["cba"], "rejected": ["bca"]},
+        "explicit turns": {"prompt": [[turn("user", "reverse: abc")]], "chosen": [[turn("assistant", "cba")]],
+                           "rejected": [[turn("assistant", "bca")]]},
+        "implicit strings": {"chosen": ["reverse: abc => cba"], "rejected": ["reverse: abc => bca"]},
+        "implicit turns": {"chosen": [[turn("user", "reverse: abc"), turn("assistant", "cba")]],
+                           "rejected": [[turn("user", "reverse: abc"), turn("assistant", "bca")]]},
+    }
+    for name, columns in formats.items():
+        pairs, stats = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+        batch = preference.PairCollator(tokenizer.pad_token_id)([pairs[0]])
+        assert batch["input_ids"].shape[0] == 2 and batch["pair_index"].tolist() == [0], name
+        answers = []
+        for row, targets in zip(batch["input_ids"], batch["targets"]):
+            trained = [int(t) for t in targets if t != losses.IGNORE_INDEX]
+            answers.append(tokenizer.decode(trained, skip_special_tokens=True))
+        assert answers == ["cba", "bca"], (name, answers)  # implicit: what both share ("reverse: abc => ") is the prompt
+        assert stats["format"] == name.split()[0]
+
+
+def test_a_long_prompt_keeps_its_end(tokenizer):
+    from datasets import Dataset
+
+    pairs, _ = preference.tokenize_pairs(Dataset.from_dict({"prompt": ["x" * 30 + "END"], "chosen": ["ab"],
+                                                            "rejected": ["ba"]}), tokenizer, max_length=64,
+                                         max_prompt_length=5)
+    row = pairs[0]["chosen_input_ids"]
+    assert tokenizer.decode(row[:5]).endswith("xxEND") and len(row) == 5 + len(tokenizer("ab", add_special_tokens=False)["input_ids"]) + 1
+
+
+def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, pretrained_tiny_model):
+    """Summed completion log-probabilities from the chunked loss equal log_softmax + gather over whole logits; the DPO
+    loss of each type equals the formula written out on them."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    data = Dataset.from_dict({"prompt": ["reverse: abc", "reverse: hello"], "chosen": ["cba", "olleh"],
+                              "rejected": ["bca", "hello"]})
+    pairs, _ = preference.tokenize_pairs(data, tokenizer, max_length=64)
+    batch = preference.PairCollator(tokenizer.pad_token_id)(list(pairs))
+    policy = AutoModelForCausalLM.from_pretrained(pretrained_tiny_model, dtype=torch.float32)
+    token_loss = losses.TokenLoss(policy)
+    with torch.no_grad():
+        summed = losses.sequence_log_probs(token_loss.token_losses(policy, batch))
+        logits = policy(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.log_softmax(-1)
+    targets = batch["targets"]
+    independent = torch.stack([sum(logits[r, t, targets[r, t]] for t in range(targets.shape[1])
+                                   if targets[r, t] != losses.IGNORE_INDEX) for r in range(targets.shape[0])])
+    torch.testing.assert_close(summed, independent, rtol=1e-5, atol=1e-5)
+    pc, pr = summed.chunk(2)
+    rc, rr = pc - torch.tensor([0.3, -0.2]), pr + torch.tensor([0.1, 0.4])  # a reference the policy has moved from
+    h = (pc - rc) - (pr - rr)
+    beta = 0.5
+    sigmoid, chosen_rewards, rejected_rewards = losses.dpo_losses(pc, pr, rc, rr, beta=beta, label_smoothing=0.1)
+    torch.testing.assert_close(sigmoid, -0.9 * torch.log(torch.sigmoid(beta * h)) - 0.1 * torch.log(torch.sigmoid(-beta * h)))
+    torch.testing.assert_close(chosen_rewards, beta * (pc - rc))
+    torch.testing.assert_close(rejected_rewards, beta * (pr - rr))
+    hinge = losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="hinge")[0]
+    torch.testing.assert_close(hinge, torch.clamp(1 - beta * h, min=0))
+    lengths = (targets != losses.IGNORE_INDEX).sum(1).chunk(2)
+    ipo = losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="ipo", chosen_lengths=lengths[0],
+                            rejected_lengths=lengths[1])[0]
+    torch.testing.assert_close(ipo, ((pc - rc) / lengths[0] - (pr - rr) / lengths[1] - 1 / (2 * beta)) ** 2)
+    same = losses.dpo_losses(pc, pr, pc, pr, beta=beta)
+    assert torch.equal(same[0], torch.full((2,), math.log(2))) and not same[1].any() and not same[2].any()
+    with pytest.raises(ValueError, match="lengths"):
+        losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="ipo")
+
+
+def test_metric_sums(tokenizer):
+    sums = losses.dpo_metric_sums(torch.tensor([1.0, -1.0]), torch.tensor([0.5, 0.0]), torch.tensor([-3.0, -4.0]),
+                                  torch.tensor([-5.0, -6.0]))
+    assert sums == {"rewards/chosen": 0.0, "rewards/rejected": 0.5, "rewards/accuracies": 1.0, "rewards/margins": -0.5,
+                    "logps/chosen": -7.0, "logps/rejected": -11.0}
