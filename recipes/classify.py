@@ -14,8 +14,8 @@ per-class F1 on the held-out data, computed over all ranks with `gather_for_metr
 batch is dropped, so each example counts once), in `eval_results.json` and in the card's model-index; the folder loads
 in `pipeline("text-classification", model=output_dir)`. Metrics are also logged every `eval_steps`.
 
-LoRA: the head is new and must be trained in full, so adapters need `modules_to_save=classifier.head_module_names(
-model)` (the run summary lists them as `classifier_head`).
+LoRA (`use_peft: true`): the head is new, so peft trains it in full beside the adapters (its `modules_to_save` for
+sequence classification; the run summary lists the head as `classifier_head`).
 
 Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: no held-out data, a
 missing text or label column, empty values, a single class in training, held-out labels absent from training, class
