@@ -216,11 +216,16 @@ def small_chat_data(tmp_path_factory, chat_data) -> Path:
     return folder
 
 
-def run_sft(tmp: Path, name: str, values: dict, *, expect_success: bool = True, **launch_options):
-    result = launch(SFT, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))], **launch_options)
+def run_launched(script: Path, tmp: Path, name: str, values: dict, *, expect_success: bool = True, **launch_options):
+    """A recipe under `accelerate launch` with `values` as its config (written to tmp/<name>.yaml)."""
+    result = launch(script, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))], **launch_options)
     if expect_success:
         require_success(result)
     return result
+
+
+def run_sft(tmp: Path, name: str, values: dict, **options):
+    return run_launched(SFT, tmp, name, values, **options)
 
 
 @pytest.fixture(scope="session")
@@ -398,11 +403,8 @@ def dpo_values(model: Path, data: Path, output_dir: Path, **overrides) -> dict:
     return values
 
 
-def run_dpo(tmp: Path, name: str, values: dict, *, expect_success: bool = True, **launch_options):
-    result = launch(DPO, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))], **launch_options)
-    if expect_success:
-        require_success(result)
-    return result
+def run_dpo(tmp: Path, name: str, values: dict, **options):
+    return run_launched(DPO, tmp, name, values, **options)
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ SFT_CONFIGS = REPO / "recipes" / "configs" / "sft"
 # were written by hand from the published hyperparameters, and a wrong number of layers or width shows here.
 PUBLISHED_BILLIONS = {
     "meta-llama/Llama-3.2-1B": 1.24, "meta-llama/Llama-3.2-3B": 3.21, "meta-llama/Llama-3.1-8B": 8.03,
+    "meta-llama/Llama-3.1-8B-Instruct": 8.03,
     "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen2.5-0.5B": 0.49, "Qwen/Qwen2.5-1.5B": 1.54, "Qwen/Qwen2.5-3B": 3.09,
     "Qwen/Qwen2.5-7B": 7.61, "Qwen/Qwen2.5-14B": 14.7, "Qwen/Qwen2.5-32B": 32.5, "Qwen/Qwen2.5-72B": 72.7,
     "Qwen/Qwen3-0.6B-Base": 0.6, "Qwen/Qwen3-1.7B-Base": 1.7, "Qwen/Qwen3-4B-Base": 4.0, "Qwen/Qwen3-8B-Base": 8.2,

@@ -75,14 +75,14 @@ def check_before_loading(config, model_config, *, task: str, is_fsdp: bool, trus
     if not config.use_peft:
         return
     if config.load_in_4bit:
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("load_in_4bit needs the bitsandbytes package: pip install bitsandbytes (or train LoRA "
-                              "without quantisation: load_in_4bit: false)")
         if is_fsdp and (config.bnb_4bit_quant_storage or config.bnb_4bit_compute_dtype) == "uint8":
             raise ConfigError(
                 "bnb_4bit_quant_storage uint8 under FSDP: FSDP shards only floating-point tensors, so the 4-bit "
                 "weights would stay whole on every rank (and are reported to train silently wrong). Set "
                 f"bnb_4bit_quant_storage: {config.bnb_4bit_compute_dtype} (or null: the compute dtype)")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("load_in_4bit needs the bitsandbytes package: pip install -r requirements-qlora.txt "
+                              "(or train LoRA without quantisation: load_in_4bit: false)")
     from .modeling import meta_model
 
     base = meta_model(model_config, task=task, trust_remote_code=trust_remote_code)
