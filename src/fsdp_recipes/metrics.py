@@ -179,17 +179,17 @@ def format_table(rows: list[tuple[str, Any]]) -> str:
 
 
 def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Path | None:
-    """Train/eval loss and tokens/s against step, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Train/eval loss and tokens/s against step, as a PNG. A bare `Figure` with fixed margins: pyplot's machinery
+    and an automatic layout would cost the end of every run ~2 s on a small CPU, for nothing a PNG needs."""
+    from matplotlib.figure import Figure
 
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     if not train:
         return None
-    figure, (loss_axis, speed_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    figure = Figure(figsize=(11, 4))
+    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.13, top=0.95, wspace=0.22)
+    loss_axis, speed_axis = figure.subplots(1, 2)
     loss_axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if evals:
         loss_axis.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
@@ -200,9 +200,7 @@ def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Pat
     speed_axis.plot([r["step"] for r in train], [r["tokens_per_second"] for r in train])
     speed_axis.set_xlabel("step")
     speed_axis.set_ylabel("real tokens / s (all ranks)")
-    figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return Path(path)
 
 
