@@ -33,6 +33,11 @@ def detect_format(column_names: list[str]) -> str:
 ROLES = ("system", "user", "assistant", "tool")
 
 
+class TemplatePrefixError(DataError):
+    """The chat template renders a conversation's start differently once more turns follow it, so the tokens of a
+    turn cannot be told apart: a class of its own so that other recipes can name their own fix."""
+
+
 def example_problem(example: dict[str, Any], data_format: str) -> str | None:
     """What makes an example unusable for its format, or None: checked before the chat template sees it, whose own
     errors (or silence) would not say which example or what is wrong with it."""
@@ -112,7 +117,7 @@ def _conversation_tokens(
         head = tokenizer.apply_chat_template(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
         upto = tokenizer.apply_chat_template(messages[: index + 1], tokenize=True)["input_ids"]
         if full[: len(head)] != head or full[: len(upto)] != upto:
-            raise DataError(
+            raise TemplatePrefixError(
                 "the chat template renders a conversation differently from its prefixes, so the tokens of each "
                 "assistant turn cannot be located for the loss mask. Use a template that only appends text turn "
                 "by turn (set chat_template), or set assistant_only_loss: false to train on every token."

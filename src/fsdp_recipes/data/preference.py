@@ -21,7 +21,7 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from .chat import conversation_problem, tokenize_example
+from .chat import TemplatePrefixError, conversation_problem, tokenize_example
 from .rows import collate_rows, shifted_targets
 
 FORMATS = {
@@ -103,6 +103,12 @@ def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedToke
                      for answer in (chosen, rejected)]
         except TemplateError as error:
             problem = f"the chat template refused it: {error}"
+        except TemplatePrefixError:
+            raise DataError(
+                f"pair {index} of the {name} split: the chat template renders the prompt differently once an answer "
+                "follows it, so the answer's tokens cannot be told from the prompt's. Use a template that only "
+                "appends text turn by turn (set chat_template in the recipe config to a Jinja template)."
+            ) from None
     if problem is not None:
         raise DataError(f"pair {index} of the {name} split: {problem}. Fix or remove that pair.")
     row: dict[str, Any] = {"index": index}
