@@ -58,12 +58,17 @@ def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
     raise ValueError("'chosen' and 'rejected' must both be strings or both lists of turns")
 
 
-def pair_problem(prompt: Any, chosen: Any, rejected: Any) -> str | None:
-    """What makes a pair unusable, or None."""
+def pair_problem(prompt: Any, chosen: Any, rejected: Any, *, implicit: bool = False) -> str | None:
+    """What makes a pair unusable, or None. An empty answer is one: it would train on the end-of-text token alone."""
     kinds = {type(value) for value in (prompt, chosen, rejected)}
     if kinds not in ({str}, {list}):
         return ("'prompt', 'chosen' and 'rejected' must all be strings or all lists of turns, got "
                 f"{', '.join(type(v).__name__ for v in (prompt, chosen, rejected))}")
+    for column, answer in (("chosen", chosen), ("rejected", rejected)):
+        if isinstance(answer, str) and not answer and chosen != rejected:
+            other = "rejected" if column == "chosen" else "chosen"
+            return f"{column!r} is empty" + (f": all of it is the start of {other!r}, so it is taken as the prompt"
+                                               if implicit else "")
     if isinstance(chosen, list):
         for column, answer in (("chosen", chosen), ("rejected", rejected)):
             problem = conversation_problem(prompt + answer, column, assistant_from=len(prompt))
@@ -96,7 +101,7 @@ def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedToke
             prompt, chosen, rejected = split_implicit_prompt(example["chosen"], example["rejected"])
         except ValueError as error:
             raise DataError(f"pair {index} of the {name} split: {error}. Fix or remove that pair.") from None
-    problem = pair_problem(prompt, chosen, rejected)
+    problem = pair_problem(prompt, chosen, rejected, implicit=data_format == "implicit")
     if problem is None:
         try:
             sides = [_side(tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length)
