@@ -1,0 +1,227 @@
+"""The in-process pieces of preference tuning: pairs in TRL's formats split into prompt and answers, truncated as TRL
+does, collated as chosen rows then rejected rows; summed log-probabilities, the DPO losses and their figures.
+Each check here costs well under a second (the recipe's launches are in tests/test_dpo.py)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+
+from fsdp_recipes import losses
+from fsdp_recipes.data import preference
+from fsdp_recipes.errors import DataError
+from fsdp_recipes.losses import IGNORE_INDEX
+from test_losses import tiny_llama
+
+
+def turn(role: str, text: str) -> dict[str, str]:
+    return {"role": role, "content": text}
+
+
+def split(tokenizer, columns: dict, **options) -> list[tuple[str, str, str, str]]:
+    """Each pair as the decoded (chosen prompt, chosen answer, rejected prompt, rejected answer): the prompt is what
+    carries no target, the answer what does (targets are shifted, so the trained tokens are the targets)."""
+    options.setdefault("max_length", 128)
+    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, **options)
+    decoded = []
+    for pair in pairs:
+        sides = []
+        for side in ("chosen", "rejected"):
+            ids, targets = pair[f"{side}_input_ids"], pair[f"{side}_targets"]
+            first_trained = next(i for i, t in enumerate(targets) if t != IGNORE_INDEX) + 1
+            assert ids[first_trained:] == [t for t in targets if t != IGNORE_INDEX]  # the answer runs to the end
+            sides += [tokenizer.decode(ids[:first_trained]), tokenizer.decode(ids[first_trained:])]
+        decoded.append(tuple(sides))
+    return decoded
+
+
+# ------------------------------------------------------------------------------------------------ formats
+def test_formats_are_recognised_by_their_columns():
+    assert preference.detect_format(["prompt", "chosen", "rejected", "score"]) == "explicit"
+    assert preference.detect_format(["rejected", "chosen"]) == "implicit"
+    with pytest.raises(DataError, match=r"columns \['completion', 'prompt'\].*'prompt', 'chosen' and 'rejected'"):
+        preference.detect_format(["prompt", "completion"])
+    with pytest.raises(DataError, match=r"columns \['chosen'\]"):
+        preference.detect_format(["chosen"])
+
+
+def test_explicit_strings_keep_the_prompt_out_of_the_loss_and_end_answers_with_eos(tokenizer):
+    (pair,) = split(tokenizer, {"prompt": ["reverse: abc => "], "chosen": ["cba"], "rejected": ["bca"]})
+    assert pair == ("reverse: abc => ", "cba<|end|>", "reverse: abc => ", "bca<|end|>")
+
+
+def test_explicit_turns_render_the_prompt_with_the_generation_prompt(tokenizer):
+    (pair,) = split(tokenizer, {"prompt": [[turn("system", "be brief"), turn("user", "reverse: abc")]],
+                                "chosen": [[turn("assistant", "cba")]], "rejected": [[turn("assistant", "bca")]]})
+    prompt = "<|bos|><|system|>be brief<|end|><|user|>reverse: abc<|end|><|assistant|>"
+    assert pair == (prompt, "cba<|end|>", prompt, "bca<|end|>")
+
+
+def test_implicit_strings_share_their_common_start_as_the_prompt(tokenizer):
+    (pair,) = split(tokenizer, {"chosen": ["reverse: abc => cba"], "rejected": ["reverse: abc => bca"]})
+    assert pair == ("reverse: abc => ", "cba<|end|>", "reverse: abc => ", "bca<|end|>")
+
+
+def test_implicit_conversations_share_their_leading_turns_as_the_prompt(tokenizer):
+    history = [turn("user", "reverse: ab"), turn("assistant", "ba"), turn("user", "reverse: abc")]
+    (pair,) = split(tokenizer, {"chosen": [history + [turn("assistant", "cba")]],
+                                "rejected": [history + [turn("assistant", "bca")]]})
+    prompt = "<|bos|><|user|>reverse: ab<|end|><|assistant|>ba<|end|><|user|>reverse: abc<|end|><|assistant|>"
+    assert pair == (prompt, "cba<|end|>", prompt, "bca<|end|>")
+
+
+def test_pairs_are_numbered_and_counted(tokenizer):
+    pairs, stats = preference.tokenize_pairs(
+        Dataset.from_dict({"prompt": ["p: ", "pp: "], "chosen": ["a", "bb"], "rejected": ["c", "d"]}), tokenizer,
+        max_length=64)
+    assert pairs["index"] == [0, 1]
+    assert stats["pairs"] == 2 and stats["format"] == "explicit"
+    assert stats["longest_row"] == len("pp: bb") + 1 and stats["mean_row_tokens"] == (len("p: a") + len("pp: bb") + 2) / 2
+
+
+# ------------------------------------------------------------------------------------------------ truncation
+def test_a_long_prompt_loses_its_start_and_answers_are_cut_to_max_length(tokenizer):
+    (pair,) = split(tokenizer, {"prompt": ["0123456789 => "], "chosen": ["abcdefgh"], "rejected": ["xy"]},
+                    max_prompt_length=6, max_length=10)
+    assert pair == ("89 => ", "abcd", "89 => ", "xy<|end|>")
+
+
+def test_an_answer_with_nothing_left_after_truncation_names_its_pair_and_the_fix(tokenizer):
+    columns = {"prompt": ["p: ", "p: ", "a much longer prompt: "], "chosen": ["a", "b", "c"], "rejected": ["b", "c", "d"]}
+    with pytest.raises(DataError, match=r"pair 2 of the eval split: its chosen answer has no token left after "
+                                        r"truncation to max_length=12\. Raise max_length, set \(or lower\) max_prompt"):
+        preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=12, name="eval")
+
+
+def test_an_empty_answer_names_its_pair(tokenizer):
+    columns = {"prompt": ["p: ", "q: "], "chosen": ["a", "b"], "rejected": ["c", ""]}
+    with pytest.raises(DataError, match=r"pair 1 of the train split: 'rejected' is empty.*Fix or remove that pair"):
+        preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+    implicit = {"chosen": ["reverse: ab => ba"], "rejected": ["reverse: ab => ba and more"]}  # chosen is a prefix
+    with pytest.raises(DataError, match=r"pair 0 of the train split: 'chosen' is empty"):
+        preference.tokenize_pairs(Dataset.from_dict(implicit), tokenizer, max_length=64)
+
+
+def test_a_template_that_does_not_extend_the_prompt_is_refused_with_a_fix_for_dpo(tokenizer):
+    """A template that marks the last turn renders the prompt differently once an answer follows it."""
+    marking = copy.deepcopy(tokenizer)
+    marking.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}"
+                             "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+                             "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    columns = {"prompt": [[turn("user", "reverse: ab")]], "chosen": [[turn("assistant", "ba")]],
+               "rejected": [[turn("assistant", "ab")]]}
+    with pytest.raises(DataError) as error:
+        preference.tokenize_pairs(Dataset.from_dict(columns), marking, max_length=64)
+    message = str(error.value)
+    assert message.startswith("pair 0 of the train split: the chat template")
+    assert "chat_template" in message and "assistant_only_loss" not in message  # no SFT option to point at
+
+
+# ------------------------------------------------------------------------------------------------ collation
+def test_a_batch_of_pairs_is_the_chosen_rows_then_the_rejected_rows(tokenizer):
+    columns = {"prompt": ["p: ", "long prompt: ", "q: "], "chosen": ["ab", "c", "defg"], "rejected": ["x", "yz", "w"]}
+    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+    batch = preference.PairCollator(tokenizer.pad_token_id)([pairs[2], pairs[0], pairs[1]])
+    assert batch["pair_index"].tolist() == [2, 0, 1]  # dataset positions of the pairs, in batch order
+    width = max(len(pairs[i][f"{side}_input_ids"]) for i in range(3) for side in ("chosen", "rejected"))
+    assert batch["input_ids"].shape == batch["targets"].shape == batch["position_ids"].shape == (6, width)
+    expected = [(i, "chosen") for i in (2, 0, 1)] + [(i, "rejected") for i in (2, 0, 1)]
+    for row, (i, side) in enumerate(expected):
+        ids = pairs[i][f"{side}_input_ids"]
+        prompt_length = len(columns["prompt"][i])
+        assert batch["input_ids"][row, : len(ids)].tolist() == ids
+        assert batch["real_tokens"][row] == len(ids)
+        # a target at position t is the token t + 1, and only the answer's tokens are targets
+        trained = [t for t in batch["targets"][row].tolist() if t != IGNORE_INDEX]
+        assert tokenizer.decode(trained) == columns[side][i] + "<|end|>"
+        assert (batch["targets"][row, : prompt_length - 1] == IGNORE_INDEX).all()
+        assert (batch["targets"][row, len(ids) - 1:] == IGNORE_INDEX).all()  # the last token and padding
+        assert (batch["input_ids"][row, len(ids):] == tokenizer.pad_token_id).all()
+        pad = width - len(ids)
+        assert batch["position_ids"][row].tolist() == list(range(len(ids))) + list(range(pad))
+
+
+# ------------------------------------------------------------------------------------------------ losses
+def test_summed_log_probs_equal_log_softmax_and_gather_on_whole_logits(tokenizer):
+    columns = {"prompt": ["reverse: abc => ", "reverse: hello => "], "chosen": ["cba", "olleh"],
+               "rejected": ["bca", "hello"]}
+    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+    batch = preference.PairCollator(tokenizer.pad_token_id)(list(pairs))
+    model = tiny_llama(vocab_size=len(tokenizer))
+    with torch.no_grad():
+        summed = losses.sequence_log_probs(losses.TokenLoss(model, chunk_size=7).token_losses(model, batch))
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    targets = batch["targets"]
+    trained = targets != IGNORE_INDEX
+    gathered = logits.float().log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    assert summed.shape == (4,)
+    torch.testing.assert_close(summed, (gathered * trained).sum(1), rtol=1e-5, atol=1e-5)
+    assert (summed < 0).all()
+
+
+def test_a_policy_equal_to_its_reference_has_loss_ln2_and_no_reward():
+    policy_chosen, policy_rejected = torch.tensor([-3.0, -10.0, -0.5]), torch.tensor([-4.0, -2.0, -7.0])
+    loss, chosen_rewards, rejected_rewards = losses.dpo_losses(policy_chosen, policy_rejected, policy_chosen.clone(),
+                                                               policy_rejected.clone(), beta=0.1)
+    assert torch.equal(loss, torch.full((3,), math.log(2)))
+    assert torch.equal(chosen_rewards, torch.zeros(3)) and torch.equal(rejected_rewards, torch.zeros(3))
+
+
+# One pair, written out: policy moved +1.0 on the chosen answer and -0.5 on the rejected one (h = 1.5), answers of 4
+# and 2 tokens (averaged: 0.25 - (-0.25) = 0.5), beta = 0.5.
+PAIR = dict(policy_chosen=-5.0, policy_rejected=-8.5, reference_chosen=-6.0, reference_rejected=-8.0)
+BY_HAND = {
+    "sigmoid": math.log(1 + math.exp(-0.75)),  # -log sigmoid(0.5 x 1.5)
+    "hinge": 1 - 0.75,
+    "ipo": (0.5 - 1 / (2 * 0.5)) ** 2,
+}
+
+
+@pytest.mark.parametrize("loss_type", losses.DPO_LOSS_TYPES)
+def test_each_loss_type_equals_its_value_by_hand(loss_type):
+    values = {name: torch.tensor([value], requires_grad=name.startswith("policy")) for name, value in PAIR.items()}
+    loss, chosen_rewards, rejected_rewards = losses.dpo_losses(
+        *values.values(), beta=0.5, loss_type=loss_type, chosen_lengths=torch.tensor([4]),
+        rejected_lengths=torch.tensor([2]))
+    assert loss.item() == pytest.approx(BY_HAND[loss_type], rel=1e-6)
+    assert chosen_rewards.item() == pytest.approx(0.5) and rejected_rewards.item() == pytest.approx(-0.25)
+    assert not chosen_rewards.requires_grad and not rejected_rewards.requires_grad
+    loss.sum().backward()
+    assert values["policy_chosen"].grad.item() != 0  # the loss trains the policy
+
+
+def test_hinge_is_zero_past_the_margin_and_ipo_needs_the_lengths():
+    far = losses.dpo_losses(torch.tensor([0.0]), torch.tensor([-30.0]), torch.tensor([0.0]), torch.tensor([0.0]),
+                            beta=0.1, loss_type="hinge")[0]
+    assert far.item() == 0
+    with pytest.raises(ValueError, match="lengths"):
+        losses.dpo_losses(*(torch.tensor([v]) for v in PAIR.values()), beta=0.5, loss_type="ipo")
+    with pytest.raises(ValueError, match="'kto' is not one of"):
+        losses.dpo_losses(*(torch.tensor([v]) for v in PAIR.values()), beta=0.5, loss_type="kto")
+
+
+def test_label_smoothing_mixes_in_the_loss_of_the_flipped_preference():
+    values = [torch.tensor([v, -v]) for v in PAIR.values()]
+    h = torch.tensor([1.5, -1.5])
+    smoothed = losses.dpo_losses(*values, beta=0.5, label_smoothing=0.2)[0]
+    torch.testing.assert_close(smoothed, 0.8 * -F.logsigmoid(0.5 * h) + 0.2 * -F.logsigmoid(-0.5 * h))
+    assert smoothed[0].item() == pytest.approx(0.8 * math.log(1 + math.exp(-0.75)) + 0.2 * math.log(1 + math.exp(0.75)))
+    flipped = losses.dpo_losses(*values, beta=0.5, label_smoothing=1.0)[0]  # certain the labels are swapped
+    torch.testing.assert_close(flipped, losses.dpo_losses(*values, beta=0.5)[0].flip(0))
+
+
+def test_metric_sums_add_up_across_shards():
+    """Sums (not means), so ranks can all-reduce them and divide by the global number of pairs; a tie is no win."""
+    chosen, rejected = torch.tensor([1.0, -1.0, 0.25]), torch.tensor([0.5, 0.0, 0.25])
+    logps_chosen, logps_rejected = torch.tensor([-3.0, -4.0, -1.0]), torch.tensor([-5.0, -6.0, -2.0])
+    whole = losses.dpo_metric_sums(chosen, rejected, logps_chosen, logps_rejected)
+    assert whole == {"rewards/chosen": 0.25, "rewards/rejected": 0.75, "rewards/accuracies": 1.0,
+                     "rewards/margins": -0.5, "logps/chosen": -8.0, "logps/rejected": -13.0}
+    first = losses.dpo_metric_sums(chosen[:1], rejected[:1], logps_chosen[:1], logps_rejected[:1])
+    rest = losses.dpo_metric_sums(chosen[1:], rejected[1:], logps_chosen[1:], logps_rejected[1:])
+    assert {name: first[name] + rest[name] for name in whole} == pytest.approx(whole)
