@@ -81,7 +81,8 @@ def test_pairs_are_numbered_and_counted(tokenizer):
         max_length=64)
     assert pairs["index"] == [0, 1]
     assert stats["pairs"] == 2 and stats["format"] == "explicit"
-    assert stats["longest_row"] == len("pp: bb") + 1 and stats["mean_row_tokens"] == (len("p: a") + len("pp: bb") + 2) / 2
+    assert stats["longest_row"] == len("pp: bb") + 1  # characters are tokens here, and the end-of-text
+    assert stats["mean_row_tokens"] == (len("p: a") + len("pp: bb") + 2) / 2
 
 
 # ------------------------------------------------------------------------------------------------ truncation
@@ -92,7 +93,8 @@ def test_a_long_prompt_loses_its_start_and_answers_are_cut_to_max_length(tokeniz
 
 
 def test_an_answer_with_nothing_left_after_truncation_names_its_pair_and_the_fix(tokenizer):
-    columns = {"prompt": ["p: ", "p: ", "a much longer prompt: "], "chosen": ["a", "b", "c"], "rejected": ["b", "c", "d"]}
+    columns = {"prompt": ["p: ", "p: ", "a much longer prompt: "], "chosen": ["a", "b", "c"],
+               "rejected": ["b", "c", "d"]}
     with pytest.raises(DataError, match=r"pair 2 of the eval split: its chosen answer has no token left after "
                                         r"truncation to max_length=12\. Raise max_length, set \(or lower\) max_prompt"):
         preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=12, name="eval")
