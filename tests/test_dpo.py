@@ -155,40 +155,6 @@ def test_bad_input_is_one_error_before_loading(tmp_path, pretrained_tiny_model, 
 
 
 # ------------------------------------------------------------------------------------------------ data and loss
-def test_the_four_formats_split_prompt_and_answers(tokenizer):
-    from datasets import Dataset
-
-    turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
-    formats = {
-        "explicit strings": {"prompt": ["reverse: abc"], "chosen": ["cba"], "rejected": ["bca"]},
-        "explicit turns": {"prompt": [[turn("user", "reverse: abc")]], "chosen": [[turn("assistant", "cba")]],
-                           "rejected": [[turn("assistant", "bca")]]},
-        "implicit strings": {"chosen": ["reverse: abc => cba"], "rejected": ["reverse: abc => bca"]},
-        "implicit turns": {"chosen": [[turn("user", "reverse: abc"), turn("assistant", "cba")]],
-                           "rejected": [[turn("user", "reverse: abc"), turn("assistant", "bca")]]},
-    }
-    for name, columns in formats.items():
-        pairs, stats = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
-        batch = preference.PairCollator(tokenizer.pad_token_id)([pairs[0]])
-        assert batch["input_ids"].shape[0] == 2 and batch["pair_index"].tolist() == [0], name
-        answers = []
-        for row, targets in zip(batch["input_ids"], batch["targets"]):
-            trained = [int(t) for t in targets if t != losses.IGNORE_INDEX]
-            answers.append(tokenizer.decode(trained, skip_special_tokens=True))
-        assert answers == ["cba", "bca"], (name, answers)  # implicit: what both share ("reverse: abc => ") is the prompt
-        assert stats["format"] == name.split()[0]
-
-
-def test_a_long_prompt_keeps_its_end(tokenizer):
-    from datasets import Dataset
-
-    pairs, _ = preference.tokenize_pairs(Dataset.from_dict({"prompt": ["x" * 30 + "END"], "chosen": ["ab"],
-                                                            "rejected": ["ba"]}), tokenizer, max_length=64,
-                                         max_prompt_length=5)
-    row = pairs[0]["chosen_input_ids"]
-    assert tokenizer.decode(row[:5]).endswith("xxEND") and len(row) == 5 + len(tokenizer("ab", add_special_tokens=False)["input_ids"]) + 1
-
-
 def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, pretrained_tiny_model):
     """Summed completion log-probabilities from the chunked loss equal log_softmax + gather over whole logits; the DPO
     loss of each type equals the formula written out on them."""
@@ -228,8 +194,3 @@ def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, 
         losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="ipo")
 
 
-def test_metric_sums(tokenizer):
-    sums = losses.dpo_metric_sums(torch.tensor([1.0, -1.0]), torch.tensor([0.5, 0.0]), torch.tensor([-3.0, -4.0]),
-                                  torch.tensor([-5.0, -6.0]))
-    assert sums == {"rewards/chosen": 0.0, "rewards/rejected": 0.5, "rewards/accuracies": 1.0, "rewards/margins": -0.5,
-                    "logps/chosen": -7.0, "logps/rejected": -11.0}
