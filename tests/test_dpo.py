@@ -80,26 +80,32 @@ def test_held_out_figures_use_trls_names_and_the_model_is_exported(dpo_reference
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_path, dpo_reference_run,
-                                                                              pretrained_tiny_model, preference_data):
-    values = dpo_values(pretrained_tiny_model, preference_data, tmp_path / "out")
-    killed = run_dpo(tmp_path, "killed", values, expect_success=False, env={FAULT_ENV: "kill-during-save:6@1"})
+def test_a_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_path, dpo_launches):
+    source, values, killed = dpo_launches["killed"]
     assert killed.returncode != 0
-    run_dpo(tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest"})
-    resumed, reference = step_records(tmp_path / "out"), step_records(dpo_reference_run)
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    run_dpo(tmp_path, "resumed", {**values, "output_dir": str(out), "resume_from_checkpoint": "latest"})
+    resumed, reference = step_records(out), step_records(dpo_launches["reference"])
     assert [resumed[s]["loss"] for s in sorted(resumed)] == [reference[s]["loss"] for s in sorted(reference)]
     assert all(resumed[s][name] == reference[s][name] for s in resumed for name in FIGURES)
-    weights, expected = load_file(tmp_path / "out" / "model.safetensors"), load_file(dpo_reference_run / "model.safetensors")
+    weights = load_file(out / "model.safetensors")
+    expected = load_file(dpo_launches["reference"] / "model.safetensors")
     assert all(torch.equal(weights[key], expected[key]) for key in expected)
 
 
 @pytest.mark.slow
 def test_lora_dpo_uses_the_policy_without_adapters_as_reference(tmp_path, pretrained_tiny_model, preference_data):
     """2 processes under FSDP2 and 1 process here give the same losses; no second model."""
+    from concurrent.futures import ThreadPoolExecutor
+
     lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-2, save_steps=None)
-    run_dpo(tmp_path, "two", dpo_values(pretrained_tiny_model, preference_data, tmp_path / "two", **lora))
-    run_recipe_in_process("dpo", tmp_path, "one", dpo_values(pretrained_tiny_model, preference_data, tmp_path / "one",
-                                                             per_device_train_batch_size=8, **lora))
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the launch runs while this process runs its own twin
+        two = pool.submit(run_dpo, tmp_path, "two", dpo_values(pretrained_tiny_model, preference_data, tmp_path / "two",
+                                                               **lora))
+        run_recipe_in_process("dpo", tmp_path, "one", dpo_values(pretrained_tiny_model, preference_data,
+                                                                 tmp_path / "one", per_device_train_batch_size=8, **lora))
+        two.result()
     for run in ("two", "one"):
         assert_first_step_is_the_reference(tmp_path / run)
         summary = json.loads((tmp_path / run / "run_summary.json").read_text())

@@ -17,6 +17,7 @@ from conftest import (
     FSDP_CPU_CONFIG,
     REPO,
     TOKENIZER,
+    concurrently,
     launch,
     load_recipe,
     read_metrics,
@@ -344,9 +345,10 @@ def launches(tmp_path_factory, tiny_model_config):
         return launch(PRETRAIN, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))],
                       accelerate_config=FSDP_CPU_CONFIG, env=env)
 
-    reference = run("reference", tmp / "reference")
+    reference, killed = concurrently(  # side by side: independent runs
+        lambda: run("reference", tmp / "reference"),
+        lambda: run("killed", tmp / "resumed", env={"FSDP_RECIPES_FAULT": f"kill-after-step:{KILLED_AFTER}"}))
     require_success(reference)
-    killed = run("killed", tmp / "resumed", env={"FSDP_RECIPES_FAULT": f"kill-after-step:{KILLED_AFTER}"})
     assert killed.returncode != 0
     killed_log = read_metrics(tmp / "resumed")
     resumed = run("resumed", tmp / "resumed", resume_from_checkpoint="latest")

@@ -20,6 +20,7 @@ from conftest import (
     LAUNCH_TIMEOUT_S,
     REPO,
     STEPS,
+    concurrently,
     free_port,
     read_metrics,
     recipe_config,
@@ -85,15 +86,16 @@ def runs(tmp_path_factory, tiny_model_config, small_chat_data, reference_run):
     """The reference run's 12 steps (global batch 16 rows, fp32) on the other topologies."""
     tmp = tmp_path_factory.mktemp("topology_runs")
     common = dict(tiny_model_config=tiny_model_config, data=small_chat_data)
-    return {
-        "full_shard": reference_run,
+    two_nodes = tmp_path_factory.mktemp("two_nodes")
+    hsdp, shard_grad_op, no_shard = concurrently(  # independent launches, side by side
         # HSDP 2 x 2, rehearsed as two "nodes" through the SLURM template (4 processes in all)
-        "hsdp": run_on_two_slurm_nodes(tmp_path_factory.mktemp("two_nodes"), tiny_model_config, small_chat_data),
-        "shard_grad_op": run_recipe(tmp, "shard_grad_op", CONFIGS / "fsdp_8gpu_shard_grad_op.yaml", num_processes=2,
-                                    rows_per_process=4, launcher_args=GPU_CONFIG_ON_CPU, **common),
-        "no_shard": run_recipe(tmp, "no_shard", CONFIGS / "ddp_8gpu.yaml", num_processes=2, rows_per_process=4,
-                               launcher_args=GPU_CONFIG_ON_CPU, **common),
-    }
+        lambda: run_on_two_slurm_nodes(two_nodes, tiny_model_config, small_chat_data),
+        lambda: run_recipe(tmp, "shard_grad_op", CONFIGS / "fsdp_8gpu_shard_grad_op.yaml", num_processes=2,
+                           rows_per_process=4, launcher_args=GPU_CONFIG_ON_CPU, **common),
+        lambda: run_recipe(tmp, "no_shard", CONFIGS / "ddp_8gpu.yaml", num_processes=2, rows_per_process=4,
+                           launcher_args=GPU_CONFIG_ON_CPU, **common),
+    )
+    return {"full_shard": reference_run, "hsdp": hsdp, "shard_grad_op": shard_grad_op, "no_shard": no_shard}
 
 
 def losses(output_dir: Path) -> list[float]:
