@@ -183,6 +183,17 @@ def concurrently(*runs):
         return [future.result() for future in futures]
 
 
+def alongside(in_process, *launches):
+    """Runs each of `launches` in a thread of its own while `in_process` (a recipe run in this process, which must stay
+    in the main thread) runs here; returns its result and theirs. They share the cores the launches leave idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(launches)) as pool:
+        futures = [pool.submit(launch) for launch in launches]
+        here = in_process()
+        return here, [future.result() for future in futures]
+
+
 def free_port() -> int:
     import socket
 
@@ -459,16 +470,22 @@ def run_dpo(tmp: Path, name: str, values: dict, **options):
 
 @pytest.fixture(scope="session")
 def dpo_launches(tmp_path_factory, pretrained_tiny_model, preference_data) -> dict:
-    """Full DPO on 2 processes, the reference a frozen copy sharded like the policy; and the same run with rank 1
-    killed while saving step 6, launched side by side."""
-    reference, killed = tmp_path_factory.mktemp("dpo_reference"), tmp_path_factory.mktemp("dpo_killed")
+    """Full DPO on 2 processes, the reference a frozen copy sharded like the policy; the same run with rank 1 killed
+    while saving step 6; and the same run with the reference's values precomputed (no checkpoints): launched side by
+    side."""
+    reference, killed, precomputed = (tmp_path_factory.mktemp(name) for name in ("dpo_reference", "dpo_killed",
+                                                                                  "dpo_precomputed"))
     killed_values = dpo_values(pretrained_tiny_model, preference_data, killed / "out")
-    _, killed_result = concurrently(
+    _, killed_result, _ = concurrently(
         lambda: run_dpo(reference, "dpo", dpo_values(pretrained_tiny_model, preference_data, reference / "out")),
         lambda: run_dpo(killed, "killed", killed_values, expect_success=False,
                         env={"FSDP_RECIPES_FAULT": "kill-during-save:6@1"}),
+        lambda: run_dpo(precomputed, "precomputed", dpo_values(pretrained_tiny_model, preference_data,
+                                                               precomputed / "out", precompute_ref_log_probs=True,
+                                                               save_steps=None)),
     )
-    return {"reference": reference / "out", "killed": (killed / "out", killed_values, killed_result)}
+    return {"reference": reference / "out", "killed": (killed / "out", killed_values, killed_result),
+            "precomputed": precomputed / "out"}
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Bad input gives one clear `error:` line, a nonzero exit, no traceback, and leaves existing files alone.
 
 The checks run before any weights load, so they are exercised in this process (the recipe's `main`, as the launcher
-would run it, on one process). One real 2-process launch shows that an error stops every rank, is printed once and
-does not hang."""
+would run it, on one process). That such an error stops every rank of a real launch, is printed once and does not
+hang: tests/test_all_ranks_stop.py."""
 
 from __future__ import annotations
 
@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    FSDP_CPU_CONFIG,
-    SFT,
     TOKENIZER,
     base_recipe_values,
-    launch,
-    recipe_config,
     recipe_error_in_process,
-    write_jsonl,
     write_tiny_model_config,
 )
 
@@ -119,19 +114,3 @@ def test_resume_onto_another_model_shape_is_one_error(tmp_path, values, tokenize
     assert "the checkpoint holds a model of other shapes" in error
     vocab = len(tokenizer)
     assert f"model.embed_tokens.weight: ({vocab}, 128) in the checkpoint, ({vocab}, 64) now" in error
-
-
-@pytest.mark.slow
-def test_an_error_stops_every_rank_once_without_a_hang(tmp_path, values):
-    """A dataset without the needed columns, under a real 2-process launch: a rank that failed alone would hang."""
-    data = tmp_path / "data.jsonl"
-    write_jsonl(data, [{"text": "hello", "label": 1}] * 8)
-    values["dataset_name"] = str(data)
-    config = recipe_config(tmp_path / "recipe.yaml", **values)
-    result = launch(SFT, ["--config", str(config)], timeout=180, accelerate_config=FSDP_CPU_CONFIG)
-    assert result.returncode != 0, result.stdout[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr[-4000:]  # printed once, not once per rank
-    assert "'messages'" in errors[0] and "['label', 'text']" in errors[0]
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
-    assert not Path(values["output_dir"]).exists()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import STEPS, read_metrics, run_sft
+from conftest import STEPS, concurrently, read_metrics, run_sft
 from fsdp_recipes.checkpoint import complete_checkpoints, latest_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -43,9 +43,24 @@ def test_a_rank_killed_while_saving_stops_the_job_and_leaves_the_previous_checkp
     assert not (out / "model.safetensors").exists()
 
 
-def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_path, reference_run, killed_during_save):
-    out, values = copy_of(killed_during_save, tmp_path)
-    run_sft(tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest"})
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, killed_during_save) -> dict[int, Path]:
+    """The killed run resumed from its latest checkpoint on 2 processes, and on 1 (another world size, the same global
+    batch: DCP reshards; 2 -> 4 takes the same path, and the HSDP run of tests/test_topology_rehearsal.py checks 4
+    ranks' state bytes), launched side by side. {processes: output_dir}."""
+
+    def resume(num_processes: int) -> Path:
+        tmp = tmp_path_factory.mktemp(f"resumed_on_{num_processes}")
+        out, values = copy_of(killed_during_save, tmp)
+        overrides = {} if num_processes == 2 else {"per_device_train_batch_size": 8, "exact_match_eval_samples": 0}
+        run_sft(tmp, "resumed", {**values, "resume_from_checkpoint": "latest", **overrides}, num_processes=num_processes)
+        return out
+
+    return dict(zip((2, 1), concurrently(lambda: resume(2), lambda: resume(1))))
+
+
+def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(reference_run, resumed):
+    out = resumed[2]
     resumed_losses, reference_losses = losses_by_step(out), losses_by_step(reference_run)
     assert sorted(resumed_losses) == list(range(1, STEPS + 1))
     assert resumed_losses == reference_losses  # exactly equal, step for step
@@ -61,18 +76,13 @@ def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_
     assert json.loads((out / "eval_results.json").read_text()) == reference_results
 
 
-@pytest.mark.parametrize("num_processes", [1])  # 2 -> 1 rank: DCP reshards (2 -> 4 takes the same path; the HSDP run
-# of tests/test_topology_rehearsal.py checks 4 ranks' state bytes)
-def test_resume_on_another_world_size(tmp_path, reference_run, killed_during_save, num_processes):
-    out, values = copy_of(killed_during_save, tmp_path)
-    per_device = 8 // num_processes  # the same global batch: 2 processes x 4 rows
-    run_sft(tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest", "per_device_train_batch_size": per_device,
-                                  "exact_match_eval_samples": 0}, num_processes=num_processes)
+def test_resume_on_another_world_size(reference_run, resumed):
+    out, num_processes = resumed[1], 1
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == num_processes and summary["distributed_type"] == "FSDP"
     assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]
-    resumed, expected = losses_by_step(out), losses_by_step(reference_run)
+    resumed_losses, expected = losses_by_step(out), losses_by_step(reference_run)
     steps = list(range(RESUMED_FROM + 1, STEPS + 1))
     torch.testing.assert_close(
-        torch.tensor([resumed[s] for s in steps]), torch.tensor([expected[s] for s in steps]), rtol=1e-5, atol=1e-6
+        torch.tensor([resumed_losses[s] for s in steps]), torch.tensor([expected[s] for s in steps]), rtol=1e-5, atol=1e-6
     )

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DPO_STEPS, dpo_values, read_metrics, recipe_error_in_process, run_dpo, run_recipe_in_process
+from conftest import DPO_STEPS, alongside, dpo_values, read_metrics, recipe_error_in_process, run_dpo
+from conftest import run_recipe_in_process
 from fsdp_recipes import losses
 from fsdp_recipes.data import preference
 from fsdp_recipes.faults import FAULT_ENV, InjectedFault
@@ -68,6 +69,27 @@ def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_v
 
 
 @pytest.mark.slow
+def test_values_precomputed_on_two_ranks_are_one_process_values(dpo_launches, one_process_precomputed):
+    """Each rank computes its share of the pairs; gathered, every pair's values are the ones one process computes, and
+    training on them gives the losses of one process and of the live reference."""
+    from fsdp_recipes import reference
+
+    two_ranks = dpo_launches["precomputed"]
+    tables = [reference.read_tables(run / "checkpoints" / "step-0") for run in (two_ranks, one_process_precomputed)]
+    assert tables[0].keys() == tables[1].keys() == {"train", "eval"}
+    for split in tables[0]:
+        assert tables[0][split].keys() == tables[1][split].keys() and len(tables[0][split]) in (64, 16)
+        torch.testing.assert_close(torch.tensor([tables[0][split][i] for i in sorted(tables[0][split])]),
+                                   torch.tensor([tables[1][split][i] for i in sorted(tables[1][split])]),
+                                   rtol=1e-5, atol=1e-5)
+    assert_first_step_is_the_reference(two_ranks)
+    assert len(losses_of(two_ranks)) == DPO_STEPS
+    for other in (one_process_precomputed, dpo_launches["reference"]):
+        torch.testing.assert_close(torch.tensor(losses_of(two_ranks)), torch.tensor(losses_of(other)), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.slow
 def test_held_out_figures_use_trls_names_and_the_model_is_exported(dpo_reference_run):
     evaluations = [r for r in read_metrics(dpo_reference_run) if "eval_loss" in r]
     assert [r["step"] for r in evaluations] == [4, 8]
@@ -79,13 +101,31 @@ def test_held_out_figures_use_trls_names_and_the_model_is_exported(dpo_reference
     assert (dpo_reference_run / "model.safetensors").is_file() and "dpo" in (dpo_reference_run / "README.md").read_text()
 
 
+LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-2, save_steps=None)
+
+
+@pytest.fixture(scope="module")
+def followups(tmp_path_factory, dpo_launches, pretrained_tiny_model, preference_data) -> dict[str, Path]:
+    """Launched side by side: the killed run resumed from its latest checkpoint, and LoRA DPO on 2 processes; and
+    meanwhile LoRA DPO on 1 process, here. {name: output_dir}."""
+    tmp = tmp_path_factory.mktemp("dpo_followups")
+    source, values, _ = dpo_launches["killed"]
+    shutil.copytree(source, tmp / "resumed")
+    alongside(
+        lambda: run_recipe_in_process("dpo", tmp, "lora_one", dpo_values(pretrained_tiny_model, preference_data,
+                                                                         tmp / "lora_one",
+                                                                         per_device_train_batch_size=8, **LORA)),
+        lambda: run_dpo(tmp, "resumed", {**values, "output_dir": str(tmp / "resumed"),
+                                         "resume_from_checkpoint": "latest"}),
+        lambda: run_dpo(tmp, "lora_two", dpo_values(pretrained_tiny_model, preference_data, tmp / "lora_two", **LORA)),
+    )
+    return {name: tmp / name for name in ("resumed", "lora_two", "lora_one")}
+
+
 @pytest.mark.slow
-def test_a_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tmp_path, dpo_launches):
-    source, values, killed = dpo_launches["killed"]
-    assert killed.returncode != 0
-    out = tmp_path / "out"
-    shutil.copytree(source, out)
-    run_dpo(tmp_path, "resumed", {**values, "output_dir": str(out), "resume_from_checkpoint": "latest"})
+def test_a_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(dpo_launches, followups):
+    assert dpo_launches["killed"][2].returncode != 0
+    out = followups["resumed"]
     resumed, reference = step_records(out), step_records(dpo_launches["reference"])
     assert [resumed[s]["loss"] for s in sorted(resumed)] == [reference[s]["loss"] for s in sorted(reference)]
     assert all(resumed[s][name] == reference[s][name] for s in resumed for name in FIGURES)
@@ -95,25 +135,16 @@ def test_a_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(tm
 
 
 @pytest.mark.slow
-def test_lora_dpo_uses_the_policy_without_adapters_as_reference(tmp_path, pretrained_tiny_model, preference_data):
-    """2 processes under FSDP2 and 1 process here give the same losses; no second model."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-2, save_steps=None)
-    with ThreadPoolExecutor(max_workers=1) as pool:  # the launch runs while this process runs its own twin
-        two = pool.submit(run_dpo, tmp_path, "two", dpo_values(pretrained_tiny_model, preference_data, tmp_path / "two",
-                                                               **lora))
-        run_recipe_in_process("dpo", tmp_path, "one", dpo_values(pretrained_tiny_model, preference_data,
-                                                                 tmp_path / "one", per_device_train_batch_size=8, **lora))
-        two.result()
-    for run in ("two", "one"):
-        assert_first_step_is_the_reference(tmp_path / run)
-        summary = json.loads((tmp_path / run / "run_summary.json").read_text())
+def test_lora_dpo_uses_the_policy_without_adapters_as_reference(followups):
+    """2 processes under FSDP2 and 1 process give the same losses; no second model."""
+    two, one = followups["lora_two"], followups["lora_one"]
+    for run in (two, one):
+        assert_first_step_is_the_reference(run)
+        summary = json.loads((run / "run_summary.json").read_text())
         assert summary["reference"].startswith("the policy with its LoRA adapters disabled")
-        assert (tmp_path / run / "adapter_model.safetensors").is_file()
-    torch.testing.assert_close(torch.tensor(losses_of(tmp_path / "two")), torch.tensor(losses_of(tmp_path / "one")),
-                               rtol=1e-5, atol=1e-6)
-    assert losses_of(tmp_path / "two")[-1] < math.log(2)
+        assert (run / "adapter_model.safetensors").is_file()
+    torch.testing.assert_close(torch.tensor(losses_of(two)), torch.tensor(losses_of(one)), rtol=1e-5, atol=1e-6)
+    assert losses_of(two)[-1] < math.log(2)
 
 
 def test_precomputed_values_survive_a_resume(tmp_path, one_process_precomputed, pretrained_tiny_model, preference_data,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, launch, load_recipe, recipe_config
-from conftest import require_success, run_recipe_in_process, write_jsonl, write_tiny_model_config
+from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, alongside, launch, load_recipe
+from conftest import recipe_config, require_success, run_recipe_in_process, write_jsonl, write_tiny_model_config
 from fsdp_recipes import evaluation, model_index, model_source
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.errors import ConfigError
@@ -69,9 +69,9 @@ def lm_values(model: Path, data: Path, output_dir: Path, **overrides) -> dict:
 def lm_runs(tmp_path_factory, tiny_lm, chat_eval_data) -> tuple[Path, Path]:
     """(1 process, here; 2 processes under FSDP2) evaluations of the same causal LM on the same chat data."""
     tmp = tmp_path_factory.mktemp("lm_eval")
-    run_in_process(tmp, "one", lm_values(tiny_lm, chat_eval_data, tmp / "one"))
     config = recipe_config(tmp / "two.yaml", **lm_values(tiny_lm, chat_eval_data, tmp / "two"))
-    require_success(launch(EVAL, ["--config", str(config)]))
+    alongside(lambda: run_in_process(tmp, "one", lm_values(tiny_lm, chat_eval_data, tmp / "one")),
+              lambda: require_success(launch(EVAL, ["--config", str(config)])))
     return tmp / "one", tmp / "two"
 
 
@@ -82,10 +82,10 @@ def checkpoint_runs(tmp_path_factory, classify_run, classify_data) -> tuple[Path
     tmp = tmp_path_factory.mktemp("classifier_eval")
     copy = shutil.copytree(classify_run, tmp / "exported", ignore=shutil.ignore_patterns("checkpoints"))
     common = dict(dataset_name=str(classify_data), max_length=32, per_device_eval_batch_size=8)
-    run_in_process(tmp, "one", dict(model_name_or_path=str(copy), **common))
     checkpoint = classify_run / "checkpoints" / f"step-{CLASSIFY_STEPS:08d}"
     config = recipe_config(tmp / "two.yaml", model_name_or_path=str(checkpoint), output_dir=str(tmp / "two"), **common)
-    require_success(launch(EVAL, ["--config", str(config)]))
+    alongside(lambda: run_in_process(tmp, "one", dict(model_name_or_path=str(copy), **common)),
+              lambda: require_success(launch(EVAL, ["--config", str(config)])))
     return copy, tmp / "two"
 
 
