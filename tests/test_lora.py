@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from conftest import STEPS, lora_values, read_metrics, recipe_error_in_process, run_recipe_in_process, run_sft
+from conftest import STEPS, alongside, lora_values, read_metrics, recipe_error_in_process, run_recipe_in_process, run_sft
 from fsdp_recipes import adapters, memory
 from fsdp_recipes.errors import ConfigError
 
@@ -240,16 +240,44 @@ def test_the_estimator_counts_the_adapters_peft_creates(tiny_model_config, targe
     assert predicted == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def test_qlora_trains_and_exports_on_one_cpu_process(tmp_path, pretrained_tiny_model, small_chat_data, capsys):
-    """bitsandbytes' CPU kernels: 4-bit NF4 base (bf16 storage and compute), fp32 adapters; the exported adapter,
-    reloaded onto a freshly quantised base, reproduces the trained model's logits (checked by the export itself)."""
+@pytest.mark.slow
+def test_qlora_on_two_ranks_trains_as_one_process_and_exports(tmp_path, pretrained_tiny_model, small_chat_data):
+    """bitsandbytes' CPU kernels: 4-bit NF4 base (bf16 storage and compute), fp32 adapters. Under 2-process FSDP2 the
+    4-bit weights are sharded like any parameter, and the losses are those of one process with the same global batch
+    (bf16 compute: rtol 1e-4); each exported adapter, reloaded onto a freshly quantised base, reproduces its trained
+    model's logits (checked by the export itself, or the run would have failed)."""
     pytest.importorskip("bitsandbytes")
-    values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out", load_in_4bit=True, max_steps=3,
-                         save_steps=None, exact_match_eval_samples=0, gradient_accumulation_steps=1)
-    run_recipe_in_process("sft", tmp_path, "qlora", values)
-    out = tmp_path / "out"
-    summary = summary_of(out)
-    assert "QLoRA nf4" in summary["lora"] and summary["distributed_type"] == "NO"
-    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
-    losses = losses_by_step(out)
-    assert len(losses) == 3 and all(loss == loss for loss in losses.values())  # no NaN
+    qlora = dict(load_in_4bit=True, max_steps=3, save_steps=None, exact_match_eval_samples=0,
+                 gradient_accumulation_steps=1)
+    alongside(
+        lambda: run_recipe_in_process("sft", tmp_path, "one", lora_values(pretrained_tiny_model, small_chat_data,
+                                                                          tmp_path / "one", **qlora,
+                                                                          per_device_train_batch_size=8)),
+        lambda: run_sft(tmp_path, "two", lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "two", **qlora)),
+    )
+    one, two = summary_of(tmp_path / "one"), summary_of(tmp_path / "two")
+    assert one["distributed_type"] == "NO" and two["distributed_type"] == "FSDP" and two["world_size"] == 2
+    for summary in (one, two):
+        assert "QLoRA nf4" in summary["lora"]
+    held = two["parameters_per_rank"]
+    assert sum(held) == one["parameters_per_rank"][0] and max(held) < 0.55 * sum(held)  # the 4-bit base is sharded
+    for rank, state in enumerate(two["state_bytes_per_rank"]):
+        predicted = two["memory_estimate"]["rank_state_bytes_per_rank"][rank]
+        assert state["gradients"] == predicted["gradients"] and state["optimizer_state"] == predicted["optimizer_state"]
+        assert state["parameters"] <= predicted["parameters"]  # 4-bit weights are predicted at an upper bound
+    for run in ("one", "two"):
+        assert json.loads((tmp_path / run / "adapter_config.json").read_text())["r"] == 4
+    losses = [[losses_by_step(tmp_path / run)[step] for step in (1, 2, 3)] for run in ("two", "one")]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-4, atol=0)
+    # The case upstream reports broken (bitsandbytes #1945): packed 4-bit bytes whose bf16 reading is a NaN pattern,
+    # which a copy that canonicalises NaNs would change. This model has some, and they survived the all-gathers.
+    import bitsandbytes
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantised = AutoModelForCausalLM.from_pretrained(pretrained_tiny_model, dtype=torch.bfloat16, device_map="cpu",
+                                                     quantization_config=BitsAndBytesConfig(
+                                                         load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                         bnb_4bit_quant_storage=torch.bfloat16,
+                                                         bnb_4bit_compute_dtype=torch.bfloat16))
+    packed = [m.weight.data for m in quantised.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
+    assert packed and sum(int(torch.isnan(weight).sum()) for weight in packed) > 0
