@@ -9,6 +9,7 @@ copied recipe, edited, runs the copied demo config from its folder."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import filecmp
 import json
 import re
@@ -322,3 +323,14 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     assert f"the edited copy runs with {site / 'fsdp_recipes' / '__init__.py'}" in result.stdout
     assert [record["step"] for record in read_metrics(project / "out") if "loss" in record] == [1, 2, 3, 4]
     assert json.loads((project / "out" / "config.json").read_text())["hidden_size"] == 128  # demo/tiny_llama.json
+
+
+def test_ls_counts_the_reference_model_copy_of_the_configs_that_keep_one():
+    by_key = {config.key: config for config in SHIPPED}
+    full = CATALOG.estimate(by_key["dpo/llama-3.1-8b_ultrafeedback"]).per_gpu()
+    assert full["reference_model"] == full["parameters"] // 2  # a bf16 copy, sharded like the fp32 policy
+    dpo = by_key["dpo/llama-3.1-8b_ultrafeedback"]
+    for change in ({"use_peft": True}, {"precompute_ref_log_probs": True}):  # adapters off; values precomputed
+        changed = dataclasses.replace(dpo, values={**dpo.values, **change})
+        assert CATALOG.estimate(changed).per_gpu()["reference_model"] == 0
+    assert CATALOG.estimate(by_key["sft/llama-3.1-8b_lora"]).per_gpu()["reference_model"] == 0

@@ -288,3 +288,38 @@ def test_packed_rows_are_as_wide_as_packing_row_length():
     assert memory.workload_from_recipe(packed).tokens == 2048
     unpacked = dict(packed, packing=False)  # packing_row_length only shapes packed rows
     assert memory.workload_from_recipe(unpacked).tokens == 8192
+
+
+def test_a_reference_model_copy_is_counted_for_the_mode_the_recipe_config_chooses(capsys, tmp_path, monkeypatch):
+    """A recipe whose config class has TRL's precompute_ref_log_probs keeps a reference model: a frozen copy at the
+    compute dtype, sharded like the policy, unless its values are precomputed or it is the policy without adapters."""
+    from fsdp_recipes.catalog import config_class_fields
+
+    dpo, sft = config_class_fields(REPO / "recipes" / "dpo.py"), config_class_fields(REPO / "recipes" / "sft.py")
+    assert memory.frozen_copies_from_recipe({}, dpo) == 1
+    assert memory.frozen_copies_from_recipe({"precompute_ref_log_probs": True}, dpo) == 0
+    assert memory.frozen_copies_from_recipe({"use_peft": True}, dpo) == 0
+    assert memory.frozen_copies_from_recipe({}, sft) == 0
+
+    shipped = REPO / "recipes" / "configs" / "dpo" / "llama-3.1-8b_ultrafeedback.yaml"  # its comment launches dpo.py
+    accelerate_config = REPO / "accelerate_configs" / "fsdp_8gpu.yaml"
+    code, out, _ = run_cli(["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model", LLAMA_8B,
+                            "--json"], capsys)
+    per_gpu = json.loads(out)["per_gpu_bytes"]
+    assert code == 0 and per_gpu["reference_model"] == per_gpu["parameters"] // 2  # bf16 copy of the fp32 shards
+    code, table, _ = run_cli(["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model",
+                              LLAMA_8B], capsys)
+    assert "reference model (frozen copy, sharded)" in table
+    monkeypatch.chdir(REPO)  # the copy's comment launches recipes/dpo.py, found from the working directory
+    precomputed = tmp_path / "precomputed.yaml"
+    precomputed.write_text(shipped.read_text().replace("learning_rate", "precompute_ref_log_probs: true\nlearning_rate"))
+    code, out, _ = run_cli(["--recipe-config", precomputed, "--accelerate-config", accelerate_config, "--model",
+                            LLAMA_8B, "--json"], capsys)
+    assert json.loads(out)["per_gpu_bytes"]["reference_model"] == 0
+
+    code, out, _ = run_cli(["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model", LLAMA_8B,
+                            "--gpu-memory", "20GB", "--json"], capsys)
+    report = json.loads(out)
+    by_change = {s["change"]: s for s in report["suggestions"]}
+    assert code == 1 and by_change["no reference model copy"]["predicted_total_bytes"] == (
+        report["per_gpu_bytes"]["total"] - report["per_gpu_bytes"]["reference_model"])

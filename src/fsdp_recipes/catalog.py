@@ -148,6 +148,31 @@ def parse_launch_command(comment: list[str], *, where: str) -> LaunchCommand | N
     return LaunchCommand(args.config_file, overrides, args.training_script, list(args.training_script_args))
 
 
+def config_class_fields(script: Path) -> frozenset[str]:
+    """The field names of the config classes (`class ...Config(...)`) a recipe script defines, read without importing
+    it, with the shared TrainingConfig's."""
+    from . import config as config_lib
+
+    fields = {field.name for field in dataclasses.fields(config_lib.TrainingConfig)}
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
+            fields |= {item.target.id for item in node.body
+                       if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return frozenset(fields)
+
+
+def recipe_config_fields(path: Path) -> frozenset[str]:
+    """`config_class_fields` of the recipe a config file's opening comment launches (its script found from the
+    working directory or a folder above the config); empty if there is no such comment or script."""
+    launch = parse_launch_command(opening_comment(path.read_text()), where=str(path))
+    if launch is None:
+        return frozenset()
+    for folder in (Path.cwd(), *path.resolve().parents):
+        if (folder / launch.script).is_file():
+            return config_class_fields(folder / launch.script)
+    return frozenset()
+
+
 def gpu_memory_line(comment: list[str]) -> str:
     for line in comment:
         if line.strip().lower().startswith("gpu memory:"):
@@ -265,8 +290,11 @@ class Catalog:
         workload = memory.workload_from_recipe(config.values)
         adapters = memory.adapters_from_recipe(config.values, topology.compute_bytes)
         gpu_memory = memory.parse_size(config.gpu_memory)
+        recipe = next((recipe for recipe in self.recipes() if recipe.name == config.recipe), None)
+        fields = config_class_fields(recipe.path) if recipe else frozenset()
         return memory.estimate(model_info(model), topology, workload, gpu_memory=gpu_memory,
-                               model_name=str(config.model), adapters=adapters)
+                               model_name=str(config.model), adapters=adapters,
+                               frozen_copies=memory.frozen_copies_from_recipe(config.values, fields))
 
     def problems(self, config: RecipeConfig) -> list[str]:
         """Why the config would not run as its opening comment says: the command names another recipe or config,

@@ -588,6 +588,21 @@ def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], topology: To
             "optimizer_state": trained["optimizer_state"]}
 
 
+def frozen_copies_from_recipe(recipe: dict[str, Any], config_fields: frozenset[str]) -> int:
+    """For a recipe config read as a mapping (`fsdp-recipes estimate`, `ls`), with the field names of the recipe's
+    config class: the whole frozen model copies the run will keep beside the model it trains. A recipe whose config
+    has TRL's `precompute_ref_log_probs` has a reference model; fsdp_recipes.reference decides when it is a copy."""
+    if "precompute_ref_log_probs" not in config_fields:
+        return 0
+    from types import SimpleNamespace
+
+    from . import reference
+
+    settings = SimpleNamespace(precompute_ref_log_probs=bool(recipe.get("precompute_ref_log_probs", False)),
+                               use_peft=bool(recipe.get("use_peft", False)))
+    return reference.frozen_copies(reference.mode_for(settings))
+
+
 def for_recipe(topology: Topology, recipe: Any) -> Topology:
     """The topology as the recipe config changes it: the model's own activation checkpointing
     (`gradient_checkpointing: true`) saves the same activations as FSDP's."""
@@ -687,6 +702,8 @@ class Estimate:
     reserve: int = 0
     trainable_params: int | None = None  # LoRA: only the adapters
     host_state: dict[str, int] = field(default_factory=dict)
+    adapters: Adapters | None = None
+    frozen_copies: int = 0
 
     @property
     def activations_used(self) -> int:
@@ -749,7 +766,7 @@ def estimate(info: ModelInfo, topology: Topology, workload: Workload, *, gpu_mem
     host = dict(state) if topology.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
     return Estimate(model_name, topology, workload, info.num_params, units, state, activations, buffers, gpu_memory,
-                    reserve, trainable, host)
+                    reserve, trainable, host, adapters, frozen_copies)
 
 
 def suggestions(info: ModelInfo, current: Estimate) -> list[dict[str, Any]]:
@@ -759,8 +776,10 @@ def suggestions(info: ModelInfo, current: Estimate) -> list[dict[str, Any]]:
     topo, work = current.topology, current.workload
     out: list[dict[str, Any]] = []
 
-    def add(change: str, how: str, topology: Topology = topo, workload: Workload = work, lora: Adapters | None = None):
-        new = estimate(info, topology, workload, gpu_memory=current.gpu_memory, reserve=current.reserve, adapters=lora)
+    def add(change: str, how: str, topology: Topology = topo, workload: Workload = work, lora: Adapters | None = None,
+            frozen_copies: int = current.frozen_copies):
+        new = estimate(info, topology, workload, gpu_memory=current.gpu_memory, reserve=current.reserve,
+                       adapters=lora or current.adapters, frozen_copies=frozen_copies)
         if new.total < current.total:
             out.append({"change": change, "how": how, "predicted_total_bytes": new.total, "fits": new.fits,
                         "host_bytes_per_gpu": sum(new.host_state.values()) if new.host_state else 0})
@@ -781,7 +800,8 @@ def suggestions(info: ModelInfo, current: Estimate) -> list[dict[str, Any]]:
         for machines in (2, 4, 8, 16, 32, 64, 128):
             world = per_node * topo.num_machines * machines
             more = dataclasses.replace(base, world_size=world, num_machines=topo.num_machines * machines, shard_size=world)
-            if estimate(info, more, work, gpu_memory=current.gpu_memory, reserve=current.reserve).fits or machines == 128:
+            if estimate(info, more, work, gpu_memory=current.gpu_memory, reserve=current.reserve,
+                        adapters=current.adapters, frozen_copies=current.frozen_copies).fits or machines == 128:
                 add(f"more GPUs ({world})", f"FSDP over {world} GPUs ({topo.num_machines * machines} nodes of {per_node}): "
                     "state shrinks as 1/GPUs, activations and buffers do not", more)
                 break
@@ -791,6 +811,10 @@ def suggestions(info: ModelInfo, current: Estimate) -> list[dict[str, Any]]:
         if not topo.activation_checkpointing:
             add("CPU offload + activation checkpointing", "both of the above",
                 dataclasses.replace(topo, cpu_offload=True, activation_checkpointing=True))
+    if current.frozen_copies:
+        add("no reference model copy", "precompute_ref_log_probs: true in the recipe config (one pass of the starting "
+            "model over the data before training; no copy kept), or use_peft: true (the policy without its adapters is "
+            "the reference)", frozen_copies=0)
     if info.linear_shapes_in_layers and current.trainable_params is None:
         add(f"LoRA (rank {LORA_RANK})", f"use_peft: true in the recipe config: rank-{LORA_RANK} adapters on every "
             "linear of the decoder layers, base weights frozen in the compute dtype",
@@ -904,8 +928,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         topology = dataclasses.replace(topology, world_size=args.num_processes, shard_size=shard)
     info = load_model_info(str(model), trust_remote_code=args.trust_remote_code)
     topology = for_recipe(topology, recipe)
+    frozen_copies = 0
+    if args.recipe_config:
+        from .catalog import recipe_config_fields
+
+        frozen_copies = frozen_copies_from_recipe(recipe, recipe_config_fields(Path(args.recipe_config)))
     est = estimate(info, topology, workload, gpu_memory=gpu_memory, reserve=reserve, model_name=str(model),
-                   adapters=adapters_from_recipe(recipe, topology.compute_bytes))
+                   adapters=adapters_from_recipe(recipe, topology.compute_bytes), frozen_copies=frozen_copies)
     report = estimate_report(est, info)
     if args.json:
         print(json.dumps(report, indent=None))
@@ -936,6 +965,7 @@ def format_table(report: dict[str, Any]) -> str:
          host.get("parameters") if offload else g["parameters"]),
         ("gradients (fp32 adapters)" if lora else "gradients (fp32, sharded)", host.get("gradients") if offload else g["gradients"]),
         ("optimizer state (AdamW, 2 x fp32)", host.get("optimizer_state") if offload else g["optimizer_state"]),
+        *([("reference model (frozen copy, sharded)", g["reference_model"])] if g["reference_model"] else []),
         (f"activations, checkpointing {'on' if ac else 'off'}", g["activations"]),
         (f"  (checkpointing {'off' if ac else 'on'}: {gib(g['activations_with_checkpointing' if not ac else 'activations_without_checkpointing'])};"
          f" of which logits {gib(g['logits'])})", None),
