@@ -426,16 +426,32 @@ def lora_killed_during_save(lora_launches):
 
 
 @pytest.fixture(scope="session")
-def lora_resumed_run(tmp_path_factory, lora_killed_during_save) -> Path:
-    """A copy of the killed LoRA run, resumed (FULL_STATE_DICT, 2 processes) to the end."""
+def lora_resumes(tmp_path_factory, lora_reference_run, lora_killed_during_save) -> dict[int, Path]:
+    """Launched side by side: a copy of the killed LoRA run resumed (FULL_STATE_DICT, 2 processes) to the end; and a
+    copy of the reference run resumed from its step-6 SHARDED_STATE_DICT checkpoint on 1 process with the same global
+    batch (DCP reshards the adapters and their optimizer state). {processes: output_dir}."""
     import shutil
 
     source, values, full = lora_killed_during_save
-    tmp = tmp_path_factory.mktemp("lora_resumed")
-    shutil.copytree(source, tmp / "out")
-    run_sft(tmp, "resumed", {**values, "output_dir": str(tmp / "out"), "resume_from_checkpoint": "latest"},
-            accelerate_config=full)
-    return tmp / "out"
+    killed, reference = tmp_path_factory.mktemp("lora_resumed_on_2"), tmp_path_factory.mktemp("lora_resumed_on_1")
+    shutil.copytree(source, killed / "out")
+    shutil.copytree(lora_reference_run, reference / "out",  # without the newer checkpoints, which it would redo
+                    ignore=shutil.ignore_patterns("step-00000009", "step-00000012"))
+    checkpoint = reference / "out" / "checkpoints" / "step-00000006"
+    on_one = {**values, "output_dir": str(reference / "out"), "resume_from_checkpoint": str(checkpoint),
+              "per_device_train_batch_size": 8, "exact_match_eval_samples": 0}
+    concurrently(
+        lambda: run_sft(killed, "resumed", {**values, "output_dir": str(killed / "out"),
+                                            "resume_from_checkpoint": "latest"}, accelerate_config=full),
+        lambda: run_sft(reference, "resumed", on_one, num_processes=1),
+    )
+    return {2: killed / "out", 1: reference / "out"}
+
+
+@pytest.fixture(scope="session")
+def lora_resumed_run(lora_resumes) -> Path:
+    """The killed LoRA run resumed on 2 processes."""
+    return lora_resumes[2]
 
 
 # ------------------------------------------------------------------------------------------------ DPO: shared launches

@@ -142,6 +142,23 @@ def test_a_killed_lora_run_resumes_with_identical_losses_and_bitwise_equal_adapt
 
 
 @pytest.mark.slow
+def test_a_sharded_lora_checkpoint_resumes_on_another_world_size(lora_reference_run, lora_resumes):
+    """The 2-rank SHARDED_STATE_DICT checkpoint of step 6, resumed on 1 process with the same global batch: the
+    uninterrupted run's losses and adapter (fp32; rtol 1e-5)."""
+    out = lora_resumes[1]
+    assert summary_of(out)["world_size"] == 1
+    assert [r["step"] for r in read_metrics(out) if r.get("event") == "resumed"] == [6]
+    resumed, expected = losses_by_step(out), losses_by_step(lora_reference_run)
+    steps = sorted(step for step in expected if step > 6)
+    torch.testing.assert_close(torch.tensor([resumed[s] for s in steps]), torch.tensor([expected[s] for s in steps]),
+                               rtol=1e-5, atol=1e-6)
+    adapter, reference = (load_file(folder / "adapter_model.safetensors") for folder in (out, lora_reference_run))
+    assert adapter.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(adapter[key], reference[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_export_turns_a_lora_checkpoint_into_the_runs_adapter_and_merged_model(tmp_path, lora_reference_run):
     from fsdp_recipes import cli
 
