@@ -1,6 +1,6 @@
 """Packages the repository's recipes, configs and demo assets into the wheel, under fsdp_recipes/bundled/, so that
 `fsdp-recipes ls` and `fsdp-recipes cp` work after a plain `pip install`, outside a clone. Everything else about the
-package is in pyproject.toml. In a checkout (and an editable install) fsdp_recipes.catalog reads the folders in
+package is in pyproject.toml. In a checkout (and an editable install) fsdp_recipes.tools.catalog reads the folders in
 place; the copies below exist only in built wheels."""
 
 import shutil

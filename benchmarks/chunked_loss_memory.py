@@ -26,7 +26,8 @@ def child(mode: str, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from fsdp_recipes.losses import IGNORE_INDEX, TokenLoss
+    from fsdp_recipes.data.rows import IGNORE_INDEX
+    from fsdp_recipes.train.losses import TokenLoss
 
     torch.manual_seed(0)
     device = torch.device(args.device)

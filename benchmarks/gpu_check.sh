@@ -10,9 +10,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${GPU_CHECK_OUTPUT:-outputs/gpu_check/$(date +%Y%m%d-%H%M%S)}
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('device:', torch.cuda.get_device_name())"
 
-if "$PYTHON" -c "import fsdp_recipes.memory" 2>/dev/null; then
+if "$PYTHON" -c "import fsdp_recipes.tools.memory" 2>/dev/null; then
   echo "== estimator prediction (per GPU)"
-  "$PYTHON" -m fsdp_recipes.cli estimate --model benchmarks/llama_1b.json \
+  "$PYTHON" -m fsdp_recipes.tools.cli estimate --model benchmarks/llama_1b.json \
     --accelerate-config accelerate_configs/fsdp_8gpu.yaml --num-processes 1 \
     --recipe-config recipes/configs/sft/gpu_check_1b.yaml --json | tee "$OUT.estimate.json" || true
 fi

@@ -29,10 +29,13 @@ import functools
 import math
 import sys
 
-from fsdp_recipes import adapters, classifier, errors, evaluation, model_index, modeling, training
-from fsdp_recipes import config as config_lib
 from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import errors
 from fsdp_recipes.data import classification, files, rows
+from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.publish import model_index
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import classifier, evaluation, loop
 
 
 @dataclasses.dataclass
@@ -112,11 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: LoRA adapters on a frozen base
-    optimizer = training.build_optimizer(model, config)
+    optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    total_steps = training.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
+    total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
-    scheduler = training.build_scheduler(optimizer, config, total_steps=total_steps)
+    scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(  # held-out figures come from the metric evaluator below, so no eval_rows here
         model, train_loader, scheduler, total_steps=total_steps, eval_rows=None,
         loss_sum=functools.partial(classifier.loss_sum, weights=weights),
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         weight_total = run.sum_over_ranks(sum(classifier.weight_sum(batch, weights) for batch in micro_batches))
         scale = classifier.global_mean_scale(accelerator, weight_total)
         loss_sum = 0.0
-        for batch in training.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = classifier.loss_sum(model, batch, weights)
             accelerator.backward(loss * scale)
             loss_sum += loss.item()

@@ -7,7 +7,7 @@ Top to bottom: the config; the run (accelerator, seed, every check that needs no
 data (TRL's preference formats: `prompt`/`chosen`/`rejected`, or `chosen`/`rejected` with the prompt they share;
 strings or chat turns; loss on the answers' tokens only); the policy (the model being trained: usually an SFT
 model, e.g. the folder `recipes/sft.py` exported) and the frozen reference it is compared with, one of three ways
-(`fsdp_recipes.reference`): the policy with its LoRA adapters off (`use_peft`), a frozen copy sharded like the policy,
+(`fsdp_recipes.train.reference`): the policy with its LoRA adapters off (`use_peft`), a frozen copy sharded like the policy,
 or values precomputed before the first step (`precompute_ref_log_probs`); `accelerator.prepare`; the loop: for a batch
 of pairs (chosen and rejected rows in one forward), the summed log-probability of each answer under the policy and the
 reference, the DPO loss (`loss_type` sigmoid, ipo or hinge, `beta`, `label_smoothing`), averaged over every pair of the
@@ -27,10 +27,12 @@ import sys
 
 import torch
 
-from fsdp_recipes import adapters, errors, evaluation, losses, modeling, reference, training
-from fsdp_recipes import config as config_lib
 from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import errors
 from fsdp_recipes.data import files, preference, rows
+from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import evaluation, losses, loop, reference
 
 
 @dataclasses.dataclass
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     reference_mode = reference.mode_for(config)
     reference_copy = load() if reference_mode == "model" else None  # the starting weights, frozen
-    optimizer = training.build_optimizer(model, config)
+    optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     in_order = {name: accelerator.prepare(loader) for name, loader in in_order.items()}
     references = {}
@@ -120,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
             reference.write_tables(config.output_dir, tables)
         references = {name: reference.ReferenceLogProbs("precomputed", table=table) for name, table in tables.items()}
 
-    total_steps = training.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
+    total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
-    scheduler = training.build_scheduler(optimizer, config, total_steps=total_steps)
+    scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
         model, train_loader, scheduler, total_steps=total_steps, loss_sum=token_loss.loss_sum, eval_rows=None,
         summary=dict(train_pairs=len(train_pairs), eval_pairs=len(eval_pairs or []), data=train_stats,
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         pair_count = run.sum_over_ranks(sum(preference.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)
         loss_sum, figures = 0.0, {}
-        for batch in training.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             pair_loss, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected = pair_losses(
                 model, batch, references["train"])
             accelerator.backward(pair_loss.sum() * scale)

@@ -32,11 +32,16 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from fsdp_recipes import adapters, classifier, config_lint, distributed, errors, evaluation, hub, losses, model_index
-from fsdp_recipes import config as config_lib
-from fsdp_recipes import model_source, modeling, outputs
+from fsdp_recipes.common import errors, outputs
+from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.data import classification, files, held_out
-from fsdp_recipes.metrics import format_table, write_json
+from fsdp_recipes.distributed import accelerator as accelerator_lib
+from fsdp_recipes.distributed import collectives, launch_checks
+from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.publish import hub, model_index, model_source
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import classifier, evaluation, losses
 
 CLASSIFICATION_METRICS = {"accuracy", "f1", "precision", "recall"}
 DEFAULT_METRICS = {"causal-lm": ["perplexity"], "sequence-classification": ["accuracy", "f1"]}
@@ -140,12 +145,12 @@ def checks_before_loading(accelerator, config: EvalConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     config = config_lib.parse_config(EvalConfig, argv)
-    launch_warnings = config_lint.check_launch_environment()  # errors in the Accelerate config stop every rank here
-    accelerator = distributed.build_accelerator()
+    launch_warnings = launch_checks.check_launch_environment()  # errors in the Accelerate config stop every rank here
+    accelerator = accelerator_lib.build_accelerator()
     set_seed(config.seed)
     for warning in launch_warnings:
         accelerator.print(f"warning: the Accelerate config: {warning.key}: {warning.message}")
-    setup = distributed.on_every_rank_together(accelerator, lambda: checks_before_loading(accelerator, config))
+    setup = collectives.on_every_rank_together(accelerator, lambda: checks_before_loading(accelerator, config))
     tokenizer, task, metrics = setup["tokenizer"], setup["task"], setup["metrics"]
 
     # --- data ----------------------------------------------------------------------------------------------------------
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             parts["generation"] = held_out.generation_examples(data, tokenizer)
         return parts
 
-    data = distributed.on_every_rank_together(accelerator, prepare_data, main_process_first=True)
+    data = collectives.on_every_rank_together(accelerator, prepare_data, main_process_first=True)
     batch_size = config.per_device_eval_batch_size
     loader = None
     if "classification" in data:

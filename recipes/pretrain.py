@@ -31,11 +31,14 @@ import dataclasses
 import math
 import sys
 
-from fsdp_recipes import checkpoint as checkpoint_lib
-from fsdp_recipes import config as config_lib
-from fsdp_recipes import adapters, distributed, errors, losses, modeling, training
 from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import errors
 from fsdp_recipes.data import text
+from fsdp_recipes.distributed import collectives
+from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.train import checkpoint as checkpoint_lib
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import losses, loop
 
 
 @dataclasses.dataclass
@@ -117,13 +120,13 @@ def main(argv: list[str] | None = None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
-    optimizer = training.build_optimizer(model, config)
+    optimizer = loop.build_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)  # the stream is this rank's already: no loader to shard
     batches_per_epoch = None if config.streaming else min(split["tokens_per_rank"]) // (
         config.max_length * config.per_device_train_batch_size)  # rows are at most max_length: no rank runs past its part
-    total_steps = training.total_optimizer_steps(batches_per_epoch or 1, config.gradient_accumulation_steps,
+    total_steps = loop.total_optimizer_steps(batches_per_epoch or 1, config.gradient_accumulation_steps,
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
-    scheduler = training.build_scheduler(optimizer, config, total_steps=total_steps)
+    scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
         model, batches, scheduler, total_steps=total_steps, loss_sum=token_loss.loss_sum, eval_rows=eval_rows,
         summary=dict(data=split, streaming=config.streaming, packing_strategy=config.packing_strategy,
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
         loss_sum = 0.0
-        for batch in training.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.item()
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
 
     # --- finish: what each rank read, then summary, export, card, Hub ---------------------------------------------------
-    read = {f"{key}_read_per_rank": [int(value) for value in distributed.values_of_all_ranks(accelerator, count)]
+    read = {f"{key}_read_per_rank": [int(value) for value in collectives.values_of_all_ranks(accelerator, count)]
             for key, count in batches.counts().items()}
     run.log.log({"step": total_steps, **read})
     eval_loss = run.log.last("eval_loss")

@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from fsdp_recipes import config as config_lib
-from fsdp_recipes import adapters, errors, evaluation, losses, modeling, training
 from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import errors
 from fsdp_recipes.data import chat, files, rows
+from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import evaluation, losses, loop
 
 
 @dataclasses.dataclass
@@ -92,11 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
-    optimizer = training.build_optimizer(model, config)
+    optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    total_steps = training.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
+    total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
-    scheduler = training.build_scheduler(optimizer, config, total_steps=total_steps)
+    scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
         model, train_loader, scheduler, total_steps=total_steps, loss_sum=token_loss.loss_sum, eval_rows=eval_rows,
         summary=dict(train_rows=len(train_rows), eval_rows=len(eval_rows or []), data=train_stats,
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
         loss_sum = 0.0
-        for batch in training.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.item()

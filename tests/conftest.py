@@ -39,7 +39,7 @@ def run_recipe_in_process(recipe: str, tmp: Path, name: str, values: dict) -> No
     """recipes/<recipe>.py's main on this one process (no launcher, no FSDP), as `python recipes/<recipe>.py` runs it."""
     from accelerate.state import AcceleratorState
 
-    from fsdp_recipes.errors import exit_on_user_error
+    from fsdp_recipes.common.errors import exit_on_user_error
 
     config = recipe_config(tmp / f"{name}.yaml", **values)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -55,7 +55,7 @@ def recipe_error_in_process(recipe: str, tmp: Path, values: dict, capsys, extra_
     before loading need no processes, so this costs well under a second instead of a ~15 s launch."""
     from accelerate.state import AcceleratorState
 
-    from fsdp_recipes.errors import exit_on_user_error
+    from fsdp_recipes.common.errors import exit_on_user_error
 
     config = recipe_config(tmp / "recipe.yaml", **values)
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, GPT2Config, LlamaConfig, Qwen2Config
 
-from fsdp_recipes.errors import ConfigError
-from fsdp_recipes.modeling import resolve_attn_implementation
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.models.modeling import resolve_attn_implementation
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -120,7 +120,7 @@ def test_rows_are_laid_end_to_end_for_flash_attention_and_the_loss_is_unchanged(
     rows end to end for it. The same flattening, run through sdpa, gives the same loss as the rows side by side."""
     from types import SimpleNamespace
 
-    from fsdp_recipes.losses import causal_lm_loss_sum, model_inputs
+    from fsdp_recipes.train.losses import causal_lm_loss_sum, model_inputs
 
     batch = {
         "input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]),
@@ -140,7 +140,7 @@ def test_rows_are_laid_end_to_end_for_flash_attention_and_the_loss_is_unchanged(
 def test_packing_is_refused_for_models_that_ignore_position_ids():
     from transformers import OPTConfig
 
-    from fsdp_recipes.modeling import check_packing_is_isolated
+    from fsdp_recipes.models.modeling import check_packing_is_isolated
 
     for config in (OPTConfig(), BloomConfig()):
         with pytest.raises(ConfigError, match="packing: false"):

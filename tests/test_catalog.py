@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from conftest import REPO, TOKENIZER, launch, read_metrics, require_success, run_process_group
-from fsdp_recipes import cli
-from fsdp_recipes.catalog import HUB_CONFIGS, Catalog, listing, model_info
+from fsdp_recipes.tools import cli
+from fsdp_recipes.tools.catalog import HUB_CONFIGS, Catalog, listing, model_info
 
 CATALOG = Catalog(REPO)
 SHIPPED = CATALOG.configs()

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_recipes.checkpoint import complete_checkpoints, latest_checkpoint
-from fsdp_recipes.checkpoint_export import export_checkpoint
+from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
+from fsdp_recipes.publish.checkpoint_export import export_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def test_offline_export_in_shards_loads_with_from_pretrained(tmp_path, sharded_r
 
 
 def test_export_command_line(tmp_path, sharded_run, capsys):
-    from fsdp_recipes import cli
+    from fsdp_recipes.tools import cli
 
     checkpoint = latest_checkpoint(sharded_run)
     assert cli.main(["export", str(checkpoint), str(tmp_path / "cli"), "--max-shard-size", "60KB"]) == 0
@@ -76,7 +76,7 @@ def test_export_command_line(tmp_path, sharded_run, capsys):
 
 
 def test_export_refuses_a_non_empty_destination(tmp_path, sharded_run):
-    from fsdp_recipes.errors import ConfigError
+    from fsdp_recipes.common.errors import ConfigError
 
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import STEPS, concurrently, read_metrics, run_sft
-from fsdp_recipes.checkpoint import complete_checkpoints, latest_checkpoint
+from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 RESUMED_FROM = 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fsdp_recipes.checkpoint import (
+from fsdp_recipes.train.checkpoint import (
     CHECKPOINTS,
     LATEST,
     PROGRESS,

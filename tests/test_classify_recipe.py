@@ -23,10 +23,10 @@ from conftest import (
     write_jsonl,
     write_tiny_model_config,
 )
-from fsdp_recipes import classifier
-from fsdp_recipes.config import parse_config
+from fsdp_recipes.train import classifier
+from fsdp_recipes.train.config import parse_config
 from fsdp_recipes.data import classification
-from fsdp_recipes.errors import ConfigError, DataError
+from fsdp_recipes.common.errors import ConfigError, DataError
 
 
 # ------------------------------------------------------------------------------------------ the 2-rank FSDP2 launch
@@ -218,7 +218,7 @@ def test_resume_on_other_classes_is_refused(tmp_path, tokenizer, capsys):
     (checkpoint.parent / "latest").write_text(checkpoint.name + "\n")
     from accelerate.state import AcceleratorState
 
-    from fsdp_recipes.errors import exit_on_user_error
+    from fsdp_recipes.common.errors import exit_on_user_error
 
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(SystemExit):

@@ -5,8 +5,8 @@ import re
 import pytest
 
 from conftest import load_recipe
-from fsdp_recipes.config import parse_config
-from fsdp_recipes.errors import ConfigError
+from fsdp_recipes.train.config import parse_config
+from fsdp_recipes.common.errors import ConfigError
 
 SFTConfig = load_recipe("sft").SFTConfig
 

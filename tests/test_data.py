@@ -7,8 +7,8 @@ from datasets import Dataset
 from conftest import write_tiny_model_config
 from fsdp_recipes.data.chat import detect_format, tokenize_dataset, tokenize_example
 from fsdp_recipes.data.rows import build_rows, collate_rows, pack_lengths
-from fsdp_recipes.losses import IGNORE_INDEX
-from fsdp_recipes.errors import DataError
+from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.common.errors import DataError
 
 CONVERSATION = [
     {"role": "user", "content": "reverse: abc"},

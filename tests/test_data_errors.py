@@ -13,7 +13,7 @@ from conftest import write_jsonl
 from fsdp_recipes.data import files
 from fsdp_recipes.data.chat import tokenize_dataset
 from fsdp_recipes.data.files import load_raw_dataset
-from fsdp_recipes.errors import DataError
+from fsdp_recipes.common.errors import DataError
 
 TURNS = [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]
 GOOD = {"messages": TURNS}

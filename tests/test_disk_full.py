@@ -12,7 +12,7 @@ import stat
 import pytest
 import torch
 
-from fsdp_recipes.checkpoint import (
+from fsdp_recipes.train.checkpoint import (
     CHECKPOINTS,
     TrainingProgress,
     disk_full_cause,
@@ -20,7 +20,7 @@ from fsdp_recipes.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fsdp_recipes.errors import ConfigError, DiskFullError, UserError, exit_on_user_error
+from fsdp_recipes.common.errors import ConfigError, DiskFullError, UserError, exit_on_user_error
 
 FULL = "/dev/full"  # every write fails with ENOSPC; opened in place, never replaced (no rename, no unlink)
 REAL_SAVE = torch.save

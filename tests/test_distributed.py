@@ -9,8 +9,8 @@ import pytest
 
 
 def test_fsdp1_yaml_on_cpu_is_refused_with_a_clear_error(monkeypatch):
-    import fsdp_recipes.distributed as distributed
-    from fsdp_recipes.errors import DistributedSetupError
+    import fsdp_recipes.distributed.accelerator as distributed
+    from fsdp_recipes.common.errors import DistributedSetupError
 
     monkeypatch.setattr(distributed, "has_accelerator_device", lambda: False)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
@@ -25,8 +25,8 @@ def test_guard_refuses_a_launch_that_degraded_into_independent_processes(monkeyp
 
     from accelerate.utils import DistributedType
 
-    from fsdp_recipes.distributed import refuse_degraded_launch
-    from fsdp_recipes.errors import DistributedSetupError
+    from fsdp_recipes.distributed.accelerator import refuse_degraded_launch
+    from fsdp_recipes.common.errors import DistributedSetupError
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun tells each process
     alone = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO)

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from conftest import DPO_STEPS, alongside, dpo_values, read_metrics, recipe_error_in_process, run_dpo
 from conftest import run_recipe_in_process
-from fsdp_recipes import losses
+from fsdp_recipes.train import losses
 from fsdp_recipes.data import preference
-from fsdp_recipes.faults import FAULT_ENV, InjectedFault
+from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
 
 FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -72,7 +72,7 @@ def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_v
 def test_values_precomputed_on_two_ranks_are_one_process_values(dpo_launches, one_process_precomputed):
     """Each rank computes its share of the pairs; gathered, every pair's values are the ones one process computes, and
     training on them gives the losses of one process and of the live reference."""
-    from fsdp_recipes import reference
+    from fsdp_recipes.train import reference
 
     two_ranks = dpo_launches["precomputed"]
     tables = [reference.read_tables(run / "checkpoints" / "step-0") for run in (two_ranks, one_process_precomputed)]

@@ -14,9 +14,10 @@ import yaml
 
 from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, alongside, launch, load_recipe
 from conftest import recipe_config, require_success, run_recipe_in_process, write_jsonl, write_tiny_model_config
-from fsdp_recipes import evaluation, model_index, model_source
-from fsdp_recipes.config import parse_config
-from fsdp_recipes.errors import ConfigError
+from fsdp_recipes.train import evaluation
+from fsdp_recipes.publish import model_index, model_source
+from fsdp_recipes.train.config import parse_config
+from fsdp_recipes.common.errors import ConfigError
 
 GENERATION_ROWS = 13  # 2 ranks x 4 prompts per batch: the last global batch holds 5, padded with 3 copies
 
@@ -293,8 +294,8 @@ def test_a_checkpoint_of_a_run_without_fsdp_exports_too(tmp_path, tokenizer):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from fsdp_recipes.checkpoint import write_model_files
-    from fsdp_recipes.checkpoint_export import export_checkpoint
+    from fsdp_recipes.train.checkpoint import write_model_files
+    from fsdp_recipes.publish.checkpoint_export import export_checkpoint
 
     config = AutoConfig.from_pretrained(write_tiny_model_config(tmp_path / "config.json", tokenizer), num_labels=3)
     model = AutoModelForSequenceClassification.from_config(config)

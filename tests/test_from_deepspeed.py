@@ -13,8 +13,9 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import REPO
-from fsdp_recipes import cli, memory
-from fsdp_recipes.config_lint import exported_environment, lint_config_file
+from fsdp_recipes.tools import cli, memory
+from fsdp_recipes.distributed.launch_checks import exported_environment
+from fsdp_recipes.tools.linter import lint_config_file
 
 # What Hugging Face's DeepSpeed docs ship for ZeRO-3 with offload: everything the Trainer fills is "auto".
 HF_ZERO3_AUTO = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_recipes.errors import ConfigError
-from fsdp_recipes.hub import push_folder_to_hub, require_hub_token
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.publish.hub import push_folder_to_hub, require_hub_token
 
 
 class RecordingHubApi:

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (fsdp_recipes.adapters) in the SFT recipe: real 2-process FSDP2 runs for what distribution changes
+"""LoRA and QLoRA (fsdp_recipes.models.adapters) in the SFT recipe: real 2-process FSDP2 runs for what distribution changes
 (parity with one process, adapters gathered from every shard, checkpoints and resume), in-process for the rest."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from conftest import STEPS, alongside, lora_values, read_metrics, recipe_error_in_process, run_recipe_in_process, run_sft
-from fsdp_recipes import adapters, memory
-from fsdp_recipes.errors import ConfigError
+from fsdp_recipes.models import adapters
+from fsdp_recipes.tools import memory
+from fsdp_recipes.common.errors import ConfigError
 
 RESUMED_FROM = 3
 
@@ -59,7 +60,7 @@ def test_the_adapter_folder_reloads_onto_the_base_as_the_trained_model(run, requ
     from transformers import AutoTokenizer
 
     from fsdp_recipes.data import chat, files, rows
-    from fsdp_recipes.losses import causal_lm_loss_sum, count_targets
+    from fsdp_recipes.train.losses import causal_lm_loss_sum, count_targets
 
     out = request.getfixturevalue(run)
     config = json.loads((out / "adapter_config.json").read_text())
@@ -160,7 +161,7 @@ def test_a_sharded_lora_checkpoint_resumes_on_another_world_size(lora_reference_
 
 @pytest.mark.slow
 def test_export_turns_a_lora_checkpoint_into_the_runs_adapter_and_merged_model(tmp_path, lora_reference_run):
-    from fsdp_recipes import cli
+    from fsdp_recipes.tools import cli
 
     checkpoint = lora_reference_run / "checkpoints" / f"step-{STEPS:08d}"  # the trained state: the run's last step
     assert cli.main(["export", str(checkpoint), str(tmp_path / "exported"), "--merged"]) == 0
@@ -229,7 +230,7 @@ def test_qlora_without_bitsandbytes_is_refused(tmp_path, pretrained_tiny_model, 
 def test_uint8_4bit_storage_is_refused_under_fsdp(tiny_model_config):
     from transformers import AutoConfig
 
-    from fsdp_recipes.config import TrainingConfig
+    from fsdp_recipes.train.config import TrainingConfig
 
     config = TrainingConfig(model_name_or_path="m", dataset_name="d", use_peft=True, load_in_4bit=True,
                             bnb_4bit_quant_storage="uint8")
@@ -247,7 +248,7 @@ def test_the_estimator_counts_the_adapters_peft_creates(tiny_model_config, targe
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
 
-    from fsdp_recipes.modeling import meta_model
+    from fsdp_recipes.models.modeling import meta_model
 
     model_config = AutoConfig.from_pretrained(tiny_model_config)
     info = memory.model_info_from_config(model_config)

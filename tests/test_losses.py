@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
-from fsdp_recipes.losses import IGNORE_INDEX, ChunkedCrossEntropy, TokenLoss, chunked_token_losses
+from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.train.losses import ChunkedCrossEntropy, TokenLoss, chunked_token_losses
 
 VOCAB = 300
 

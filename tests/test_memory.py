@@ -1,4 +1,4 @@
-"""The memory estimator (fsdp_recipes.memory, `fsdp-recipes estimate`): its state bytes against what real FSDP2 ranks
+"""The memory estimator (fsdp_recipes.tools.memory, `fsdp-recipes estimate`): its state bytes against what real FSDP2 ranks
 hold on CPU at 1, 2 and 4 processes, its sharding arithmetic, its activation formula, and its command line."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FSDP_CPU_CONFIG, REPO, write_tiny_model_config
-from fsdp_recipes import memory
-from fsdp_recipes.errors import ConfigError
+from conftest import FSDP_CPU_CONFIG, REPO
+from fsdp_recipes.tools import memory
+from fsdp_recipes.common.errors import ConfigError
 
 LLAMA_8B = REPO / "tests" / "data" / "llama-3-8b-like_config.json"
 GiB = 2**30
@@ -293,7 +293,7 @@ def test_packed_rows_are_as_wide_as_packing_row_length():
 def test_a_reference_model_copy_is_counted_for_the_mode_the_recipe_config_chooses(capsys, tmp_path, monkeypatch):
     """A recipe whose config class has TRL's precompute_ref_log_probs keeps a reference model: a frozen copy at the
     compute dtype, sharded like the policy, unless its values are precomputed or it is the policy without adapters."""
-    from fsdp_recipes.catalog import config_class_fields
+    from fsdp_recipes.tools.catalog import config_class_fields
 
     dpo, sft = config_class_fields(REPO / "recipes" / "dpo.py"), config_class_fields(REPO / "recipes" / "sft.py")
     assert memory.frozen_copies_from_recipe({}, dpo) == 1

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdp_recipes.metrics import MetricsLog, StepLogger, ThroughputWindow
+from fsdp_recipes.train.metrics import MetricsLog, StepLogger, ThroughputWindow
 
 
 def batch(rows: int, width: int, real: int) -> dict:

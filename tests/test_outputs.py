@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from fsdp_recipes.outputs import output_dir_problem
+from fsdp_recipes.common.outputs import output_dir_problem
 
 
 def test_new_and_empty_folders_are_fine(tmp_path):

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from fsdp_recipes import losses
+from fsdp_recipes.train import losses
 from fsdp_recipes.data import preference
-from fsdp_recipes.errors import DataError
-from fsdp_recipes.losses import IGNORE_INDEX
+from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.rows import IGNORE_INDEX
 from test_losses import tiny_llama
 
 

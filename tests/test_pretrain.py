@@ -28,8 +28,8 @@ from conftest import (
     write_tiny_model_config,
 )
 from fsdp_recipes.data import text
-from fsdp_recipes.errors import DataError
-from fsdp_recipes.losses import IGNORE_INDEX
+from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.rows import IGNORE_INDEX
 
 PRETRAIN = REPO / "recipes" / "pretrain.py"
 STORIES = sorted((REPO / "demo" / "assets" / "text").glob("train-*.jsonl"))
@@ -278,8 +278,8 @@ def test_tokenizer_without_eos(tmp_path, values, capsys):
 
 
 def test_config_problems_are_reported_together(tmp_path, values):
-    from fsdp_recipes.config import parse_config
-    from fsdp_recipes.errors import ConfigError
+    from fsdp_recipes.train.config import parse_config
+    from fsdp_recipes.common.errors import ConfigError
 
     values.update(streaming=True, max_steps=-1, packing_strategy="bfd", cross_document_attention=True)
     with pytest.raises(ConfigError) as error:
@@ -403,7 +403,7 @@ def test_killed_streaming_run_resumes_bit_for_bit(launches):
 def test_exported_model_reproduces_the_logged_eval_loss(launches):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.losses import causal_lm_loss_sum, count_targets
+    from fsdp_recipes.train.losses import causal_lm_loss_sum, count_targets
 
     folder = launches["reference"]
     model = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -89,7 +89,7 @@ def eval_loss_of_exported_model(folder: Path, data: Path) -> float:
 
     from fsdp_recipes.data.chat import tokenize_dataset
     from fsdp_recipes.data.rows import build_rows, collate_rows
-    from fsdp_recipes.losses import causal_lm_loss_sum, count_targets
+    from fsdp_recipes.train.losses import causal_lm_loss_sum, count_targets
 
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -13,17 +13,17 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import write_tiny_model_config
-from fsdp_recipes import cli
-from fsdp_recipes.config_lint import (
+from fsdp_recipes.tools import cli
+from fsdp_recipes.distributed.launch_checks import (
     ERROR,
     WARNING,
     check_launch_environment,
     exported_environment,
-    lint_config_file,
     lint_launch_environment,
 )
-from fsdp_recipes.errors import ConfigError
-from fsdp_recipes.topology import CONFIG_DIR, cluster_config, load_topologies, stale_files
+from fsdp_recipes.tools.linter import lint_config_file
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.tools.topology import CONFIG_DIR, cluster_config, load_topologies, stale_files
 
 TOPOLOGIES = load_topologies()
 BY_FILE = {t.file: t for t in TOPOLOGIES}

@@ -159,8 +159,8 @@ def test_a_wrap_class_the_model_lacks_stops_the_recipe_before_weights_load(tiny_
     from accelerate.utils import DistributedType
     from transformers import AutoConfig
 
-    from fsdp_recipes.errors import ConfigError
-    from fsdp_recipes.modeling import resolve_wrap_classes
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.models.modeling import resolve_wrap_classes
 
     plugin = SimpleNamespace(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"])
     accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin))

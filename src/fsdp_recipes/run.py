@@ -27,21 +27,25 @@ from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, broadca
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import adapters
-from . import checkpoint as checkpoints_lib
-from .config import TrainingConfig, config_to_dict
-from .config_lint import check_launch_environment
-from .distributed import build_accelerator, describe_run, launch_environment, on_every_rank_together, sum_over_ranks
-from .errors import ConfigError
-from .evaluation import LossEvaluator, LossSum
-from .export import export_model_folder, write_model_card
-from .faults import inject_fault
-from .hub import push_folder_to_hub, require_hub_token
-from .losses import loss_implementation_problem
-from .memory import estimate_for_run, held_state_bytes
-from .metrics import MetricsLog, StepLogger, device_name, format_table, numeric_fields, peak_flops_per_device
-from .metrics import plot_training_curves, write_json
-from .modeling import (
+from fsdp_recipes.models import adapters
+from fsdp_recipes.train import checkpoint as checkpoints_lib
+from fsdp_recipes.train.config import TrainingConfig, config_to_dict
+from fsdp_recipes.distributed.launch_checks import check_launch_environment
+from fsdp_recipes.distributed.accelerator import build_accelerator, describe_run, launch_environment
+from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.train.evaluation import LossEvaluator, LossSum
+from fsdp_recipes.publish.export import export_model_folder, write_model_card
+from fsdp_recipes.common.faults import inject_fault
+from fsdp_recipes.publish.hub import push_folder_to_hub, require_hub_token
+from fsdp_recipes.train.losses import loss_implementation_problem
+from fsdp_recipes.tools.memory import estimate_for_run
+from fsdp_recipes.train.metrics import held_state_bytes
+from fsdp_recipes.train.metrics import MetricsLog, StepLogger, device_name, numeric_fields, peak_flops_per_device
+from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.train.metrics import plot_training_curves
+from fsdp_recipes.common.yaml_json import write_json
+from fsdp_recipes.models.modeling import (
     activation_checkpointing_mechanism,
     check_one_activation_checkpointing,
     check_packing_is_isolated,
@@ -53,8 +57,8 @@ from .modeling import (
     resolve_attn_implementation,
     resolve_wrap_classes,
 )
-from .outputs import output_dir_problem
-from .training import BatchStream
+from fsdp_recipes.common.outputs import output_dir_problem
+from fsdp_recipes.train.loop import BatchStream
 
 T = TypeVar("T")
 

@@ -6,9 +6,9 @@ import runpy
 import sys
 from pathlib import Path
 
-import fsdp_recipes.distributed
+import fsdp_recipes.distributed.accelerator
 
-fsdp_recipes.distributed.has_accelerator_device = lambda: True
+fsdp_recipes.distributed.accelerator.has_accelerator_device = lambda: True
 sft = Path(__file__).resolve().parents[2] / "recipes" / "sft.py"
 sys.argv = [str(sft), *sys.argv[1:]]
 runpy.run_path(str(sft), run_name="__main__")

@@ -15,7 +15,7 @@ from datasets import Dataset
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from ..errors import DataError
+from fsdp_recipes.common.errors import DataError
 
 
 def detect_format(column_names: list[str]) -> str:

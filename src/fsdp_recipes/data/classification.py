@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from datasets import ClassLabel, Dataset
 
-from ..errors import DataError
+from fsdp_recipes.common.errors import DataError
 
 
 def check_columns(dataset: Dataset, *, text_column: str, text_pair_column: str | None, label_column: str | None,

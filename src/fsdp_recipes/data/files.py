@@ -18,7 +18,7 @@ from datasets.exceptions import DataFilesNotFoundError, DatasetBuildError, Datas
 from datasets.table import CastError
 from huggingface_hub.errors import HfHubHTTPError
 
-from ..errors import DataError
+from fsdp_recipes.common.errors import DataError
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 _ONE_DOCUMENT_PER_TEXT_FILE = {"sample_by": "document"}  # datasets' default cuts a text file at every line

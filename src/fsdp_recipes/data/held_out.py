@@ -12,8 +12,8 @@ from typing import Any
 
 from datasets import Dataset
 
-from ..errors import DataError
-from . import chat, rows
+from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import chat, rows
 
 
 def _chat_format(columns: list[str]) -> bool:

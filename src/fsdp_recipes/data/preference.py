@@ -20,9 +20,9 @@ from datasets import Dataset
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from ..errors import DataError
-from .chat import TemplatePrefixError, conversation_problem, tokenize_example
-from .rows import collate_rows, shifted_targets
+from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.chat import TemplatePrefixError, conversation_problem, tokenize_example
+from fsdp_recipes.data.rows import collate_rows, shifted_targets
 
 FORMATS = {
     "explicit": ("prompt", "chosen", "rejected"),

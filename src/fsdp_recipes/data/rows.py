@@ -15,7 +15,8 @@ import random
 import torch
 from datasets import Dataset
 
-from ..losses import IGNORE_INDEX
+IGNORE_INDEX = -100  # targets that carry no loss (prompt tokens, padding, the last token of each example)
+
 
 
 def shifted_targets(input_ids: list[int], loss_mask: list[int]) -> list[int]:

@@ -36,10 +36,10 @@ import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
-from ..errors import DataError
-from ..losses import IGNORE_INDEX
-from . import files
-from . import rows as rows_lib
+from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.data import files
+from fsdp_recipes.data import rows as rows_lib
 
 PACKING_STRATEGIES = ("wrapped", "bfd")
 _WINDOW_ROWS = 64  # bfd fits the documents of about this many rows at once: a larger window pads less, but holds more

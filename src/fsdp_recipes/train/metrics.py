@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fsdp_recipes.common.tables import format_value
+
 
 class MetricsLog:
     """Appends records to `output_dir/metrics.jsonl` and prints them; a no-op on non-main processes."""
@@ -41,7 +43,7 @@ class MetricsLog:
             handle.write(json.dumps(record) + "\n")
         if self.tracker is not None:
             self.tracker(record)
-        self.printer(" ".join(f"{key}={_short(value)}" for key, value in record.items()))
+        self.printer(" ".join(f"{key}={format_value(value)}" for key, value in record.items()))
 
     def mean(self, key: str) -> float | None:
         """Mean over the records that have `key`, leaving out warm-up windows (the first window of each process
@@ -71,24 +73,12 @@ def numeric_fields(record: dict[str, Any], *, keep_text: bool = False) -> dict[s
     return {key: value for key, value in record.items() if accepted(value)}
 
 
-def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
-
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list) and value and isinstance(value[0], float):
-        return "[" + ", ".join(f"{v:.4g}" for v in value) + "]"
-    return str(value)
 
 
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets; matched against the device name.
@@ -173,11 +163,6 @@ class ThroughputWindow:
         return self.width_sum / max(self.batches, 1)
 
 
-def format_table(rows: list[tuple[str, Any]]) -> str:
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"  {name.ljust(width)}  {_short(value)}" for name, value in rows)
-
-
 def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Path | None:
     """Train/eval loss and tokens/s against step, as a PNG. A bare `Figure` with fixed margins: pyplot's machinery
     and an automatic layout would cost the end of every run ~2 s on a small CPU, for nothing a PNG needs."""
@@ -207,7 +192,7 @@ def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Pat
 def throughput_record(accelerator, window: ThroughputWindow, *, model_config, non_embedding_parameters: int,
                       peak_flops: float | None) -> dict[str, Any]:
     """Collective: speed, padding, FLOPs and memory over the window, for all ranks together."""
-    from .distributed import sum_over_ranks, values_of_all_ranks
+    from fsdp_recipes.distributed.collectives import sum_over_ranks, values_of_all_ranks
 
     elapsed = window.elapsed
     real_tokens = sum_over_ranks(accelerator, window.real_tokens)
@@ -250,7 +235,7 @@ class StepLogger:
         """Collective at logging steps (all ranks call it every step). `loss_sum` is this rank's summed loss over the
         step's `target_count` targets (or examples) of all ranks; each of `sums` is this rank's sum of a per-example
         figure, logged as its mean over the step's global batch."""
-        from .distributed import sum_over_ranks
+        from fsdp_recipes.distributed.collectives import sum_over_ranks
 
         self.window.steps += 1
         if step % self.every and step != self.total_steps:
@@ -282,3 +267,28 @@ class StepLogger:
                 "achieved_flops_per_device")
         return {**{key: self.log.mean(key) for key in keys},
                 "peak_memory_gib_max": max(self.log.last("peak_memory_gib_per_rank") or [0.0])}
+
+
+def held_state_bytes(model, optimizer) -> dict[str, int]:
+    """What this rank really holds, to set beside `state_bytes_on_rank`: the storage behind its parameter and gradient
+    shards (FSDP2 allocates them padded; gradients may share one buffer) and its AdamW state tensors. Call it after an
+    optimizer step, before the gradients are zeroed."""
+    import torch
+
+    def local(tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    def storage_bytes(tensors) -> int:
+        storages = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    states = [local(value) for state in inner.state.values() for value in state.values() if torch.is_tensor(value)]
+    return {
+        "parameters": storage_bytes(local(p) for p in model.parameters()),
+        "gradients": storage_bytes(local(p.grad) for p in model.parameters() if p.grad is not None),
+        "optimizer_state": sum(t.numel() * t.element_size() for t in states),
+    }

@@ -3,7 +3,7 @@ classes, the head, the loss and the predictions.
 
 The loss of an optimizer step is the (class-weighted) mean over every example of the global batch, whatever its split
 into ranks and micro-batches: each rank sums `weight[label] x cross-entropy` and scales by world size / (sum of the
-weights of the global batch), as the token losses in `fsdp_recipes.losses` do with their target counts.
+weights of the global batch), as the token losses in `fsdp_recipes.train.losses` do with their target counts.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from .checkpoint import saved_model_config_path
-from .errors import DataError
+from fsdp_recipes.train.checkpoint import saved_model_config_path
+from fsdp_recipes.common.errors import DataError
 
 
 def configure(model_config, label_names: list[str], *, pad_token_id: int) -> None:

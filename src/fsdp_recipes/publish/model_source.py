@@ -1,5 +1,5 @@
 """What an evaluation loads: a model folder, a Hub id, or a recipe checkpoint (`output_dir/checkpoints/step-N`),
-which holds sharded weights and is exported to a temporary model folder first (`fsdp_recipes.checkpoint_export`)."""
+which holds sharded weights and is exported to a temporary model folder first (`fsdp_recipes.publish.checkpoint_export`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from .checkpoint import MODEL_FILES, PROGRESS, RUN_INFO
-from .checkpoint_export import export_checkpoint
-from .distributed import on_every_rank_together
-from .errors import ConfigError
+from fsdp_recipes.train.checkpoint import MODEL_FILES, PROGRESS, RUN_INFO
+from fsdp_recipes.publish.checkpoint_export import export_checkpoint
+from fsdp_recipes.distributed.collectives import on_every_rank_together
+from fsdp_recipes.common.errors import ConfigError
 
 
 @dataclasses.dataclass

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-IGNORE_INDEX = -100  # targets that carry no loss (prompt tokens, padding, the last token of each example)
-
+from fsdp_recipes.data.rows import IGNORE_INDEX
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["targets"] != IGNORE_INDEX).sum())

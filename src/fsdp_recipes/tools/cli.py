@@ -29,7 +29,7 @@ def configs_command(parser: argparse.ArgumentParser) -> Runner:
     generate.add_argument("--config-dir", type=Path, default=None, help="default: the repository's accelerate_configs/")
 
     def run(args: argparse.Namespace) -> int:
-        from . import topology
+        from fsdp_recipes.tools import topology
 
         config_dir = args.config_dir or topology.CONFIG_DIR
         if args.check:
@@ -60,7 +60,8 @@ def validate_config_command(parser: argparse.ArgumentParser) -> Runner:
                         help="also print the FSDP_*/ACCELERATE_* variables `accelerate launch` would export (for torchrun)")
 
     def run(args: argparse.Namespace) -> int:
-        from .config_lint import ERROR, exported_environment, lint_config_file
+        from fsdp_recipes.distributed.launch_checks import ERROR, exported_environment
+        from fsdp_recipes.tools.linter import lint_config_file
 
         findings = lint_config_file(args.config_file, model=args.model, trust_remote_code=args.trust_remote_code)
         for finding in findings:
@@ -77,7 +78,7 @@ def validate_config_command(parser: argparse.ArgumentParser) -> Runner:
 
 @subcommand("estimate", help="memory per GPU for a model under an Accelerate config, before launching")
 def estimate_command(parser: argparse.ArgumentParser) -> Runner:
-    from .memory import add_estimate_arguments, run_estimate
+    from fsdp_recipes.tools.memory import add_estimate_arguments, run_estimate
 
     add_estimate_arguments(parser)
     return run_estimate
@@ -96,7 +97,7 @@ def export_command(parser: argparse.ArgumentParser) -> Runner:
                         "the base model named in the checkpoint's recipe config)")
 
     def run(args: argparse.Namespace) -> int:
-        from .checkpoint_export import export_checkpoint
+        from fsdp_recipes.publish.checkpoint_export import export_checkpoint
 
         folder = export_checkpoint(
             args.checkpoint, args.output_dir, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
@@ -116,7 +117,7 @@ def ls_command(parser: argparse.ArgumentParser) -> Runner:
                         "the linter, the model's wrap classes, the memory estimate); exit 1 on a problem")
 
     def run(args: argparse.Namespace) -> int:
-        from .catalog import Catalog, listing
+        from fsdp_recipes.tools.catalog import Catalog, listing
 
         catalog = Catalog()
         print("\n".join(listing(catalog, args.text)))
@@ -141,7 +142,7 @@ def cp_command(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("--force", action="store_true", help="overwrite copied files that exist and differ")
 
     def run(args: argparse.Namespace) -> int:
-        from .catalog import Catalog
+        from fsdp_recipes.tools.catalog import Catalog
 
         print("\n".join(Catalog().copy(args.name, args.dest, force=args.force)))
         return 0
@@ -151,7 +152,7 @@ def cp_command(parser: argparse.ArgumentParser) -> Runner:
 
 @subcommand("from-deepspeed", help="the FSDP2 Accelerate config and recipe fields equivalent to a DeepSpeed config")
 def from_deepspeed_command(parser: argparse.ArgumentParser) -> Runner:
-    from .from_deepspeed import add_arguments, run
+    from fsdp_recipes.tools.from_deepspeed import add_arguments, run
 
     add_arguments(parser)
     return run
@@ -180,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import UserError
+    from fsdp_recipes.common.errors import UserError
 
     args = build_parser().parse_args(argv)
     try:

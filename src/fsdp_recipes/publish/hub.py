@@ -9,7 +9,7 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, get_token
 
-from .errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError
 
 # Training by-products that do not belong in a model repo: resumable checkpoints are large and rank-specific.
 EXCLUDED_DIRECTORIES = ("checkpoints",)

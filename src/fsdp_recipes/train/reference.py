@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from .errors import ConfigError
-from .losses import TokenLoss, sequence_log_probs
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.train.losses import TokenLoss, sequence_log_probs
 
 MODES = ("adapters", "model", "precomputed")
 PRECOMPUTED_FILE = "reference_log_probs.json"

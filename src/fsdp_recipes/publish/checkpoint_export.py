@@ -18,11 +18,11 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from .checkpoint import MODEL_FILES, RUN_INFO, read_progress
-from .errors import ConfigError
-from .export import ExportVerificationError, write_model_card
-from .modeling import meta_model, tied_duplicate_names
-from .outputs import output_dir_problem
+from fsdp_recipes.train.checkpoint import MODEL_FILES, RUN_INFO, read_progress
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.publish.export import ExportVerificationError, write_model_card
+from fsdp_recipes.models.modeling import meta_model, tied_duplicate_names
+from fsdp_recipes.common.outputs import output_dir_problem
 
 SHARDED_MODEL = "pytorch_model_fsdp_0"
 FULL_MODEL = "pytorch_model_fsdp.bin"
@@ -89,7 +89,7 @@ def _export_adapter_checkpoint(checkpoint: Path, output_dir: Path, tensors, reci
     as adapter_config.json, the tokenizer and a card."""
     from types import SimpleNamespace
 
-    from .adapters import MERGED_FOLDER, load_base, lora_config, reload_adapter
+    from fsdp_recipes.models.adapters import MERGED_FOLDER, load_base, lora_config, reload_adapter
 
     settings = SimpleNamespace(**recipe_config)
     names = tensors.names()

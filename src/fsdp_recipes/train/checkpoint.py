@@ -33,9 +33,9 @@ from pathlib import Path
 from accelerate import Accelerator
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .adapters import checkpoint_state_filter
-from .errors import ConfigError, DiskFullError
-from .faults import inject_fault
+from fsdp_recipes.models.adapters import checkpoint_state_filter
+from fsdp_recipes.common.errors import ConfigError, DiskFullError
+from fsdp_recipes.common.faults import inject_fault
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

@@ -6,7 +6,7 @@ recipe field), approximated (mapped to the nearest FSDP behaviour, with the diff
 (with the reason). Nothing is dropped without a word. `"auto"` values (what Hugging Face's DeepSpeed integration
 writes, to be filled from the training arguments) are resolved where the FSDP side needs a value and otherwise left
 to the recipe config, and listed either way. The YAML itself is written by the generator of the shipped configs
-(fsdp_recipes.topology), so it passes the linter. The mapping and its reasons: docs/from-deepspeed.md.
+(fsdp_recipes.tools.topology), so it passes the linter. The mapping and its reasons: docs/from-deepspeed.md.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, UserError
-from .topology import Topology, render_config
+from fsdp_recipes.common.errors import ConfigError, UserError
+from fsdp_recipes.tools.topology import Topology, render_config
 
 AUTO = "auto"
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError
 
 FP32 = 4
 COMPUTE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
@@ -213,7 +213,7 @@ def topology_from_dict(raw: dict, *, where: str = "the Accelerate config") -> To
 def load_topology(path: str | Path) -> Topology:
     """An Accelerate YAML file -> Topology (plain YAML: accelerate's loader would validate nothing inside fsdp_config
     either)."""
-    from .config import load_yaml_mapping
+    from fsdp_recipes.common.yaml_json import load_yaml_mapping
 
     return topology_from_dict(load_yaml_mapping(path), where=f"Accelerate config {str(path)!r}")
 
@@ -334,7 +334,7 @@ def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo
 
 
 def _load_config(model: str, *, trust_remote_code: bool = False):
-    from .modeling import load_model_config
+    from fsdp_recipes.models.modeling import load_model_config
 
     path = Path(model).expanduser()
     looks_local = model.startswith(("/", "./", "../", "~")) or model.endswith(".json") or model.count("/") > 1
@@ -540,7 +540,7 @@ def state_bytes_on_rank(units: list[Unit], topology: Topology, rank: int = 0, *,
 
 @dataclass(frozen=True)
 class Adapters:
-    """LoRA as the recipes apply it (fsdp_recipes.adapters): rank-`rank` A (rank x in) and B (out x rank) matrices,
+    """LoRA as the recipes apply it (fsdp_recipes.models.adapters): rank-`rank` A (rank x in) and B (out x rank) matrices,
     fp32 and trainable, on the linear layers of the decoder blocks named in `target_modules` (None: all of them), plus
     DoRA's magnitude vector (out) per adapted layer; the base frozen at `frozen_bytes` per element (its compute dtype:
     no fp32 master copy, no gradient, no optimizer state). Modules trained in full beside the adapters
@@ -591,12 +591,12 @@ def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], topology: To
 def frozen_copies_from_recipe(recipe: dict[str, Any], config_fields: frozenset[str]) -> int:
     """For a recipe config read as a mapping (`fsdp-recipes estimate`, `ls`), with the field names of the recipe's
     config class: the whole frozen model copies the run will keep beside the model it trains. A recipe whose config
-    has TRL's `precompute_ref_log_probs` has a reference model; fsdp_recipes.reference decides when it is a copy."""
+    has TRL's `precompute_ref_log_probs` has a reference model; fsdp_recipes.train.reference decides when it is a copy."""
     if "precompute_ref_log_probs" not in config_fields:
         return 0
     from types import SimpleNamespace
 
-    from . import reference
+    from fsdp_recipes.train import reference
 
     settings = SimpleNamespace(precompute_ref_log_probs=bool(recipe.get("precompute_ref_log_probs", False)),
                                use_peft=bool(recipe.get("use_peft", False)))
@@ -610,31 +610,6 @@ def for_recipe(topology: Topology, recipe: Any) -> Topology:
     if get("gradient_checkpointing", False) and not topology.activation_checkpointing:
         return dataclasses.replace(topology, activation_checkpointing=True)
     return topology
-
-
-def held_state_bytes(model, optimizer) -> dict[str, int]:
-    """What this rank really holds, to set beside `state_bytes_on_rank`: the storage behind its parameter and gradient
-    shards (FSDP2 allocates them padded; gradients may share one buffer) and its AdamW state tensors. Call it after an
-    optimizer step, before the gradients are zeroed."""
-    import torch
-
-    def local(tensor):
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-    def storage_bytes(tensors) -> int:
-        storages = {}
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
-
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
-    states = [local(value) for state in inner.state.values() for value in state.values() if torch.is_tensor(value)]
-    return {
-        "parameters": storage_bytes(local(p) for p in model.parameters()),
-        "gradients": storage_bytes(local(p.grad) for p in model.parameters() if p.grad is not None),
-        "optimizer_state": sum(t.numel() * t.element_size() for t in states),
-    }
 
 
 def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) -> dict[str, int]:
@@ -901,7 +876,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_estimate(args: argparse.Namespace) -> int:
     """`fsdp-recipes estimate`. Raises ConfigError (exit 2 through the CLI) on bad input."""
-    from .config import load_yaml_mapping
+    from fsdp_recipes.common.yaml_json import load_yaml_mapping
 
     gpu_memory = parse_size(args.gpu_memory)
     reserve = parse_reserve(args.reserve, gpu_memory)
@@ -930,7 +905,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     topology = for_recipe(topology, recipe)
     frozen_copies = 0
     if args.recipe_config:
-        from .catalog import recipe_config_fields
+        from fsdp_recipes.tools.catalog import recipe_config_fields
 
         frozen_copies = frozen_copies_from_recipe(recipe, recipe_config_fields(Path(args.recipe_config)))
     est = estimate(info, topology, workload, gpu_memory=gpu_memory, reserve=reserve, model_name=str(model),
@@ -993,8 +968,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point until `fsdp-recipes estimate` is wired: python -m fsdp_recipes.memory ..."""
-    from .errors import UserError
+    """Stand-alone entry point until `fsdp-recipes estimate` is wired: python -m fsdp_recipes.tools.memory ..."""
+    from fsdp_recipes.common.errors import UserError
 
     parser = argparse.ArgumentParser(prog="fsdp-recipes estimate", description=__doc__.splitlines()[0])
     add_estimate_arguments(parser)

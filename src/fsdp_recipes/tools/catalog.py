@@ -2,7 +2,7 @@
 
 `fsdp-recipes ls` shows every recipe (`recipes/<name>.py`, with the first line of its docstring) and every config of it
 (`recipes/configs/<name>/*.yaml`): the model, the method, the Accelerate config it is meant for and the estimated memory
-per GPU (fsdp_recipes.memory). `fsdp-recipes cp` copies a recipe or a config, with what it needs, for editing.
+per GPU (fsdp_recipes.tools.memory). `fsdp-recipes cp` copies a recipe or a config, with what it needs, for editing.
 
 What a config is meant for is read from its opening comment, which every config has: the command that launches it,
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError, UserError
+from fsdp_recipes.common.errors import ConfigError, UserError
 
 DEFAULT_GPU_MEMORY = "80GB"
 HUB_CONFIGS = Path("tests/data/hub_configs")  # <hub id>/config.json: model shapes, relative to the root
@@ -44,13 +44,13 @@ HUB_CONFIGS = Path("tests/data/hub_configs")  # <hub id>/config.json: model shap
 def source_root() -> Path:
     """The folder holding recipes/, accelerate_configs/, demo/: the checkout this package runs from, or the copy
     packaged in the wheel."""
-    checkout = Path(__file__).resolve().parents[2]
+    checkout = Path(__file__).resolve().parents[3]
     if (checkout / "recipes").is_dir() and (checkout / "pyproject.toml").is_file():
         return checkout
-    bundled = Path(__file__).resolve().parent / "bundled"
+    bundled = Path(__file__).resolve().parents[1] / "bundled"  # fsdp_recipes/bundled, written by setup.py
     if not (bundled / "recipes").is_dir():
         raise UserError(
-            f"no recipes found next to {Path(__file__).parent}: this installation was built without them. Install "
+            f"no recipes found in {bundled}: this installation was built without them. Install "
             "fsdp-recipes from a wheel built by `pip wheel` (setup.py bundles them), or run from a clone."
         )
     return bundled
@@ -151,7 +151,7 @@ def parse_launch_command(comment: list[str], *, where: str) -> LaunchCommand | N
 def config_class_fields(script: Path) -> frozenset[str]:
     """The field names of the config classes (`class ...Config(...)`) a recipe script defines, read without importing
     it, with the shared TrainingConfig's."""
-    from . import config as config_lib
+    from fsdp_recipes.train import config as config_lib
 
     fields = {field.name for field in dataclasses.fields(config_lib.TrainingConfig)}
     for node in ast.walk(ast.parse(script.read_text())):
@@ -182,8 +182,8 @@ def gpu_memory_line(comment: list[str]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def model_info(config_file: Path):
-    """fsdp_recipes.memory's shapes of a model config.json, built once per process (a weightless model per call)."""
-    from . import memory
+    """fsdp_recipes.tools.memory's shapes of a model config.json, built once per process (a weightless model per call)."""
+    from fsdp_recipes.tools import memory
 
     return memory.load_model_info(str(config_file))
 
@@ -277,8 +277,8 @@ class Catalog:
         return path if path.is_file() else None
 
     def estimate(self, config: RecipeConfig):
-        """fsdp_recipes.memory's estimate for the config on the topology it is meant for. Raises ConfigError."""
-        from . import memory
+        """fsdp_recipes.tools.memory's estimate for the config on the topology it is meant for. Raises ConfigError."""
+        from fsdp_recipes.tools import memory
 
         model = self.model_file(config)
         if model is None:
@@ -300,7 +300,8 @@ class Catalog:
         """Why the config would not run as its opening comment says: the command names another recipe or config,
         the Accelerate config (with the command's flags) fails the linter, the model lacks the wrap classes, or the
         estimate exceeds the GPU memory. Empty if none."""
-        from .config_lint import ERROR, lint_config_file
+        from fsdp_recipes.distributed.launch_checks import ERROR
+        from fsdp_recipes.tools.linter import lint_config_file
 
         launch = config.launch
         if launch is None:
@@ -449,7 +450,7 @@ def _flags(overrides: dict[str, Any]) -> list[str]:
 # --- fsdp-recipes ls ------------------------------------------------------------------------------------------------
 def listing(catalog: Catalog, text: str | None = None) -> list[str]:
     """The lines `fsdp-recipes ls` prints; `text` keeps only recipes and configs whose names contain it."""
-    from . import topology as topology_lib
+    from fsdp_recipes.tools import topology as topology_lib
 
     devices = {}
     topologies_file = catalog.root / "accelerate_configs" / "topologies.yaml"

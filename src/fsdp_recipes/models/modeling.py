@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
-from .errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError
 
 # What a recipe trains: the transformers Auto class that builds it, and the Hub's pipeline tag for its card.
 TASKS = {
@@ -166,7 +166,7 @@ def load_model(
     device=None,
 ) -> torch.nn.Module:
     """Weights in fp32 by default: FSDP's mixed-precision policy (from the Accelerate YAML) casts for compute and keeps
-    fp32 master weights (a frozen LoRA base is loaded in its compute dtype instead: fsdp_recipes.adapters). Create the
+    fp32 master weights (a frozen LoRA base is loaded in its compute dtype instead: fsdp_recipes.models.adapters). Create the
     Accelerator first, so that low-RAM loading under FSDP can see the process group. `quantization_config` (QLoRA)
     quantises while loading, on `device`."""
     model_class = auto_model_class(task)

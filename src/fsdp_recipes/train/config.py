@@ -12,16 +12,15 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-import os
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
 from transformers import HfArgumentParser, SchedulerType
 
-from .errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.yaml_json import load_yaml_mapping
 
 
 @dataclasses.dataclass
@@ -38,7 +37,7 @@ class TrainingConfig:
     trust_remote_code: bool = False  # runs Python code from the model repo: only for repos you trust
     attn_implementation: str | None = None  # null: sdpa where the model supports it, else eager (the run summary says
     # which). "eager" (slow, exact), "flash_attention_2" (GPU, needs flash-attn), "flex_attention"
-    # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.adapters) --------------------------------------
+    # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) --------------------------------------
     use_peft: bool = False  # train LoRA adapters on a frozen base: a fraction of the gradients and optimizer state,
     # output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)
     lora_r: int = 16  # adapter rank: larger = more capacity, more trainable parameters
@@ -164,7 +163,7 @@ class TrainingConfig:
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
             problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
-        from .adapters import adapter_config_problems  # noqa: PLC0415 (adapters imports peft)
+        from fsdp_recipes.models.adapters import adapter_config_problems  # noqa: PLC0415 (adapters imports peft)
 
         problems.extend(adapter_config_problems(self))
         if self.push_to_hub and not self.hub_model_id:
@@ -225,21 +224,6 @@ def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the valid ones"
     return f"unknown key {key!r} in {where}{hint}"
-
-
-def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {str(path)!r} must be a mapping of key: value, got {type(values).__name__}")
-    return values
 
 
 def parse_config(cls, argv: list[str] | None = None):

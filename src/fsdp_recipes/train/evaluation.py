@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from .data.rows import collate_rows
-from .errors import ConfigError
-from .losses import IGNORE_INDEX, count_targets
-from .metrics import MetricsLog
+from fsdp_recipes.data.rows import collate_rows
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.train.losses import count_targets
+from fsdp_recipes.train.metrics import MetricsLog
 
 LossSum = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 # (model, batch) -> per-example values of the batch: `predictions` and `references` (tensors or lists of strings) for

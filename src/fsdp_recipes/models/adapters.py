@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANT_TYPES = ("nf4", "fp4")
@@ -83,7 +83,7 @@ def check_before_loading(config, model_config, *, task: str, is_fsdp: bool, trus
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("load_in_4bit needs the bitsandbytes package: pip install -r requirements-qlora.txt "
                               "(or train LoRA without quantisation: load_in_4bit: false)")
-    from .modeling import meta_model
+    from fsdp_recipes.models.modeling import meta_model
 
     base = meta_model(model_config, task=task, trust_remote_code=trust_remote_code)
     _peft_model(base, config, task)
@@ -288,7 +288,7 @@ def compare_logits(expected: torch.Tensor, actual: torch.Tensor, *, tolerance: f
 
 def load_base(model_name_or_path: str, *, task: str, revision: str = "main", trust_remote_code: bool = False,
               model_config=None, quantization_config=None, device=None):
-    from .modeling import auto_model_class
+    from fsdp_recipes.models.modeling import auto_model_class
 
     options: dict[str, Any] = {}
     if model_config is not None:

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
-from .modeling import auto_model_class, pipeline_tag, tied_duplicate_names
+from fsdp_recipes.models.modeling import auto_model_class, pipeline_tag, tied_duplicate_names
 
 
 class ExportVerificationError(RuntimeError):
@@ -154,7 +154,7 @@ def write_model_card(
     eval_results: list | None = None,
     library_name: str = "transformers",
 ) -> Path:
-    """`eval_results` (huggingface_hub EvalResults, see fsdp_recipes.model_index) go into the card's model-index,
+    """`eval_results` (huggingface_hub EvalResults, see fsdp_recipes.publish.model_index) go into the card's model-index,
     which the Hub shows on the model page. `library_name` "peft": the folder is a LoRA adapter of `base_model`."""
     folder = Path(folder)
     dataset_id = dataset if dataset and not Path(dataset).exists() else None  # local paths are not Hub datasets
@@ -185,7 +185,7 @@ def write_model_card(
     path = folder / "README.md"
     card.save(path)
     if eval_results:
-        from .model_index import update_card
+        from fsdp_recipes.publish.model_index import update_card
 
         update_card(folder, eval_results, model_name=hub_model_id or folder.name, pipeline_tag=pipeline_tag(task))
     return path

@@ -20,9 +20,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from unittest import mock
 
-import yaml
 
-from .errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError
 
 ERROR, WARNING = "error", "warning"
 FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -315,94 +314,3 @@ def check_launch_environment(environ: Mapping[str, str] | None = None) -> list[F
     return [finding for finding in findings if finding.severity == WARNING]
 
 
-# --- the model ---------------------------------------------------------------------------------------------------
-def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> list[Finding]:
-    """Wrap classes and tied embeddings against a weightless copy of `model` (Hub id, folder, or config.json)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .modeling import load_model_config
-
-    fsdp = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in (raw.get("fsdp_config") or {}).items()}
-    if str(raw.get("distributed_type")) != "FSDP":
-        return []
-    is_config_file = Path(model).is_file()
-    config = load_model_config(None if is_config_file else model, model if is_config_file else None,
-                               trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        instance = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    present = {type(module).__name__ for module in instance.modules()}
-    no_split = list(getattr(instance, "_no_split_modules", None) or [])
-    policy = str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()
-    named = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-    requested = [name.strip() for name in str(named).split(",") if name.strip()] if named else []
-    findings = []
-    if policy == "TRANSFORMER_BASED_WRAP":
-        missing = [name for name in requested if name not in present]
-        if missing:
-            fix = f"set it to {', '.join(no_split)}" if no_split else "set it to the model's decoder layer class"
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                f"{', '.join(missing)} not in this {config.model_type} model; {fix}, or remove the key to use the "
-                "model's _no_split_modules",
-            ))
-        absent = sorted(name for name in no_split if name not in present) if not requested else []
-        if absent:  # accelerate wraps every class _no_split_modules names, and raises for one the model lacks
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                f"not set, so accelerate wraps the model's _no_split_modules, which name {', '.join(absent)}: not in "
-                f"this {config.model_type} model (accelerate raises); set it to "
-                f"{','.join(sorted(name for name in no_split if name in present))}",
-            ))
-        if not requested and not no_split:
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                f"not set and {config.model_type} models declare no _no_split_modules: name the decoder layer class",
-            ))
-    findings += _tied_embedding_findings(instance, policy, requested)
-    return findings
-
-
-def _tied_embedding_findings(model, policy: str, requested: list[str]) -> list[Finding]:
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if inputs is None or outputs is None or inputs.weight is not outputs.weight:
-        return []
-    # One tensor used by two modules must live in one FSDP unit (accelerate PR #4171): a policy that puts the
-    # embedding or the output head in a unit of its own splits it.
-    split_classes = {type(inputs).__name__, type(outputs).__name__} & set(requested)
-    if policy == "TRANSFORMER_BASED_WRAP" and split_classes:
-        return [Finding(
-            ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-            f"wraps {', '.join(sorted(split_classes))}, but the input embedding and the output head share one weight "
-            "(tie_word_embeddings): wrapping either on its own splits it between FSDP units; wrap only the decoder "
-            "layer class",
-        )]
-    if policy == "SIZE_BASED_WRAP":
-        return [Finding(
-            WARNING, "fsdp_config.fsdp_auto_wrap_policy",
-            "SIZE_BASED_WRAP with tied embeddings (tie_word_embeddings): the size policy can put the embedding and the "
-            "output head in different FSDP units; use TRANSFORMER_BASED_WRAP, which leaves both in the root unit",
-        )]
-    return []
-
-
-# --- all of it ---------------------------------------------------------------------------------------------------
-def lint_config_file(path: str | Path, *, model: str | None = None, trust_remote_code: bool = False) -> list[Finding]:
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as error:
-        return [Finding(ERROR, str(path), f"cannot be read as YAML: {error}")]
-    if not isinstance(raw, dict):
-        return [Finding(ERROR, str(path), "is not a YAML mapping of Accelerate settings")]
-    findings = lint_config_dict(raw)
-    if not any(f.severity == ERROR for f in findings):  # the launcher's own code would trip over those first
-        try:
-            environment = exported_environment(path)
-        except (ValueError, KeyError, TypeError) as error:
-            findings.append(Finding(ERROR, "accelerate launch", f"refuses this file: {error}"))
-        else:
-            seen = {(f.key, f.severity) for f in findings}
-            findings += [f for f in lint_launch_environment(environment) if (f.key, f.severity) not in seen]
-    if model is not None:
-        findings += lint_model(raw, model, trust_remote_code=trust_remote_code)
-    return findings
