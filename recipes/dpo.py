@@ -48,6 +48,15 @@ class DPOConfig(config_lib.TrainingConfig):
     precompute_ref_log_probs: bool = False  # one pass before training stores the reference's values: no reference
     # model in memory or forward per step afterwards, at the cost of that pass
 
+    def micro_batch_rows(self) -> int:
+        return 2 * self.per_device_train_batch_size  # a pair: its chosen and its rejected row
+
+    def reference_mode(self) -> str:
+        return reference.mode_for(precompute=self.precompute_ref_log_probs, use_peft=self.use_peft)
+
+    def frozen_model_copies(self) -> int:
+        return reference.frozen_copies(self.reference_mode())
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if not (math.isfinite(self.beta) and self.beta > 0):
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
-    reference_mode = reference.mode_for(config)
+    reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None  # the starting weights, frozen
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
@@ -130,7 +139,6 @@ def main(argv: list[str] | None = None) -> None:
         summary=dict(train_pairs=len(train_pairs), eval_pairs=len(eval_pairs or []), data=train_stats,
                      loss=f"{config.loss_type} DPO, beta {config.beta}; token log-probs: {token_loss.description}",
                      reference=references["train"].description),
-        frozen_copies=reference.frozen_copies(reference_mode),
     )
 
     def pair_losses(model, batch, reference_log_probs):

@@ -49,6 +49,12 @@ class SFTConfig(config_lib.TrainingConfig):
     # before and after training (0: none); costs one generation per sample each time
     max_new_tokens: int = 64  # generation budget of that check
 
+    def row_length(self) -> int:
+        return (self.packing_row_length or self.max_length) if self.packing else self.max_length
+
+    def packs_examples(self) -> bool:
+        return self.packing
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.packing_row_length is not None and self.packing_row_length < 1:

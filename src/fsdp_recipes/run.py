@@ -105,7 +105,7 @@ class Run:
                     desc=self.name)
 
     def begin(self, model, train_loader, scheduler, *, total_steps: int, loss_sum: LossSum, eval_rows=None,
-              summary: dict[str, Any] | None = None, frozen_copies: int = 0) -> tuple[BatchStream, int]:
+              summary: dict[str, Any] | None = None) -> tuple[BatchStream, int]:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
         batch stream at the right data position and the first optimizer step to run.
@@ -113,8 +113,7 @@ class Run:
         `train_loader` is a prepared DataLoader (its position is progress.json's, valid on any world size), or a
         stream that keeps each rank's own position: it has BatchStream's `take`, `epoch` and `batches_into_epoch`
         plus `state_dict()`, which every checkpoint stores per rank; the recipe restores it (`read_rank_state`)
-        before loading weights, so it is used here as it is. `frozen_copies`: frozen model copies the recipe keeps
-        beside the trained one (a preference recipe's reference), for the memory estimate."""
+        before loading weights, so it is used here as it is."""
         config, accelerator = self.config, self.accelerator
         self.total_steps = total_steps
         accelerator.register_for_checkpointing(scheduler)
@@ -138,7 +137,6 @@ class Run:
             torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
             memory_estimate=estimate_for_run(
                 accelerator, self.model_config, dataclasses.replace(config, attn_implementation=self.attn_implementation),
-                frozen_copies=frozen_copies,
             ),
         )
         self.log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write,
@@ -303,7 +301,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
         saved_recipe = json.loads(checkpoints_lib.saved_recipe_config_path(checkpoint).read_text())
         adapters.check_resume_settings(config, saved_recipe, checkpoint)
-    if getattr(config, "packing", False):
+    if config.packs_examples():
         check_packing_is_isolated(model_config)
     wrap_classes = resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
     check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)

@@ -594,13 +594,10 @@ def frozen_copies_from_recipe(recipe: dict[str, Any], config_fields: frozenset[s
     has TRL's `precompute_ref_log_probs` has a reference model; fsdp_recipes.train.reference decides when it is a copy."""
     if "precompute_ref_log_probs" not in config_fields:
         return 0
-    from types import SimpleNamespace
-
     from fsdp_recipes.train import reference
 
-    settings = SimpleNamespace(precompute_ref_log_probs=bool(recipe.get("precompute_ref_log_probs", False)),
-                               use_peft=bool(recipe.get("use_peft", False)))
-    return reference.frozen_copies(reference.mode_for(settings))
+    return reference.frozen_copies(reference.mode_for(precompute=bool(recipe.get("precompute_ref_log_probs", False)),
+                                                      use_peft=bool(recipe.get("use_peft", False))))
 
 
 def for_recipe(topology: Topology, recipe: Any) -> Topology:
@@ -827,8 +824,7 @@ def estimate_report(est: Estimate, info: ModelInfo) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------- recipe hook
-def estimate_for_run(accelerator, model_config, recipe_config, *, gpu_memory: int | None = None,
-                     frozen_copies: int = 0) -> dict[str, Any]:
+def estimate_for_run(accelerator, model_config, recipe_config, *, gpu_memory: int | None = None) -> dict[str, Any]:
     """The estimate for the launch in progress, for the run summary beside the measured peak memory. Cheap (a meta
     model, no weights) and no collectives: call it on any rank. Bytes are for the most loaded rank; `rank_state_bytes`
     is the state this very rank should hold (parameters, gradients, AdamW state)."""
@@ -837,7 +833,7 @@ def estimate_for_run(accelerator, model_config, recipe_config, *, gpu_memory: in
     workload = workload_from_recipe(recipe_config)
     adapters = adapters_from_recipe(recipe_config, topology.compute_bytes)
     est = estimate(info, topology, workload, gpu_memory=gpu_memory or 80 * 10**9, adapters=adapters,
-                   frozen_copies=frozen_copies)
+                   frozen_copies=recipe_config.frozen_model_copies())
     units = plan_units(info, topology)
 
     def on_rank(rank: int) -> dict[str, int]:

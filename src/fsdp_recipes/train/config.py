@@ -107,6 +107,24 @@ class TrainingConfig:
     hub_model_id: str | None = None  # "user/name" or "org/name"
     hub_private_repo: bool = True  # create the repo private; flip for public releases
 
+    # --- what the shared layer asks of a recipe ---------------------------------------------------------------------
+    # A recipe's config class overrides these; nothing under src/ reads a field that only one recipe has.
+    def row_length(self) -> int:
+        """Tokens in one training row (what a row costs in activations; the estimator's sequence length)."""
+        return self.max_length
+
+    def micro_batch_rows(self) -> int:
+        """Rows one process runs forward per micro-step (a preference pair is two rows)."""
+        return self.per_device_train_batch_size
+
+    def packs_examples(self) -> bool:
+        """Whether a row holds several examples: they must not attend to each other (checked before loading)."""
+        return False
+
+    def frozen_model_copies(self) -> int:
+        """Whole frozen copies of the model kept beside the trained one (a reference model), sharded like it."""
+        return 0
+
     def validate(self) -> list[str]:
         """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
         problems = []

@@ -25,10 +25,11 @@ MODES = ("adapters", "model", "precomputed")
 PRECOMPUTED_FILE = "reference_log_probs.json"
 
 
-def mode_for(config) -> str:
-    if config.precompute_ref_log_probs:
+def mode_for(*, precompute: bool, use_peft: bool) -> str:
+    """Where reference values come from: a pass before training, the policy with its adapters off, or a copy."""
+    if precompute:
         return "precomputed"
-    return "adapters" if config.use_peft else "model"
+    return "adapters" if use_peft else "model"
 
 
 def frozen_copies(mode: str) -> int:
