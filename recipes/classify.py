@@ -25,7 +25,6 @@ weights that do not match the classes, a checkpoint trained on other classes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import sys
 
@@ -120,15 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    batches, first_step = run.begin(  # held-out figures come from the metric evaluator below, so no eval_rows here
-        model, train_loader, scheduler, total_steps=total_steps, eval_rows=None,
-        loss_sum=functools.partial(classifier.loss_sum, weights=weights),
+    evaluator = evaluation.MetricEvaluator(accelerator, model, eval_loader, predict=classifier.predict,
+                                           metrics=metrics, every=config.eval_steps)
+    batches, first_step = run.begin(
+        model, train_loader, scheduler, total_steps=total_steps, evaluator=evaluator,
         summary=dict(train_rows=len(train_rows), eval_rows=len(eval_rows), labels=names, classifier_head=head,
                      class_weights=weights.tolist() if weights is not None else None, data=train_stats),
-    )
-    evaluator = evaluation.MetricEvaluator(
-        accelerator, model, eval_loader, predict=classifier.predict, metrics=metrics, every=config.eval_steps,
-        total_steps=total_steps, log=run.log, pause=run.metrics.window.paused,
     )
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
@@ -152,12 +148,12 @@ def main(argv: list[str] | None = None) -> None:
 
         run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=weight_total,
                              lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
-        evaluator.maybe_evaluate(step)
+        run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()
 
     # --- finish: held-out metrics (per class too), summary, export, card with model-index, Hub ---------------------------
-    results = dict(evaluator.maybe_evaluate(total_steps) or evaluator.results)
+    results = run.evaluation.final_results()
     results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], evaluator.gathered, names)
     card_results = model_index.eval_results(results, task="text-classification", dataset=config.dataset_name,
                                             dataset_config=config.dataset_config, split=eval_split)

@@ -134,12 +134,6 @@ def main(argv: list[str] | None = None) -> None:
     total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    batches, first_step = run.begin(
-        model, train_loader, scheduler, total_steps=total_steps, loss_sum=token_loss.loss_sum, eval_rows=None,
-        summary=dict(train_pairs=len(train_pairs), eval_pairs=len(eval_pairs or []), data=train_stats,
-                     loss=f"{config.loss_type} DPO, beta {config.beta}; token log-probs: {token_loss.description}",
-                     reference=references["train"].description),
-    )
 
     def pair_losses(model, batch, reference_log_probs):
         """Per-pair losses, implicit rewards and the policy's log-probabilities of the chosen and rejected answers."""
@@ -159,10 +153,15 @@ def main(argv: list[str] | None = None) -> None:
                 "rewards/margins": chosen_rewards - rejected_rewards, "logps/chosen": policy_chosen,
                 "logps/rejected": policy_rejected}
 
-    evaluator = evaluation.MetricEvaluator(
-        accelerator, model, in_order.get("eval"), predict=held_out, metrics={}, every=config.eval_steps,
-        total_steps=total_steps, log=run.log, pause=run.metrics.window.paused,
-    ) if "eval" in in_order else None
+    evaluator = evaluation.MetricEvaluator(accelerator, model, in_order.get("eval"), predict=held_out, metrics={},
+                                           every=config.eval_steps)
+    batches, first_step = run.begin(
+        model, train_loader, scheduler, total_steps=total_steps, evaluator=evaluator,
+        summary=dict(train_pairs=len(train_pairs), eval_pairs=len(eval_pairs or []), data=train_stats,
+                     loss=f"{config.loss_type} DPO, beta {config.beta}; token log-probs: {token_loss.description}",
+                     reference=references["train"].description),
+    )
+
 
     # --- the loop: forward (reference, then policy), loss, backward, step -------------------------------------------------
     model.train()
@@ -189,14 +188,12 @@ def main(argv: list[str] | None = None) -> None:
 
         run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=pair_count,
                              lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, sums=figures)
-        if evaluator is not None:
-            evaluator.maybe_evaluate(step)
+        run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()
 
     # --- finish: held-out preference figures, summary, export, card, Hub -------------------------------------------------
-    results = dict(evaluator.maybe_evaluate(total_steps) or evaluator.results) if evaluator is not None else {}
-    run.finish(model, results=results)
+    run.finish(model, results=run.evaluation.final_results())
 
 
 if __name__ == "__main__":

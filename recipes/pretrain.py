@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  max_steps=config.max_steps, epochs=config.num_train_epochs)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
-        model, batches, scheduler, total_steps=total_steps, loss_sum=token_loss.loss_sum, eval_rows=eval_rows,
+        model, batches, scheduler, total_steps=total_steps,
+        evaluator=run.loss_evaluator(model, eval_rows, token_loss.loss_sum),
         summary=dict(data=split, streaming=config.streaming, packing_strategy=config.packing_strategy,
                      eval_rows=len(eval_rows or []), loss=token_loss.description),
     )

@@ -3,10 +3,10 @@
     run = run_lib.start(config, name="sft")        accelerator, seed, every check that needs no weights (all ranks
                                                     together), tokenizer and model config
     ... data, model, accelerator.prepare ...
-    batches, first_step = run.begin(model, train_loader, scheduler, total_steps=..., eval_rows=..., loss_sum=...)
+    batches, first_step = run.begin(model, train_loader, scheduler, total_steps=..., evaluator=...)
                                                     resume, run summary, metrics log, trackers; then the components
                                                     that decide their own cadence: run.metrics (logging),
-                                                    run.evaluation (held-out loss), run.checkpoints (saves)
+                                                    run.evaluation (the recipe's evaluator), run.checkpoints (saves)
     ... the loop ...
     run.finish(model, results={...})               final metrics, curves, export (read back and compared), card, Hub
 
@@ -34,7 +34,7 @@ from fsdp_recipes.distributed.launch_checks import check_launch_environment
 from fsdp_recipes.distributed.accelerator import build_accelerator, describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.train.evaluation import LossEvaluator, LossSum
+from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.publish.hub import push_folder_to_hub, require_hub_token
@@ -78,7 +78,7 @@ class Run:
     attention_note: str
     log: MetricsLog | None = None
     metrics: StepLogger | None = None
-    evaluation: LossEvaluator | None = None
+    evaluation: Evaluation | None = None
     checkpoints: checkpoints_lib.Checkpointer | None = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     total_steps: int = 0
@@ -100,11 +100,16 @@ class Run:
         """Where FSDP_RECIPES_FAULT can kill or fail a rank after a step, to rehearse crashes; nothing otherwise."""
         inject_fault("after-step", step, self.accelerator.process_index)
 
+    def loss_evaluator(self, model, rows, loss_sum: LossSum) -> LossEvaluator:
+        """Held-out loss on `rows` (None: no held-out data) every `eval_steps` and at the end, for `begin`."""
+        return LossEvaluator(self.accelerator, model, rows, loss_sum=loss_sum, every=self.config.eval_steps,
+                             batch_size=self.config.per_device_eval_batch_size, pad_token_id=self.tokenizer.pad_token_id)
+
     def progress_bar(self, first_step: int) -> tqdm:
         return tqdm(total=self.total_steps, initial=first_step - 1, disable=not self.accelerator.is_main_process,
                     desc=self.name)
 
-    def begin(self, model, train_loader, scheduler, *, total_steps: int, loss_sum: LossSum, eval_rows=None,
+    def begin(self, model, train_loader, scheduler, *, total_steps: int, evaluator: Evaluation | None = None,
               summary: dict[str, Any] | None = None) -> tuple[BatchStream, int]:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
@@ -157,11 +162,8 @@ class Run:
             non_embedding_parameters=count_non_embedding_parameters(accelerator.unwrap_model(model)),
             peak_flops=peak_flops_per_device(self.summary["device_name"], config.peak_flops_per_device),
         )
-        self.evaluation = LossEvaluator(
-            accelerator, model, eval_rows, loss_sum=loss_sum, batch_size=config.per_device_eval_batch_size,
-            pad_token_id=self.tokenizer.pad_token_id, every=config.eval_steps, total_steps=total_steps, log=self.log,
-            pause=self.metrics.window.paused,
-        )
+        self.evaluation = evaluator or Evaluation()
+        self.evaluation.attach(log=self.log, total_steps=total_steps, pause=self.metrics.window.paused)
         self.checkpoints = checkpoints_lib.Checkpointer(
             accelerator, config.output_dir, every=config.save_steps, total_steps=total_steps,
             save_total_limit=config.save_total_limit, pause=self.metrics.window.paused,

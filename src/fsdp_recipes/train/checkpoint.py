@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fsdp_recipes.models.adapters import checkpoint_state_filter
 from fsdp_recipes.common.errors import ConfigError, DiskFullError
 from fsdp_recipes.common.faults import inject_fault
+from fsdp_recipes.train.cadence import Cadence
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -106,12 +107,13 @@ class Checkpointer:
     def __init__(self, accelerator: Accelerator, output_dir: str | Path, *, every: int | None, total_steps: int,
                  save_total_limit: int | None, position, model_files_writer=None, pause=contextlib.nullcontext,
                  rank_state=None):
-        self.accelerator, self.output_dir, self.every, self.total_steps = accelerator, output_dir, every, total_steps
+        self.accelerator, self.output_dir = accelerator, output_dir
+        self.cadence = Cadence(every, total_steps, at_last_step=every is not None)
         self.save_total_limit, self.position, self.model_files_writer = save_total_limit, position, model_files_writer
         self.pause, self.rank_state = pause, rank_state
 
     def maybe_save(self, step: int) -> Path | None:
-        if not self.every or (step % self.every and step != self.total_steps):
+        if not self.cadence.due(step):
             return None
         with self.pause():
             return save_checkpoint(self.accelerator, self.output_dir, self.position(step),

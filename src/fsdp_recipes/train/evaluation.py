@@ -1,6 +1,6 @@
 """Evaluation that every rank runs in lockstep (under FSDP each forward pass is a collective): held-out loss with the
 recipe's own loss function, greedy-generation exact match, and metrics computed with `evaluate` over predictions
-gathered from every rank. `LossEvaluator` and `MetricEvaluator` also decide when to evaluate.
+gathered from every rank. `LossEvaluator` and `MetricEvaluator` hold their cadence (`Evaluation`).
 
 Metrics load offline: the names in `SHIPPED_METRICS` are `evaluate` modules in `fsdp_recipes/metric_scripts/` (built
 on scikit-learn, rouge-score and sacrebleu), loaded by path; `evaluate.load("accuracy")` itself would fetch the Hub's
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from fsdp_recipes.data.rows import collate_rows
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
+from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
 from fsdp_recipes.train.metrics import MetricsLog
 
@@ -32,31 +32,60 @@ METRIC_SCRIPTS = Path(__file__).parent / "metric_scripts"
 SHIPPED_METRICS = tuple(sorted(path.stem for path in METRIC_SCRIPTS.glob("*.py")))
 
 
-class LossEvaluator:
-    """Held-out loss every `every` optimizer steps (None: only at the end) and at the last step, logged as
-    `eval_loss`. Time spent here is left out of the throughput figures (`pause`)."""
+class Evaluation:
+    """Held-out figures every `every` optimizer steps (None: only at the end) and at the last step, logged at that
+    step. The recipe builds the evaluator (what to measure, on which data); `run.begin` attaches the metrics log, the
+    run's length and the pause that keeps evaluation time out of the throughput figures. This base measures nothing:
+    a run without held-out data."""
+
+    def __init__(self, *, every: int | None = None):
+        self.every = every
+        self.cadence = Cadence(every, total_steps=0)
+        self.log: MetricsLog | None = None
+        self.pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.last_step: int | None = None
+        self.results: dict[str, Any] = {}
+
+    def attach(self, *, log: MetricsLog, total_steps: int,
+               pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+        self.log, self.pause, self.cadence = log, pause, Cadence(self.every, total_steps)
+
+    def maybe_evaluate(self, step: int) -> dict[str, Any] | None:
+        """Collective when due (every rank calls it every step)."""
+        return self.evaluate(step) if self.cadence.due(step) and step != self.last_step else None
+
+    def final_results(self) -> dict[str, Any]:
+        """The last step's figures: evaluated now unless that already happened."""
+        self.maybe_evaluate(self.cadence.total_steps)
+        return dict(self.results)
+
+    def evaluate(self, step: int) -> dict[str, Any] | None:
+        with self.pause():
+            results = self.measure()
+        if not results:
+            return None
+        self.log.log({"step": step, **results})
+        self.last_step, self.results = step, results
+        return results
+
+    def measure(self) -> dict[str, Any]:
+        return {}
+
+
+class LossEvaluator(Evaluation):
+    """Held-out loss with the recipe's own loss function, logged as `eval_loss` (nothing without rows)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, rows, *, loss_sum: LossSum, batch_size: int,
-                 pad_token_id: int, every: int | None, total_steps: int, log: MetricsLog,
-                 pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 pad_token_id: int, every: int | None):
+        super().__init__(every=every)
         self.accelerator, self.model, self.rows = accelerator, model, rows
         self.loss_sum, self.batch_size, self.pad_token_id = loss_sum, batch_size, pad_token_id
-        self.every, self.total_steps, self.log, self.pause = every, total_steps, log, pause
-        self.last_step: int | None = None
 
-    def maybe_evaluate(self, step: int) -> float | None:
-        due = step == self.total_steps or (self.every is not None and step % self.every == 0)
-        return self.evaluate(step) if due and step != self.last_step else None
-
-    def evaluate(self, step: int) -> float | None:
+    def measure(self) -> dict[str, Any]:
         if self.rows is None:
-            return None
-        with self.pause():
-            loss = evaluate_loss(self.accelerator, self.model, self.rows, loss_sum=self.loss_sum,
-                                 batch_size=self.batch_size, pad_token_id=self.pad_token_id)
-        self.log.log({"step": step, "eval_loss": loss})
-        self.last_step = step
-        return loss
+            return {}
+        return {"eval_loss": evaluate_loss(self.accelerator, self.model, self.rows, loss_sum=self.loss_sum,
+                                           batch_size=self.batch_size, pad_token_id=self.pad_token_id)}
 
 
 @torch.no_grad()
@@ -223,32 +252,22 @@ def compute_metrics(metrics: dict[str, Any], gathered: dict[str, list], *, prefi
     return {f"{prefix}{key}": value for key, value in results.items()}
 
 
-class MetricEvaluator:
-    """`evaluate` metrics over a held-out loader (prepared by accelerate) every `every` optimizer steps (None: only at
-    the end) and at the last step, logged as `eval_<name>` with the mean of any other per-example value `predict`
-    returns (e.g. `eval_loss`). The last evaluation's gathered values stay in `gathered` for figures a recipe adds at
-    the end (e.g. per-class scores). Time spent here is left out of the throughput figures (`pause`)."""
+class MetricEvaluator(Evaluation):
+    """`evaluate` metrics over a held-out loader (prepared by accelerate; None: nothing to evaluate), logged as
+    `eval_<name>` with the mean of any other per-example value `predict` returns (e.g. `eval_loss`). The last
+    evaluation's gathered values stay in `gathered` for figures a recipe adds at the end (e.g. per-class scores)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, loader, *, predict: Predict,
-                 metrics: dict[str, Any], every: int | None, total_steps: int, log: MetricsLog,
-                 pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 metrics: dict[str, Any], every: int | None):
+        super().__init__(every=every)
         self.accelerator, self.model, self.loader, self.predict, self.metrics = accelerator, model, loader, predict, metrics
-        self.every, self.total_steps, self.log, self.pause = every, total_steps, log, pause
-        self.last_step: int | None = None
-        self.results: dict[str, Any] = {}
         self.gathered: dict[str, list] = {}
 
-    def maybe_evaluate(self, step: int) -> dict[str, Any] | None:
-        due = step == self.total_steps or (self.every is not None and step % self.every == 0)
-        return self.evaluate(step) if due and step != self.last_step else None
-
-    def evaluate(self, step: int) -> dict[str, Any]:
-        with self.pause():
-            self.gathered = gather_predictions(self.accelerator, self.model, self.loader, self.predict)
-            self.results = compute_metrics(self.metrics, self.gathered)
-        self.log.log({"step": step, **self.results})
-        self.last_step = step
-        return self.results
+    def measure(self) -> dict[str, Any]:
+        if self.loader is None:
+            return {}
+        self.gathered = gather_predictions(self.accelerator, self.model, self.loader, self.predict)
+        return compute_metrics(self.metrics, self.gathered)
 
 
 class GenerationCollator:

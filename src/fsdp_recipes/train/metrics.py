@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_recipes.common.tables import format_value
+from fsdp_recipes.train.cadence import Cadence
 
 
 class MetricsLog:
@@ -225,7 +226,7 @@ class StepLogger:
 
     def __init__(self, accelerator, log: MetricsLog, *, every: int, total_steps: int, model_config,
                  non_embedding_parameters: int, peak_flops: float | None):
-        self.accelerator, self.log, self.every, self.total_steps = accelerator, log, every, total_steps
+        self.accelerator, self.log, self.cadence = accelerator, log, Cadence(every, total_steps)
         self.model_config, self.non_embedding_parameters, self.peak_flops = model_config, non_embedding_parameters, peak_flops
         self.window = ThroughputWindow()
         self._first_window = True
@@ -238,7 +239,7 @@ class StepLogger:
         from fsdp_recipes.distributed.collectives import sum_over_ranks
 
         self.window.steps += 1
-        if step % self.every and step != self.total_steps:
+        if not self.cadence.due(step):
             return
         means = {}
         if sums:

@@ -1,0 +1,136 @@
+"""The package's layers (docs/architecture.md): a module imports only its own layer and those below, no import cycle,
+no module past the size a reader takes in. Imports inside functions count: they hide a dependency, they do not
+remove it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fsdp_recipes"
+LAYERS = ["common", "distributed", "data", "models", "train", "publish", "run", "tools"]
+# The one import upwards: a run prints the estimator's prediction beside the bytes its ranks measure.
+ALLOWED_UPWARDS = {("fsdp_recipes.run", "fsdp_recipes.tools.estimator")}
+MAX_LINES = 450
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, package: Path, known: set[str]) -> set[str]:
+    """The package's modules `path` imports, anywhere in the file."""
+    here = module_name(path, package).split(".")
+    if path.name != "__init__.py":
+        here = here[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            candidates = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for name in candidates:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != package.name:
+                found.add(name)
+                break
+    return found
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    files = {module_name(path, package): path for path in package.rglob("*.py") if "metric_scripts" not in path.parts}
+    return {name: imported_modules(path, package, set(files)) - {name} for name, path in files.items()}
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    return LAYERS.index(top)
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, imports in sorted(graph.items()):
+        if module.count(".") == 0:  # the package's own __init__
+            continue
+        for imported in sorted(imports):
+            allowed = any(module == low and imported.startswith(high) for low, high in ALLOWED_UPWARDS)
+            if layer_of(imported) > layer_of(module) and not allowed:
+                problems.append(f"{module} (layer {LAYERS[layer_of(module)]}) imports {imported} "
+                                f"(layer {LAYERS[layer_of(imported)]}, above it)")
+    return problems
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, each once (Tarjan's strongly connected components of more than one module)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+GRAPH = import_graph(PACKAGE)
+
+
+def test_every_module_belongs_to_a_layer():
+    assert all(layer_of(module) >= 0 for module in GRAPH if "." in module)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert layering_violations(GRAPH) == []
+
+
+def test_no_import_cycles():
+    assert cycles(GRAPH) == []
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_readable_in_one_sitting(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{lines} lines: one concern per module, split it by what it does"
+
+
+def test_the_checks_catch_a_back_import_and_a_cycle(tmp_path):
+    package = tmp_path / "fsdp_recipes"
+    for folder, text in {"common": "from fsdp_recipes.train import loop\n", "train": "from . import other\n"}.items():
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "common" / "errors.py").write_text("def f():\n    from fsdp_recipes.train import loop\n")
+    (package / "train" / "loop.py").write_text("from fsdp_recipes.train.other import x\n")
+    (package / "train" / "other.py").write_text("from .loop import y\nfrom fsdp_recipes.common.errors import f\n")
+    graph = import_graph(package)
+    assert layering_violations(graph) == [
+        "fsdp_recipes.common.errors (layer common) imports fsdp_recipes.train.loop (layer train, above it)"]
+    assert cycles(graph) == [["fsdp_recipes.common.errors", "fsdp_recipes.train.loop", "fsdp_recipes.train.other"]]
