@@ -30,16 +30,14 @@ import math
 import sys
 from pathlib import Path
 
-from accelerate.utils import set_seed
-
-from fsdp_recipes.common import errors, outputs
+from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import errors
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.data import classification, files, held_out
-from fsdp_recipes.distributed import accelerator as accelerator_lib
-from fsdp_recipes.distributed import collectives, launch_checks
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import hub, model_index, model_source
+from fsdp_recipes.train import metrics as metrics_lib
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import classifier, evaluation, losses
 
@@ -108,77 +106,61 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
-def checks_before_loading(accelerator, config: EvalConfig) -> dict:
-    source = model_source.resolve(config.model_name_or_path)
-    output_dir = config.output_dir or (str(source.local_folder) if source.local_folder else None)
-    problem = ("output_dir is required when evaluating a Hub id or a checkpoint: the folder for eval_results.json "
-               "and the card" if output_dir is None else outputs.output_dir_problem(output_dir, overwrite=True))
-    hub_model_id = config.hub_model_id or (source.name if source.kind == "hub" else None)
-    if config.push_to_hub and not hub_model_id:
-        problem = problem or "push_to_hub needs hub_model_id: the repo whose card gets the results"
-    if problem:
-        raise errors.ConfigError(problem)
-    hub_token = hub.require_hub_token() if config.push_to_hub else None
-    tokenizer = modeling.load_tokenizer(config.tokenizer_name_or_path or source.files, revision=config.model_revision,
-                                        trust_remote_code=config.trust_remote_code, chat_template=config.chat_template)
-    model_config = modeling.load_model_config(source.config_files, None, revision=config.model_revision,
-                                              trust_remote_code=config.trust_remote_code)
-    task = config.task or model_source.task_of(source, model_config)
-    names = config.metrics or DEFAULT_METRICS[task]
+@dataclasses.dataclass
+class Measures:
+    """What the metric names ask for, loaded before any weights: `evaluate` modules, and perplexity or not."""
+
+    metrics: dict
+    perplexity: bool
+
+
+def measures_for(run: run_lib.EvaluationRun, config: EvalConfig) -> Measures:
+    names = config.metrics or DEFAULT_METRICS[run.task]
     for_causal_lm = {"perplexity", *evaluation.SHIPPED_METRICS} - CLASSIFICATION_METRICS
-    wrong = [n for n in names if n in (CLASSIFICATION_METRICS if task == "causal-lm" else for_causal_lm)]
+    wrong = [n for n in names if n in (CLASSIFICATION_METRICS if run.task == "causal-lm" else for_causal_lm)]
     if wrong:
-        raise errors.ConfigError(f"metrics {wrong} do not apply to a {task} model (classifiers: "
+        raise errors.ConfigError(f"metrics {wrong} do not apply to a {run.task} model (classifiers: "
                                  f"{sorted(CLASSIFICATION_METRICS)}; causal LMs: perplexity and generation metrics)")
-    metrics = evaluation.load_metrics([n for n in names if n != "perplexity"])
-    modeling.check_tokenizer_fits_model(tokenizer, model_config)
-    if task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
+    model_config = run.model_config
+    if run.task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
         classifier.configure(model_config, [model_config.id2label[i] for i in range(model_config.num_labels)],
-                             pad_token_id=tokenizer.pad_token_id)  # batches of more than one row need it
-    modeling.resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
-    return dict(
-        source=source, tokenizer=tokenizer, model_config=model_config, task=task, metrics=metrics,
-        perplexity="perplexity" in names, output_dir=Path(output_dir), hub_model_id=hub_model_id, hub_token=hub_token,
-        attn_implementation=modeling.resolve_attn_implementation(model_config, config.attn_implementation)[0],
-    )
+                             pad_token_id=run.tokenizer.pad_token_id)  # batches of more than one row need it
+    return Measures(metrics=evaluation.load_metrics([n for n in names if n != "perplexity"]),
+                    perplexity="perplexity" in names)
 
 
 def main(argv: list[str] | None = None) -> None:
     config = config_lib.parse_config(EvalConfig, argv)
-    launch_warnings = launch_checks.check_launch_environment()  # errors in the Accelerate config stop every rank here
-    accelerator = accelerator_lib.build_accelerator()
-    set_seed(config.seed)
-    for warning in launch_warnings:
-        accelerator.print(f"warning: the Accelerate config: {warning.key}: {warning.message}")
-    setup = collectives.on_every_rank_together(accelerator, lambda: checks_before_loading(accelerator, config))
-    tokenizer, task, metrics = setup["tokenizer"], setup["task"], setup["metrics"]
+    run = run_lib.start_evaluation(config, name="eval", task=config.task)  # accelerator, every check before loading
+    accelerator, tokenizer, task, model_config = run.accelerator, run.tokenizer, run.task, run.model_config
+    measures = run.on_every_rank(lambda: measures_for(run, config))
+    metrics = measures.metrics
 
     # --- data ----------------------------------------------------------------------------------------------------------
-    def prepare_data() -> dict:
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
-        if config.dataset_split not in raw:
-            raise errors.DataError(f"the dataset has no split {config.dataset_split!r} (it has {sorted(raw)}); "
-                                   "set dataset_split")
-        data = raw[config.dataset_split]
+    def prepare_data() -> tuple[str, dict]:
+        data, split = files.evaluation_split(files.load_raw_dataset(config.dataset_name, config.dataset_config),
+                                             config.dataset_split)
         data = data.select(range(min(config.max_eval_samples, len(data)))) if config.max_eval_samples else data
         if task == "sequence-classification":
             columns = dict(text_column=config.text_column, text_pair_column=config.text_pair_column)
             classification.check_columns(data, **columns, label_column=config.label_column, name="eval")
-            label2id = {name: int(i) for i, name in setup["model_config"].id2label.items()}
+            label2id = {name: int(i) for i, name in model_config.id2label.items()}
             unnamed = all(name == f"LABEL_{i}" for name, i in label2id.items())
             labels = classification.label_ids(data, config.label_column, label2id, name="eval", ids_allowed=unnamed)
             rows, _ = classification.tokenize(data, tokenizer, **columns, labels=labels, max_length=config.max_length,
                                               num_proc=config.dataset_num_proc, name="eval")
-            return {"classification": rows}
+            return split, {"classification": rows}
         parts = {}
-        if setup["perplexity"]:
+        if measures.perplexity:
             parts["loss"] = held_out.loss_rows(data, tokenizer, text_column=config.text_column,
                                                max_length=config.max_length, num_proc=config.dataset_num_proc)[0]
         if metrics:
             parts["generation"] = held_out.generation_examples(data, tokenizer)
-        return parts
+        return split, parts
 
-    data = collectives.on_every_rank_together(accelerator, prepare_data, main_process_first=True)
+    split, data = run.on_every_rank(prepare_data, main_process_first=True)
+    if split != config.dataset_split:
+        accelerator.print(f"the dataset has one split, {split!r}, and no {config.dataset_split!r}: evaluating on it")
     batch_size = config.per_device_eval_batch_size
     loader = None
     if "classification" in data:
@@ -188,13 +170,13 @@ def main(argv: list[str] | None = None) -> None:
         loader = evaluation.generation_dataloader(data["generation"], tokenizer, batch_size=batch_size)
 
     # --- model, sharded as the Accelerate config says -------------------------------------------------------------------
-    with model_source.weights_folder(accelerator, setup["source"]) as weights:
+    with model_source.weights_folder(accelerator, run.source) as weights:
         model = modeling.load_model(
-            setup["model_config"], model_name_or_path=setup["source"].base or weights, task=task,
-            revision=config.model_revision, attn_implementation=setup["attn_implementation"],
+            model_config, model_name_or_path=run.source.base or weights, task=task,
+            revision=config.model_revision, attn_implementation=run.attn_implementation,
             trust_remote_code=config.trust_remote_code,
         )
-        if setup["source"].base:  # a LoRA adapter (folder or checkpoint): merged into its base, then sharded
+        if run.source.base:  # a LoRA adapter (folder or checkpoint): merged into its base, then sharded
             model = adapters.merge_into(model, weights)
         token_loss = losses.TokenLoss(model) if task == "causal-lm" else None  # chunked: no whole-batch logits
         model, *loaders = evaluation.prepare_for_evaluation(accelerator, model, *([loader] if loader else []))
@@ -214,34 +196,37 @@ def main(argv: list[str] | None = None) -> None:
         gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict)
         results.update(evaluation.compute_metrics(metrics, gathered))
         if task == "sequence-classification" and "f1" in metrics:
-            names = [setup["model_config"].id2label[i] for i in range(setup["model_config"].num_labels)]
+            names = [model_config.id2label[i] for i in range(model_config.num_labels)]
             results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], gathered, names)
 
-    # --- results: eval_results.json, the card's model-index, the Hub ------------------------------------------------------
+    # --- results: eval_results.json, the card's model-index, the tracker, the Hub ----------------------------------------
+    if config.report_to != "none":
+        accelerator.init_trackers(run.name, config=metrics_lib.numeric_fields(config_lib.config_to_dict(config),
+                                                                              keep_text=True))
+        accelerator.log(metrics_lib.numeric_fields(results), step=0)
+        accelerator.end_training()
     if accelerator.is_main_process:
-        folder, source = setup["output_dir"], setup["source"]
+        folder, source = run.output_dir, run.source
         folder.mkdir(parents=True, exist_ok=True)
         write_json(folder / "eval_results.json", dict(model=source.name, dataset=config.dataset_name,
-                                                      dataset_config=config.dataset_config,
-                                                      split=config.dataset_split, **results))
+                                                      dataset_config=config.dataset_config, split=split, **results))
         if loaders:  # every example once, in dataset order, to read what the model answered
-            name = setup["model_config"].id2label.get if task == "sequence-classification" else str
+            name = model_config.id2label.get if task == "sequence-classification" else str
             write_jsonl(folder / "eval_predictions.jsonl", [dict(prediction=name(p), reference=name(r)) for p, r in
                                                             zip(gathered["predictions"], gathered["references"])])
         model_index.update_card(
             folder, model_index.eval_results(results, task=modeling.pipeline_tag(task), dataset=config.dataset_name,
-                                             dataset_config=config.dataset_config, split=config.dataset_split),
-            model_name=setup["hub_model_id"] or Path(source.name).name, pipeline_tag=modeling.pipeline_tag(task),
+                                             dataset_config=config.dataset_config, split=split),
+            model_name=run.hub_model_id or Path(source.name).name, pipeline_tag=modeling.pipeline_tag(task),
             base_model=source.name if source.kind == "hub" else None,
         )
         print("results:\n" + format_table(list(results.items())))
         if config.push_to_hub:
-            url = hub.push_folder_to_hub(folder, setup["hub_model_id"], token=setup["hub_token"],
+            url = hub.push_folder_to_hub(folder, run.hub_model_id, token=run.hub_token,
                                          private=config.hub_private_repo, files=["README.md", "eval_results.json"],
                                          commit_message="Evaluation results from FSDP Recipes")
             print(f"pushed to the Hub: {url}")
         print(f"results written to {folder.resolve()}: eval_results.json, README.md (model-index)")
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

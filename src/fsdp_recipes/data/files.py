@@ -219,3 +219,14 @@ def split_train_eval(
     return train, None
 
 
+
+
+def evaluation_split(raw: DatasetDict, split: str) -> tuple[Dataset, str]:
+    """(the split to evaluate, its name): `split`, or the only split of a one-split dataset (a single data file loads
+    as 'train'); a dataset with several splits and none named `split` is an error listing them."""
+    if split in raw:
+        return raw[split], split
+    if len(raw) == 1:
+        (only,) = raw
+        return raw[only], only
+    raise DataError(f"the dataset has no split {split!r} (it has {sorted(raw)}); set dataset_split")
