@@ -41,13 +41,38 @@ from fsdp_recipes.train import classifier, evaluation, loop
 class ClassifyConfig(config_lib.TrainingConfig):
     """The classification recipe's own settings, on top of those every training recipe has."""
 
-    output_dir: str = "outputs/classify"
-    max_length: int = 512  # tokens per example (text and pair together); longer ones lose their end
-    text_column: str = "text"
-    text_pair_column: str | None = None  # a second text (e.g. the response a reward model judges), joined by the tokenizer
-    label_column: str = "label"  # ClassLabel, integers or strings; the classes are those seen in training
-    class_weights: str | None = None  # null: plain cross-entropy. "balanced": each class weighs in inversely to its
-    # frequency (rare classes count more, at some cost to accuracy on frequent ones); or "w0,w1,..." in label-id order
+    output_dir: str = dataclasses.field(
+        default="outputs/classify",
+        metadata={
+            "help": "the run's folder: at the end the classifier (a peft adapter folder with use_peft) with "
+            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    max_length: int = dataclasses.field(
+        default=512,
+        metadata={"help": "tokens per example (text and pair together); longer ones lose their end"},
+    )
+    text_column: str = dataclasses.field(
+        default="text", metadata={"help": "the column holding the text to classify"}
+    )
+    text_pair_column: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "a second text (e.g. the response a reward model judges), joined by the tokenizer (null: none)"
+        },
+    )
+    label_column: str = dataclasses.field(
+        default="label",
+        metadata={"help": "ClassLabel, integers or strings; the classes are those seen in training"},
+    )
+    class_weights: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "null: plain cross-entropy. balanced: each class weighs in inversely to its frequency (rare "
+            "classes count more, at some cost to accuracy on frequent ones); or comma-separated weights w0,w1,... "
+            "in label-id order"
+        },
+    )
 
     def validate(self) -> list[str]:
         problems = super().validate()

@@ -39,14 +39,43 @@ from fsdp_recipes.train import evaluation, losses, loop, reference
 class DPOConfig(config_lib.TrainingConfig):
     """The DPO recipe's own settings, on top of those every training recipe has. Names follow TRL's DPOConfig."""
 
-    output_dir: str = "outputs/dpo"
-    learning_rate: float = 1e-6  # DPO moves a trained model a little: full fine-tuning rates are ~10x too high
-    beta: float = 0.1  # how far the policy may drift from the reference: larger keeps it closer
-    loss_type: str = "sigmoid"  # sigmoid (DPO), ipo (averages over tokens; resists overfitting), hinge (SLiC)
-    label_smoothing: float = 0.0  # sigmoid only: the chance a preference label is wrong (conservative DPO)
-    max_prompt_length: int | None = None  # prompts longer than this keep their end (null: only max_length applies)
-    precompute_ref_log_probs: bool = False  # one pass before training stores the reference's values: no reference
-    # model in memory or forward per step afterwards, at the cost of that pass
+    output_dir: str = dataclasses.field(
+        default="outputs/dpo",
+        metadata={
+            "help": "the run's folder: at the end the trained policy (a peft adapter folder with use_peft), "
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    learning_rate: float = dataclasses.field(
+        default=1e-6,
+        metadata={
+            "help": "AdamW's peak learning rate. DPO moves a trained model a little: full fine-tuning rates are "
+            "~10x too high"
+        },
+    )
+    beta: float = dataclasses.field(
+        default=0.1,
+        metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"},
+    )
+    loss_type: str = dataclasses.field(
+        default="sigmoid",
+        metadata={"help": "sigmoid (DPO), ipo (averages over tokens; resists overfitting), hinge (SLiC)"},
+    )
+    label_smoothing: float = dataclasses.field(
+        default=0.0,
+        metadata={"help": "sigmoid only: the chance a preference label is wrong (conservative DPO)"},
+    )
+    max_prompt_length: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"},
+    )
+    precompute_ref_log_probs: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "one pass before training stores the reference's values: no reference model in memory or "
+            "forward per step afterwards, at the cost of that pass"
+        },
+    )
 
     def micro_batch_rows(self) -> int:
         return 2 * self.per_device_train_batch_size  # a pair: its chosen and its rejected row

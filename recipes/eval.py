@@ -50,37 +50,102 @@ class EvalConfig:
     """What to evaluate, on what, and where the results go. Names as in the training configs where they exist."""
 
     # --- the model -------------------------------------------------------------------------------------------------
-    model_name_or_path: str | None = None  # model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)
-    model_revision: str = "main"  # Hub branch, tag or commit
-    tokenizer_name_or_path: str | None = None  # defaults to the model's own
-    chat_template: str | None = None  # Jinja text or a .jinja path; overrides the tokenizer's own
-    trust_remote_code: bool = False  # runs Python code from the model repo: only for repos you trust
-    attn_implementation: str | None = None  # null: sdpa
-    task: str | None = None  # null: from the model (a *ForSequenceClassification is a classifier); or causal-lm, ...
+    model_name_or_path: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"},
+    )
+    model_revision: str = dataclasses.field(default="main", metadata={"help": "Hub branch, tag or commit"})
+    tokenizer_name_or_path: str | None = dataclasses.field(
+        default=None, metadata={"help": "Hub id or local folder of the tokenizer (null: the model's own)"}
+    )
+    chat_template: str | None = dataclasses.field(
+        default=None, metadata={"help": "Jinja text or a .jinja path; overrides the tokenizer's own"}
+    )
+    trust_remote_code: bool = dataclasses.field(
+        default=False, metadata={"help": "runs Python code from the model repo: only for repos you trust"}
+    )
+    attn_implementation: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "null: sdpa where the model supports it, else eager; or eager, flash_attention_2, flex_attention"
+        },
+    )
+    task: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "null: from the model (a *ForSequenceClassification is a classifier); or causal-lm, "
+            "sequence-classification"
+        },
+    )
     # --- the data --------------------------------------------------------------------------------------------------
-    dataset_name: str | None = None  # Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them
-    dataset_config: str | None = None
-    dataset_split: str = "test"
-    max_eval_samples: int | None = None  # the first N examples (null: all): faster, less precise
-    max_length: int = 1024  # tokens per example: longer ones are truncated
-    text_column: str = "text"  # plain text for perplexity; the text a classifier reads
-    text_pair_column: str | None = None  # classifiers: the second text, if the model was trained with one
-    label_column: str = "label"  # classifiers: label names (as in the model's id2label) or ids
-    dataset_num_proc: int | None = None  # processes for tokenisation
+    dataset_name: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"},
+    )
+    dataset_config: str | None = dataclasses.field(
+        default=None, metadata={"help": "Hub dataset configuration name"}
+    )
+    dataset_split: str = dataclasses.field(default="test", metadata={"help": "the dataset split to evaluate on"})
+    max_eval_samples: int | None = dataclasses.field(
+        default=None, metadata={"help": "the first N examples (null: all): faster, less precise"}
+    )
+    max_length: int = dataclasses.field(
+        default=1024, metadata={"help": "tokens per example: longer ones are truncated"}
+    )
+    text_column: str = dataclasses.field(
+        default="text", metadata={"help": "plain text for perplexity; the text a classifier reads"}
+    )
+    text_pair_column: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "classifiers: the second text, if the model was trained with one (null: none)"},
+    )
+    label_column: str = dataclasses.field(
+        default="label",
+        metadata={"help": "classifiers: label names (as in the model's id2label) or ids"},
+    )
+    dataset_num_proc: int | None = dataclasses.field(
+        default=None, metadata={"help": "processes for tokenisation (null: in-process)"}
+    )
     # --- what is measured --------------------------------------------------------------------------------------------
-    metrics: list[str] | None = None  # null: [perplexity] for a causal LM, [accuracy, f1] for a classifier. A causal
-    # LM also takes generation metrics (each costs a full generation pass, shared between them)
-    per_device_eval_batch_size: int = 8  # larger is faster and needs more memory
-    max_new_tokens: int = 64  # generation budget per prompt
-    do_sample: bool = False  # false: greedy decoding; true: sampling (seeded per batch, so reproducible)
-    temperature: float = 1.0  # sampling only
-    top_p: float = 1.0  # sampling only: nucleus size
-    seed: int = 42
+    metrics: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "null: perplexity for a causal LM, accuracy and f1 for a classifier (which also takes precision, "
+            "recall). A causal LM also takes generation metrics: exact_match, rouge, sacrebleu, chrf or an "
+            "evaluate script (each costs a full generation pass, shared between them)"
+        },
+    )
+    per_device_eval_batch_size: int = dataclasses.field(
+        default=8, metadata={"help": "rows per process per forward pass: larger is faster and needs more memory"}
+    )
+    max_new_tokens: int = dataclasses.field(default=64, metadata={"help": "generation budget per prompt"})
+    do_sample: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "false: greedy decoding; true: sampling (seeded per batch, so reproducible)"},
+    )
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling only: softmax temperature"})
+    top_p: float = dataclasses.field(default=1.0, metadata={"help": "sampling only: nucleus size"})
+    seed: int = dataclasses.field(
+        default=42, metadata={"help": "seeds Python, NumPy and torch, and the sampling of each batch (do_sample)"}
+    )
     # --- results ---------------------------------------------------------------------------------------------------
-    output_dir: str | None = None  # where eval_results.json and the card (README.md) go; null: the model folder itself
-    push_to_hub: bool = False  # upload eval_results.json and README.md (needs a token)
-    hub_model_id: str | None = None  # the repo to update; null: model_name_or_path when that is a Hub id
-    hub_private_repo: bool = True  # if the repo must be created
+    output_dir: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "where eval_results.json, eval_predictions.jsonl and the card (README.md) go; null: the model "
+            "folder itself"
+        },
+    )
+    push_to_hub: bool = dataclasses.field(
+        default=False, metadata={"help": "upload eval_results.json and README.md (needs a token)"}
+    )
+    hub_model_id: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "the repo to update; null: model_name_or_path when that is a Hub id"},
+    )
+    hub_private_repo: bool = dataclasses.field(
+        default=True, metadata={"help": "create the repo private if it must be created"}
+    )
 
     def validate(self) -> list[str]:
         problems = []

@@ -45,15 +45,41 @@ from fsdp_recipes.train import losses, loop
 class PretrainConfig(config_lib.TrainingConfig):
     """The pretraining recipe's own settings, on top of those every training recipe has (max_length is the row)."""
 
-    output_dir: str = "outputs/pretrain"
-    dataset_text_field: str = "text"  # the column holding the documents (TRL's name)
-    streaming: bool = False  # read the corpus as a stream: starts at once, never writes it to disk, tokenises on the
-    # fly (a little CPU per step; needs max_steps). false: tokenised once by datasets.map, cached for the next run
-    packing_strategy: str = "wrapped"  # "wrapped": concatenate and split, every row full (no padding), documents cut
-    # at row ends; "bfd": whole documents fitted into rows (only those longer than a row cut), at the cost of padding
-    cross_document_attention: bool = False  # the classic concatenated LM (wrapped only): tokens attend to the unrelated
-    # documents before them in the row and EOS predicts the next document; in exchange, the plain causal mask
-    max_eval_samples: int | None = 256  # held-out rows evaluated each time (null: all); each costs a forward pass
+    output_dir: str = dataclasses.field(
+        default="outputs/pretrain",
+        metadata={
+            "help": "the run's folder: at the end the trained model (a peft adapter folder with use_peft), during "
+            "the run checkpoints/ (with each rank's data position), metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    dataset_text_field: str = dataclasses.field(
+        default="text", metadata={"help": "the column holding the documents (TRL's name)"}
+    )
+    streaming: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "read the corpus as a stream: starts at once, never writes it to disk, tokenises on the fly (a "
+            "little CPU per step; needs max_steps). false: tokenised once by datasets.map, cached for the next run"
+        },
+    )
+    packing_strategy: str = dataclasses.field(
+        default="wrapped",
+        metadata={
+            "help": "wrapped: concatenate and split, every row full (no padding), documents cut at row ends; bfd: "
+            "whole documents fitted into rows (only those longer than a row cut), at the cost of padding"
+        },
+    )
+    cross_document_attention: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "the classic concatenated LM (wrapped only): tokens attend to the unrelated documents before "
+            "them in the row and EOS predicts the next document; in exchange, the plain causal mask"
+        },
+    )
+    max_eval_samples: int | None = dataclasses.field(
+        default=256,
+        metadata={"help": "held-out rows evaluated each time (null: all); each costs a forward pass"},
+    )
 
     def validate(self) -> list[str]:
         problems = super().validate()

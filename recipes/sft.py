@@ -39,15 +39,41 @@ from fsdp_recipes.train import evaluation, losses, loop
 class SFTConfig(config_lib.TrainingConfig):
     """The SFT recipe's own settings, on top of those every training recipe has. Field names follow TRL's SFTConfig."""
 
-    output_dir: str = "outputs/sft"
-    packing: bool = True  # pack several examples per row: less padding; examples never attend to each other
-    packing_row_length: int | None = None  # tokens per packed row (null: max_length). Shorter rows cost less attention
-    # per token with sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut
-    assistant_only_loss: bool = True  # conversational data: loss only on assistant turns
-    completion_only_loss: bool = True  # prompt/completion data: loss only on the completion
-    exact_match_eval_samples: int = 0  # held-out examples whose greedy completion is compared with the reference,
-    # before and after training (0: none); costs one generation per sample each time
-    max_new_tokens: int = 64  # generation budget of that check
+    output_dir: str = dataclasses.field(
+        default="outputs/sft",
+        metadata={
+            "help": "the run's folder: at the end the fine-tuned model (a peft adapter folder with use_peft), "
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    packing: bool = dataclasses.field(
+        default=True,
+        metadata={"help": "pack several examples per row: less padding; examples never attend to each other"},
+    )
+    packing_row_length: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "tokens per packed row (null: max_length). Shorter rows cost less attention per token with "
+            "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut"
+        },
+    )
+    assistant_only_loss: bool = dataclasses.field(
+        default=True, metadata={"help": "conversational data: loss only on assistant turns"}
+    )
+    completion_only_loss: bool = dataclasses.field(
+        default=True, metadata={"help": "prompt/completion data: loss only on the completion"}
+    )
+    exact_match_eval_samples: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "held-out examples whose greedy completion is compared with the reference, before and after "
+            "training (0: none); costs one generation per sample each time"
+        },
+    )
+    max_new_tokens: int = dataclasses.field(
+        default=64,
+        metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"},
+    )
 
     def row_length(self) -> int:
         return (self.packing_row_length or self.max_length) if self.packing else self.max_length

@@ -26,86 +26,283 @@ from fsdp_recipes.common.yaml_json import load_yaml_mapping
 @dataclasses.dataclass
 class TrainingConfig:
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
-    format, its loss) and extends `validate`. Comments say what each knob trades."""
+    format, its loss) and extends `validate`. Each field's help (shown by `--help`) says what the knob trades."""
 
     # --- model (names as TRL's ModelConfig) -----------------------------------------------------------------------
-    model_name_or_path: str | None = None  # Hub id or local folder with pretrained weights
-    model_config: str | None = None  # instead: a config.json to initialise a model from scratch (demos, tests)
-    model_revision: str = "main"  # Hub branch, tag or commit of model and tokenizer
-    tokenizer_name_or_path: str | None = None  # defaults to model_name_or_path
-    chat_template: str | None = None  # Jinja text or a path to a .jinja file; overrides the tokenizer's own
-    trust_remote_code: bool = False  # runs Python code from the model repo: only for repos you trust
-    attn_implementation: str | None = None  # null: sdpa where the model supports it, else eager (the run summary says
-    # which). "eager" (slow, exact), "flash_attention_2" (GPU, needs flash-attn), "flex_attention"
+    model_name_or_path: str | None = dataclasses.field(
+        default=None, metadata={"help": "Hub id or local folder with pretrained weights"}
+    )
+    model_config: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)"
+        },
+    )
+    model_revision: str = dataclasses.field(
+        default="main", metadata={"help": "Hub branch, tag or commit of model and tokenizer"}
+    )
+    tokenizer_name_or_path: str | None = dataclasses.field(
+        default=None, metadata={"help": "Hub id or local folder of the tokenizer (null: model_name_or_path)"}
+    )
+    chat_template: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Jinja text or a path to a .jinja file; overrides the tokenizer's own"},
+    )
+    trust_remote_code: bool = dataclasses.field(
+        default=False, metadata={"help": "runs Python code from the model repo: only for repos you trust"}
+    )
+    attn_implementation: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "null: sdpa where the model supports it, else eager (the run summary says which). eager (slow, "
+            "exact), flash_attention_2 (GPU, needs flash-attn), flex_attention"
+        },
+    )
     # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) --------------------------------------
-    use_peft: bool = False  # train LoRA adapters on a frozen base: a fraction of the gradients and optimizer state,
-    # output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)
-    lora_r: int = 16  # adapter rank: larger = more capacity, more trainable parameters
-    lora_alpha: int = 32  # adapter scale is lora_alpha / lora_r (or / sqrt(lora_r) with use_rslora)
-    lora_dropout: float = 0.05  # dropout on the adapters' input
-    lora_target_modules: list[str] | None = None  # module names to adapt (null: every linear layer of the decoder
-    # blocks, peft's "all-linear")
-    lora_modules_to_save: list[str] | None = None  # modules trained in full next to the adapters (e.g. [lm_head]);
-    # each costs its full gradients and optimizer state
-    use_rslora: bool = False  # rank-stabilised scaling: helps when lora_r is large
-    use_dora: bool = False  # weight-decomposed LoRA: often better quality, slower steps
-    export_merged_model: bool = False  # also write output_dir/merged: the base with the adapters merged in, a plain
-    # transformers model (needs the base model in memory on the main process at the end)
-    load_in_4bit: bool = False  # QLoRA: base weights stored in 4 bits (bitsandbytes), ~4x less memory for them
-    bnb_4bit_quant_type: str = "nf4"  # nf4 (QLoRA's) or fp4
-    use_bnb_nested_quant: bool = False  # quantise the quantisation constants too: ~0.4 bits per weight less
-    bnb_4bit_compute_dtype: str = "bfloat16"  # dtype the 4-bit weights are dequantised to for each matmul
-    bnb_4bit_quant_storage: str | None = None  # dtype the packed 4-bit weights are stored in (null: the compute
-    # dtype). FSDP shards only floating dtypes: uint8 storage is refused under FSDP
+    use_peft: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "train LoRA adapters on a frozen base: a fraction of the gradients and optimizer state; "
+            "output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)"
+        },
+    )
+    lora_r: int = dataclasses.field(
+        default=16, metadata={"help": "adapter rank: larger = more capacity, more trainable parameters"}
+    )
+    lora_alpha: int = dataclasses.field(
+        default=32, metadata={"help": "adapter scale is lora_alpha / lora_r (or / sqrt(lora_r) with use_rslora)"}
+    )
+    lora_dropout: float = dataclasses.field(default=0.05, metadata={"help": "dropout on the adapters' input"})
+    lora_target_modules: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)"
+        },
+    )
+    lora_modules_to_save: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "modules trained in full next to the adapters (e.g. lm_head); each costs its full gradients "
+            "and optimizer state"
+        },
+    )
+    use_rslora: bool = dataclasses.field(
+        default=False, metadata={"help": "rank-stabilised scaling: helps when lora_r is large"}
+    )
+    use_dora: bool = dataclasses.field(
+        default=False, metadata={"help": "weight-decomposed LoRA: often better quality, slower steps"}
+    )
+    export_merged_model: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "also write output_dir/merged: the base with the adapters merged in, a plain transformers "
+            "model (needs the base model in memory on the main process at the end)"
+        },
+    )
+    load_in_4bit: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "QLoRA: base weights stored in 4 bits (bitsandbytes), ~4x less memory for them"},
+    )
+    bnb_4bit_quant_type: str = dataclasses.field(default="nf4", metadata={"help": "nf4 (QLoRA's) or fp4"})
+    use_bnb_nested_quant: bool = dataclasses.field(
+        default=False, metadata={"help": "quantise the quantisation constants too: ~0.4 bits per weight less"}
+    )
+    bnb_4bit_compute_dtype: str = dataclasses.field(
+        default="bfloat16", metadata={"help": "dtype the 4-bit weights are dequantised to for each matmul"}
+    )
+    bnb_4bit_quant_storage: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "dtype the packed 4-bit weights are stored in (null: the compute dtype). FSDP shards only "
+            "floating dtypes: uint8 storage is refused under FSDP"
+        },
+    )
     # --- data ----------------------------------------------------------------------------------------------------
-    dataset_name: str | None = None  # Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them
-    dataset_config: str | None = None  # Hub dataset configuration name
-    dataset_train_split: str = "train"
-    dataset_test_split: str | None = "test"  # held-out split; if the dataset lacks it, eval_split_size is carved out
-    eval_split_size: float = 0.05  # fraction of train held out when there is no test split (0 disables eval)
-    max_length: int = 1024  # tokens per example: longer ones are truncated
-    train_sampling_strategy: str = "group_by_length"  # rows of similar length share a batch (less padding) or "random"
-    dataset_num_proc: int | None = None  # processes for tokenisation (None: in-process)
+    dataset_name: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"},
+    )
+    dataset_config: str | None = dataclasses.field(
+        default=None, metadata={"help": "Hub dataset configuration name"}
+    )
+    dataset_train_split: str = dataclasses.field(
+        default="train", metadata={"help": "the dataset split to train on"}
+    )
+    dataset_test_split: str | None = dataclasses.field(
+        default="test",
+        metadata={"help": "held-out split; if the dataset lacks it, eval_split_size is carved out of train"},
+    )
+    eval_split_size: float = dataclasses.field(
+        default=0.05,
+        metadata={"help": "fraction of train held out when there is no test split (0 disables eval)"},
+    )
+    max_length: int = dataclasses.field(
+        default=1024, metadata={"help": "tokens per example: longer ones are truncated"}
+    )
+    train_sampling_strategy: str = dataclasses.field(
+        default="group_by_length",
+        metadata={"help": "group_by_length: rows of similar length share a batch (less padding); or random"},
+    )
+    dataset_num_proc: int | None = dataclasses.field(
+        default=None, metadata={"help": "processes for tokenisation (null: in-process)"}
+    )
     # --- training ------------------------------------------------------------------------------------------------
-    output_dir: str = "outputs/run"
-    overwrite_output_dir: bool = False  # allow writing into a non-empty output_dir (its files may be replaced)
-    seed: int = 42
-    num_train_epochs: float = 1.0
-    max_steps: int = -1  # optimizer steps; > 0 overrides num_train_epochs
-    per_device_train_batch_size: int = 8  # rows per process per micro-step
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1  # global batch = per_device_train_batch_size * processes * this
-    learning_rate: float = 2e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    lr_scheduler_type: str = "cosine"  # any transformers SchedulerType: linear, cosine, constant_with_warmup, ...
-    warmup_ratio: float = 0.0  # fraction of steps spent warming up (ignored if warmup_steps > 0)
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0  # gradient clipping; 0 disables it
-    logging_steps: int = 10  # each logging step is a few small all-reduces
-    eval_steps: int | None = None  # evaluate every N steps (None: only at the end); each costs a pass over eval data
+    output_dir: str = dataclasses.field(
+        default="outputs/run",
+        metadata={
+            "help": "the run's folder: at the end the exported model (a peft adapter folder with use_peft), "
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    overwrite_output_dir: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "allow writing into a non-empty output_dir (its files may be replaced)"},
+    )
+    seed: int = dataclasses.field(
+        default=42,
+        metadata={
+            "help": "seeds Python, NumPy and torch (model initialisation, dropout), the order rows are read in, and "
+            "the held-out part carved out of train: same seed, same data order and initial weights"
+        },
+    )
+    num_train_epochs: float = dataclasses.field(
+        default=1.0,
+        metadata={"help": "passes over the training data (fractions allowed); ignored when max_steps > 0"},
+    )
+    max_steps: int = dataclasses.field(
+        default=-1, metadata={"help": "optimizer steps; > 0 overrides num_train_epochs"}
+    )
+    per_device_train_batch_size: int = dataclasses.field(
+        default=8, metadata={"help": "rows per process per micro-step"}
+    )
+    per_device_eval_batch_size: int = dataclasses.field(
+        default=8,
+        metadata={
+            "help": "rows per process per forward pass on held-out data (and per generation batch); no "
+            "gradients are kept, so it can often be larger than per_device_train_batch_size"
+        },
+    )
+    gradient_accumulation_steps: int = dataclasses.field(
+        default=1,
+        metadata={
+            "help": "micro-steps per optimizer step: global batch = per_device_train_batch_size * processes * "
+            "this; more steps, same memory"
+        },
+    )
+    learning_rate: float = dataclasses.field(
+        default=2e-5,
+        metadata={"help": "AdamW's peak learning rate, reached after warmup, then shaped by lr_scheduler_type"},
+    )
+    weight_decay: float = dataclasses.field(
+        default=0.0, metadata={"help": "AdamW weight decay, on weight matrices only (not on norms and biases)"}
+    )
+    adam_beta1: float = dataclasses.field(
+        default=0.9, metadata={"help": "AdamW's decay rate of the running mean of gradients (momentum)"}
+    )
+    adam_beta2: float = dataclasses.field(
+        default=0.999,
+        metadata={
+            "help": "AdamW's decay rate of the running mean of squared gradients: lower adapts faster to a "
+            "changing gradient scale"
+        },
+    )
+    adam_epsilon: float = dataclasses.field(
+        default=1e-8,
+        metadata={"help": "added to AdamW's denominator for numerical stability"},
+    )
+    lr_scheduler_type: str = dataclasses.field(
+        default="cosine",
+        metadata={"help": "any transformers SchedulerType: linear, cosine, constant_with_warmup, ..."},
+    )
+    warmup_ratio: float = dataclasses.field(
+        default=0.0,
+        metadata={"help": "fraction of steps spent warming up (ignored if warmup_steps > 0)"},
+    )
+    warmup_steps: int = dataclasses.field(
+        default=0,
+        metadata={"help": "optimizer steps spent warming up from 0 to learning_rate; > 0 overrides warmup_ratio"},
+    )
+    max_grad_norm: float = dataclasses.field(
+        default=1.0, metadata={"help": "gradient clipping; 0 disables it"}
+    )
+    logging_steps: int = dataclasses.field(
+        default=10, metadata={"help": "log every N steps; each logging step is a few small all-reduces"}
+    )
+    eval_steps: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "evaluate every N steps (null: only at the end); each costs a pass over the eval data"
+        },
+    )
     # --- speed and measurement -----------------------------------------------------------------------------------
-    loss_implementation: str = "chunked"  # "chunked": cross-entropy over chunks of tokens, never the whole micro-batch's
-    # fp32 logits (their share of activation memory drops ~tokens/loss_chunk_size-fold); "full_logits": what most trainers
-    # do (more memory); "liger": liger-kernel's fused kernel (CUDA, pip install liger-kernel)
-    loss_chunk_size: int = 1024  # tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory
-    optim: str = "adamw_torch"  # "adamw_torch" (foreach kernels) or "adamw_torch_fused" (one kernel per step: faster on GPU)
-    torch_compile: bool = False  # compile each decoder layer: faster steps after a compile pause at start-up
-    gradient_checkpointing: bool = False  # the model's own activation checkpointing: ~30% more compute, far less
-    # activation memory; refused when the Accelerate config already enables fsdp_activation_checkpointing
-    dataloader_num_workers: int = 0  # worker processes collating batches; raise if data_wait_fraction is high
-    report_to: str = "tensorboard"  # Accelerate tracker: tensorboard, wandb, trackio, or none
-    peak_flops_per_device: float | None = None  # for MFU on devices not in the table (e.g. 989e12 for an H100)
+    loss_implementation: str = dataclasses.field(
+        default="chunked",
+        metadata={
+            "help": "chunked: cross-entropy over chunks of tokens, never the whole micro-batch's fp32 logits "
+            "(their share of activation memory drops ~tokens/loss_chunk_size-fold); full_logits: what most "
+            "trainers do (more memory); liger: liger-kernel's fused kernel (CUDA, pip install liger-kernel)"
+        },
+    )
+    loss_chunk_size: int = dataclasses.field(
+        default=1024,
+        metadata={"help": "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory"},
+    )
+    optim: str = dataclasses.field(
+        default="adamw_torch",
+        metadata={
+            "help": "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)"
+        },
+    )
+    torch_compile: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "compile each decoder layer: faster steps after a compile pause at start-up"},
+    )
+    gradient_checkpointing: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "the model's own activation checkpointing: ~30%% more compute, far less activation memory; "
+            "refused when the Accelerate config already enables fsdp_activation_checkpointing"
+        },
+    )
+    dataloader_num_workers: int = dataclasses.field(
+        default=0,
+        metadata={"help": "worker processes collating batches; raise if data_wait_fraction is high"},
+    )
+    report_to: str = dataclasses.field(
+        default="tensorboard", metadata={"help": "Accelerate tracker: tensorboard, wandb, trackio, or none"}
+    )
+    peak_flops_per_device: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": "for MFU on devices not in the table (e.g. 989e12 for an H100)"},
+    )
     # --- checkpoints ---------------------------------------------------------------------------------------------
-    save_steps: int | None = 500  # resumable checkpoint every N steps and at the end (null: none); each costs a write
-    save_total_limit: int | None = None  # keep only the newest K checkpoints (null: keep all); saves disk
-    resume_from_checkpoint: str | None = None  # "latest" (in output_dir/checkpoints) or a checkpoint folder
+    save_steps: int | None = dataclasses.field(
+        default=500,
+        metadata={
+            "help": "resumable checkpoint every N steps and at the end (null: none); each costs a write"
+        },
+    )
+    save_total_limit: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "keep only the newest K checkpoints (null: keep all); saves disk"},
+    )
+    resume_from_checkpoint: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"},
+    )
     # --- Hub ---------------------------------------------------------------------------------------------------
-    push_to_hub: bool = False  # upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)
-    hub_model_id: str | None = None  # "user/name" or "org/name"
-    hub_private_repo: bool = True  # create the repo private; flip for public releases
+    push_to_hub: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)"
+        },
+    )
+    hub_model_id: str | None = dataclasses.field(
+        default=None, metadata={"help": "the Hub repo to push to: user/name or org/name"}
+    )
+    hub_private_repo: bool = dataclasses.field(
+        default=True, metadata={"help": "create the repo private; flip for public releases"}
+    )
 
     # --- what the shared layer asks of a recipe ---------------------------------------------------------------------
     # A recipe's config class overrides these; nothing under src/ reads a field that only one recipe has.
