@@ -29,7 +29,7 @@ import math
 import sys
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import errors
+from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import classification, files, rows
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import model_index
@@ -89,7 +89,7 @@ class ClassifyConfig(config_lib.TrainingConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = config_lib.parse_config(ClassifyConfig, argv)
+    config = arguments.parse_config(ClassifyConfig, argv)
     run = run_lib.start(config, name="classify", task="sequence-classification")
     accelerator, tokenizer = run.accelerator, run.tokenizer
     metrics = run.on_every_rank(lambda: evaluation.load_metrics(["accuracy", "f1"]))

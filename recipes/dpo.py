@@ -28,7 +28,7 @@ import sys
 import torch
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import errors
+from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import files, preference, rows
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
@@ -102,7 +102,7 @@ class DPOConfig(config_lib.TrainingConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = config_lib.parse_config(DPOConfig, argv)
+    config = arguments.parse_config(DPOConfig, argv)
     run = run_lib.start(config, name="dpo")
     accelerator, tokenizer = run.accelerator, run.tokenizer
 

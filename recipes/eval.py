@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import errors
+from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.data import classification, files, held_out
@@ -46,29 +46,14 @@ DEFAULT_METRICS = {"causal-lm": ["perplexity"], "sequence-classification": ["acc
 
 
 @dataclasses.dataclass
-class EvalConfig:
-    """What to evaluate, on what, and where the results go. Names as in the training configs where they exist."""
+class EvalConfig(config_lib.RunConfig):
+    """What to evaluate, on what, and where the results go. The model, data, tracker and Hub settings every recipe has
+    come from RunConfig; the fields below are eval's own, or the shared ones with eval's meaning."""
 
-    # --- the model -------------------------------------------------------------------------------------------------
+    # --- the model ----------------------------------------------------------------------------------------------------
     model_name_or_path: str | None = dataclasses.field(
         default=None,
         metadata={"help": "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"},
-    )
-    model_revision: str = dataclasses.field(default="main", metadata={"help": "Hub branch, tag or commit"})
-    tokenizer_name_or_path: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub id or local folder of the tokenizer (null: the model's own)"}
-    )
-    chat_template: str | None = dataclasses.field(
-        default=None, metadata={"help": "Jinja text or a .jinja path; overrides the tokenizer's own"}
-    )
-    trust_remote_code: bool = dataclasses.field(
-        default=False, metadata={"help": "runs Python code from the model repo: only for repos you trust"}
-    )
-    attn_implementation: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "null: sdpa where the model supports it, else eager; or eager, flash_attention_2, flex_attention"
-        },
     )
     task: str | None = dataclasses.field(
         default=None,
@@ -77,20 +62,12 @@ class EvalConfig:
             "sequence-classification"
         },
     )
-    # --- the data --------------------------------------------------------------------------------------------------
-    dataset_name: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"},
+    # --- the data -----------------------------------------------------------------------------------------------------
+    dataset_split: str = dataclasses.field(
+        default="test", metadata={"help": "the dataset split to evaluate on (a dataset with one split: that one)"}
     )
-    dataset_config: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub dataset configuration name"}
-    )
-    dataset_split: str = dataclasses.field(default="test", metadata={"help": "the dataset split to evaluate on"})
     max_eval_samples: int | None = dataclasses.field(
         default=None, metadata={"help": "the first N examples (null: all): faster, less precise"}
-    )
-    max_length: int = dataclasses.field(
-        default=1024, metadata={"help": "tokens per example: longer ones are truncated"}
     )
     text_column: str = dataclasses.field(
         default="text", metadata={"help": "plain text for perplexity; the text a classifier reads"}
@@ -103,10 +80,7 @@ class EvalConfig:
         default="label",
         metadata={"help": "classifiers: label names (as in the model's id2label) or ids"},
     )
-    dataset_num_proc: int | None = dataclasses.field(
-        default=None, metadata={"help": "processes for tokenisation (null: in-process)"}
-    )
-    # --- what is measured --------------------------------------------------------------------------------------------
+    # --- what is measured ---------------------------------------------------------------------------------------------
     metrics: list[str] | None = dataclasses.field(
         default=None,
         metadata={
@@ -114,9 +88,6 @@ class EvalConfig:
             "recall). A causal LM also takes generation metrics: exact_match, rouge, sacrebleu, chrf or an "
             "evaluate script (each costs a full generation pass, shared between them)"
         },
-    )
-    per_device_eval_batch_size: int = dataclasses.field(
-        default=8, metadata={"help": "rows per process per forward pass: larger is faster and needs more memory"}
     )
     max_new_tokens: int = dataclasses.field(default=64, metadata={"help": "generation budget per prompt"})
     do_sample: bool = dataclasses.field(
@@ -128,7 +99,7 @@ class EvalConfig:
     seed: int = dataclasses.field(
         default=42, metadata={"help": "seeds Python, NumPy and torch, and the sampling of each batch (do_sample)"}
     )
-    # --- results ---------------------------------------------------------------------------------------------------
+    # --- results ------------------------------------------------------------------------------------------------------
     output_dir: str | None = dataclasses.field(
         default=None,
         metadata={
@@ -143,19 +114,18 @@ class EvalConfig:
         default=None,
         metadata={"help": "the repo to update; null: model_name_or_path when that is a Hub id"},
     )
-    hub_private_repo: bool = dataclasses.field(
-        default=True, metadata={"help": "create the repo private if it must be created"}
+    report_to: str = dataclasses.field(
+        default="none",
+        metadata={"help": "tracker that also gets the results: none, tensorboard, wandb or trackio (written to "
+                  "output_dir)"},
     )
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = super().validate()
         if not self.model_name_or_path:
             problems.append("model_name_or_path is required: a model folder, a Hub id or a recipe checkpoint")
-        if not self.dataset_name:
-            problems.append("dataset_name is required: a Hub dataset id or a local data file or folder")
-        for name in ("max_length", "per_device_eval_batch_size", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
             problems.append(f"max_eval_samples must be >= 1 or null, got {self.max_eval_samples}")
         if not (self.temperature > 0 and 0 < self.top_p <= 1):
@@ -195,7 +165,7 @@ def measures_for(run: run_lib.EvaluationRun, config: EvalConfig) -> Measures:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = config_lib.parse_config(EvalConfig, argv)
+    config = arguments.parse_config(EvalConfig, argv)
     run = run_lib.start_evaluation(config, name="eval", task=config.task)  # accelerator, every check before loading
     accelerator, tokenizer, task, model_config = run.accelerator, run.tokenizer, run.task, run.model_config
     measures = run.on_every_rank(lambda: measures_for(run, config))

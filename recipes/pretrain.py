@@ -32,7 +32,7 @@ import math
 import sys
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import errors
+from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import text
 from fsdp_recipes.distributed import collectives
 from fsdp_recipes.models import adapters, modeling
@@ -102,7 +102,7 @@ def data_settings(config: PretrainConfig, *, rank: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = config_lib.parse_config(PretrainConfig, argv)
+    config = arguments.parse_config(PretrainConfig, argv)
     run = run_lib.start(config, name="pretrain")
     accelerator, tokenizer = run.accelerator, run.tokenizer
 

@@ -28,7 +28,7 @@ import dataclasses
 import sys
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import errors
+from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import chat, files, rows
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
@@ -91,7 +91,7 @@ class SFTConfig(config_lib.TrainingConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = config_lib.parse_config(SFTConfig, argv)
+    config = arguments.parse_config(SFTConfig, argv)
     run = run_lib.start(config, name="sft")
     accelerator, tokenizer = run.accelerator, run.tokenizer
 

@@ -24,7 +24,7 @@ from conftest import (
     write_tiny_model_config,
 )
 from fsdp_recipes.train import classifier
-from fsdp_recipes.train.config import parse_config
+from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.data import classification
 from fsdp_recipes.common.errors import ConfigError, DataError
 

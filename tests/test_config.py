@@ -5,7 +5,7 @@ import re
 import pytest
 
 from conftest import load_recipe
-from fsdp_recipes.train.config import parse_config
+from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError
 
 SFTConfig = load_recipe("sft").SFTConfig

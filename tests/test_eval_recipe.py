@@ -16,7 +16,7 @@ from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, alongs
 from conftest import recipe_config, require_success, run_recipe_in_process, write_jsonl, write_tiny_model_config
 from fsdp_recipes.train import evaluation
 from fsdp_recipes.publish import model_index, model_source
-from fsdp_recipes.train.config import parse_config
+from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError
 
 GENERATION_ROWS = 13  # 2 ranks x 4 prompts per batch: the last global batch holds 5, padded with 3 copies

@@ -278,7 +278,7 @@ def test_tokenizer_without_eos(tmp_path, values, capsys):
 
 
 def test_config_problems_are_reported_together(tmp_path, values):
-    from fsdp_recipes.train.config import parse_config
+    from fsdp_recipes.common.arguments import parse_config
     from fsdp_recipes.common.errors import ConfigError
 
     values.update(streaming=True, max_steps=-1, packing_strategy="bfd", cross_document_attention=True)

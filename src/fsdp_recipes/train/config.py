@@ -1,42 +1,33 @@
-"""Recipe configuration: a dataclass per recipe (a `TrainingConfig` subclass defined in the recipe), filled from a YAML file plus `--field value` overrides.
+"""The settings of a recipe: `RunConfig`, what every recipe has (the model, the data, outputs, trackers, the Hub;
+eval.py's config builds on it), and `TrainingConfig`, what every training recipe adds. A recipe subclasses one of them
+in its own file with the fields only it needs, and `fsdp_recipes.common.arguments.parse_config` fills it from a YAML
+file plus `--field value` flags.
 
-Every problem found is collected and reported together, before any model or data is touched. Field names follow
-`transformers.TrainingArguments` / TRL `SFTConfig` where one exists, so a user's existing YAML mostly carries over.
-FSDP settings are deliberately absent: they come from the Accelerate YAML given to `accelerate launch`.
+Field names follow `transformers.TrainingArguments` and TRL's configs where one exists, so a user's YAML mostly carries
+over. FSDP settings are deliberately absent: they come from the Accelerate YAML given to `accelerate launch`. Each
+field's help (`--help`) says what the knob trades.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import importlib.util
 import math
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
-from transformers import HfArgumentParser, SchedulerType
+from transformers import SchedulerType
 
-from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.common.yaml_json import load_yaml_mapping
+from fsdp_recipes.models.adapters import adapter_config_problems
 
 
 @dataclasses.dataclass
-class TrainingConfig:
-    """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
-    format, its loss) and extends `validate`. Each field's help (shown by `--help`) says what the knob trades."""
+class RunConfig:
+    """The settings every recipe has, training or not."""
 
-    # --- model (names as TRL's ModelConfig) -----------------------------------------------------------------------
+    # --- model --------------------------------------------------------------------------------------------------------
     model_name_or_path: str | None = dataclasses.field(
         default=None, metadata={"help": "Hub id or local folder with pretrained weights"}
-    )
-    model_config: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)"
-        },
     )
     model_revision: str = dataclasses.field(
         default="main", metadata={"help": "Hub branch, tag or commit of model and tokenizer"}
@@ -56,6 +47,87 @@ class TrainingConfig:
         metadata={
             "help": "null: sdpa where the model supports it, else eager (the run summary says which). eager (slow, "
             "exact), flash_attention_2 (GPU, needs flash-attn), flex_attention"
+        },
+    )
+    # --- data ---------------------------------------------------------------------------------------------------------
+    dataset_name: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"},
+    )
+    dataset_config: str | None = dataclasses.field(
+        default=None, metadata={"help": "Hub dataset configuration name"}
+    )
+    max_length: int = dataclasses.field(
+        default=1024, metadata={"help": "tokens per example: longer ones are truncated"}
+    )
+    dataset_num_proc: int | None = dataclasses.field(
+        default=None, metadata={"help": "processes for tokenisation (null: in-process)"}
+    )
+    per_device_eval_batch_size: int = dataclasses.field(
+        default=8,
+        metadata={
+            "help": "rows per process per forward pass on held-out data (and per generation batch); no "
+            "gradients are kept, so it can often be larger than per_device_train_batch_size"
+        },
+    )
+    # --- outputs and tracking -----------------------------------------------------------------------------------------
+    output_dir: str = dataclasses.field(
+        default="outputs/run",
+        metadata={
+            "help": "the run's folder: at the end the exported model (a peft adapter folder with use_peft), "
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    seed: int = dataclasses.field(
+        default=42,
+        metadata={
+            "help": "seeds Python, NumPy and torch (model initialisation, dropout), the order rows are read in, and "
+            "the held-out part carved out of train: same seed, same data order and initial weights"
+        },
+    )
+    report_to: str = dataclasses.field(
+        default="tensorboard", metadata={"help": "Accelerate tracker: tensorboard, wandb, trackio, or none"}
+    )
+    # --- Hub ----------------------------------------------------------------------------------------------------------
+    push_to_hub: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)"
+        },
+    )
+    hub_model_id: str | None = dataclasses.field(
+        default=None, metadata={"help": "the Hub repo to push to: user/name or org/name"}
+    )
+    hub_private_repo: bool = dataclasses.field(
+        default=True, metadata={"help": "create the repo private; flip for public releases"}
+    )
+
+    def validate(self) -> list[str]:
+        """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
+        problems = []
+        if not self.dataset_name:
+            problems.append("dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path")
+        for name in ("max_length", "per_device_eval_batch_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):
+            problems.append(f"report_to {self.report_to!r} is not one of tensorboard, wandb, trackio, none")
+        elif self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
+            problems.append(f"report_to is {self.report_to!r} but the package is not installed: pip install "
+                            f"{self.report_to}, or set report_to: none")
+        return problems
+
+
+@dataclasses.dataclass
+class TrainingConfig(RunConfig):
+    """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
+    format, its loss), extends `validate`, and overrides the methods below that describe it to the shared layer."""
+
+    # --- model --------------------------------------------------------------------------------------------------------
+    model_config: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)"
         },
     )
     # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) --------------------------------------
@@ -118,13 +190,6 @@ class TrainingConfig:
         },
     )
     # --- data ----------------------------------------------------------------------------------------------------
-    dataset_name: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"},
-    )
-    dataset_config: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub dataset configuration name"}
-    )
     dataset_train_split: str = dataclasses.field(
         default="train", metadata={"help": "the dataset split to train on"}
     )
@@ -136,34 +201,14 @@ class TrainingConfig:
         default=0.05,
         metadata={"help": "fraction of train held out when there is no test split (0 disables eval)"},
     )
-    max_length: int = dataclasses.field(
-        default=1024, metadata={"help": "tokens per example: longer ones are truncated"}
-    )
     train_sampling_strategy: str = dataclasses.field(
         default="group_by_length",
         metadata={"help": "group_by_length: rows of similar length share a batch (less padding); or random"},
     )
-    dataset_num_proc: int | None = dataclasses.field(
-        default=None, metadata={"help": "processes for tokenisation (null: in-process)"}
-    )
     # --- training ------------------------------------------------------------------------------------------------
-    output_dir: str = dataclasses.field(
-        default="outputs/run",
-        metadata={
-            "help": "the run's folder: at the end the exported model (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
-        },
-    )
     overwrite_output_dir: bool = dataclasses.field(
         default=False,
         metadata={"help": "allow writing into a non-empty output_dir (its files may be replaced)"},
-    )
-    seed: int = dataclasses.field(
-        default=42,
-        metadata={
-            "help": "seeds Python, NumPy and torch (model initialisation, dropout), the order rows are read in, and "
-            "the held-out part carved out of train: same seed, same data order and initial weights"
-        },
     )
     num_train_epochs: float = dataclasses.field(
         default=1.0,
@@ -174,13 +219,6 @@ class TrainingConfig:
     )
     per_device_train_batch_size: int = dataclasses.field(
         default=8, metadata={"help": "rows per process per micro-step"}
-    )
-    per_device_eval_batch_size: int = dataclasses.field(
-        default=8,
-        metadata={
-            "help": "rows per process per forward pass on held-out data (and per generation batch); no "
-            "gradients are kept, so it can often be larger than per_device_train_batch_size"
-        },
     )
     gradient_accumulation_steps: int = dataclasses.field(
         default=1,
@@ -268,9 +306,6 @@ class TrainingConfig:
         default=0,
         metadata={"help": "worker processes collating batches; raise if data_wait_fraction is high"},
     )
-    report_to: str = dataclasses.field(
-        default="tensorboard", metadata={"help": "Accelerate tracker: tensorboard, wandb, trackio, or none"}
-    )
     peak_flops_per_device: float | None = dataclasses.field(
         default=None,
         metadata={"help": "for MFU on devices not in the table (e.g. 989e12 for an H100)"},
@@ -289,19 +324,6 @@ class TrainingConfig:
     resume_from_checkpoint: str | None = dataclasses.field(
         default=None,
         metadata={"help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"},
-    )
-    # --- Hub ---------------------------------------------------------------------------------------------------
-    push_to_hub: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)"
-        },
-    )
-    hub_model_id: str | None = dataclasses.field(
-        default=None, metadata={"help": "the Hub repo to push to: user/name or org/name"}
-    )
-    hub_private_repo: bool = dataclasses.field(
-        default=True, metadata={"help": "create the repo private; flip for public releases"}
     )
 
     # --- what the shared layer asks of a recipe ---------------------------------------------------------------------
@@ -323,8 +345,7 @@ class TrainingConfig:
         return 0
 
     def validate(self) -> list[str]:
-        """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
-        problems = []
+        problems = super().validate()
         if (self.model_name_or_path is None) == (self.model_config is None):
             problems.append(
                 "set exactly one of model_name_or_path (pretrained weights) and model_config (initialise from a "
@@ -334,10 +355,7 @@ class TrainingConfig:
             problems.append(f"model_config: no such file {self.model_config!r}")
         if self.model_config is not None and self.tokenizer_name_or_path is None:
             problems.append("model_config needs tokenizer_name_or_path: a model built from a config has no tokenizer")
-        if not self.dataset_name:
-            problems.append("dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path")
-        for name in ("max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
-                     "gradient_accumulation_steps", "logging_steps"):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "num_train_epochs",
@@ -359,11 +377,6 @@ class TrainingConfig:
             problems.append(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.optim not in ("adamw_torch", "adamw_torch_fused"):
             problems.append(f"optim {self.optim!r} is not supported: use adamw_torch or adamw_torch_fused")
-        if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):
-            problems.append(f"report_to {self.report_to!r} is not one of tensorboard, wandb, trackio, none")
-        elif self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
-            problems.append(f"report_to is {self.report_to!r} but the package is not installed: pip install "
-                            f"{self.report_to}, or set report_to: none")
         if self.dataloader_num_workers < 0:
             problems.append(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         for name in ("save_steps", "save_total_limit", "eval_steps"):
@@ -378,129 +391,10 @@ class TrainingConfig:
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
             problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
-        from fsdp_recipes.models.adapters import adapter_config_problems  # noqa: PLC0415 (adapters imports peft)
-
         problems.extend(adapter_config_problems(self))
         if self.push_to_hub and not self.hub_model_id:
             problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
         return problems
-
-
-def _field_kinds(cls) -> dict[str, tuple[type, bool]]:
-    """field name -> (base type, accepts None)."""
-    hints = typing.get_type_hints(cls)
-    kinds = {}
-    for field in dataclasses.fields(cls):
-        hint = hints[field.name]
-        args = typing.get_args(hint)
-        if typing.get_origin(hint) in (typing.Union, types.UnionType):
-            base = next(a for a in args if a is not type(None))
-            kinds[field.name] = (base, type(None) in args)
-        else:
-            kinds[field.name] = (hint, False)
-    return kinds
-
-
-def _coerce(value: Any, base: type, nullable: bool) -> Any:
-    """YAML value -> field type. YAML reads `1e-5` as a string, so numbers written that way are converted."""
-    if value is None:
-        if nullable:
-            return None
-        raise ValueError("may not be null")
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"expected true or false, got {value!r}")
-    if base is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"expected an integer, got {value!r}")
-        return int(value)
-    if base is float:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {value!r}")
-        return float(value)
-    if typing.get_origin(base) is list:
-        if not isinstance(value, list):
-            raise ValueError(f"expected a list, e.g. [{value!r}], got {value!r}")
-        return [_coerce(item, typing.get_args(base)[0], False) for item in value]
-    if base is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"expected a string, got {type(value).__name__}")
-        return str(value)
-    return value
-
-
-def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
-    if key.startswith("fsdp") or key in ("mixed_precision", "num_processes", "distributed_type"):
-        return (
-            f"{key!r} in {where} is an Accelerate setting: FSDP and precision settings live only in the Accelerate "
-            "config (accelerate launch --config_file accelerate_configs/<topology>.yaml); remove it here"
-        )
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the valid ones"
-    return f"unknown key {key!r} in {where}{hint}"
-
-
-def parse_config(cls, argv: list[str] | None = None):
-    """`--config FILE` plus `--field value` overrides -> a validated `cls` instance, or ConfigError listing all
-    problems. Command-line values win over the file."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, rest = pre.parse_known_args(argv)
-    file_values = load_yaml_mapping(known.config) if known.config else {}
-    where = f"config file {known.config!r}"
-
-    kinds = _field_kinds(cls)
-    problems, defaults = [], {}
-    for key, value in file_values.items():
-        if key not in kinds:
-            problems.append(_unknown_key_message(key, list(kinds), where))
-            continue
-        try:
-            defaults[key] = _coerce(value, *kinds[key])
-        except ValueError as err:
-            problems.append(f"{key} in {where}: {err}")
-
-    rest, null_overrides = _take_null_overrides(rest, kinds)
-    parser = HfArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps
-    parser.add_argument("--config", help="YAML file with the recipe's settings; command-line flags override it")
-    parser.set_defaults(**defaults)
-    try:
-        *parsed, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
-    except SystemExit as err:  # argparse already printed what was wrong with the value
-        if err.code == 0:  # --help
-            raise
-        raise ConfigError("invalid command-line value (see the message above)") from None
-    previous_was_flag = False
-    for arg in remaining:
-        if arg.startswith("--"):
-            problems.append(_unknown_key_message(arg[2:].split("=")[0], list(kinds), "the command line"))
-            previous_was_flag = "=" not in arg
-        elif not previous_was_flag:  # a value right after an unknown flag is that flag's value
-            problems.append(f"unexpected command-line argument {arg!r}: flags take the form --field value")
-        else:
-            previous_was_flag = False
-    config = dataclasses.replace(parsed[0], **null_overrides)
-    if not problems:
-        problems.extend(config.validate())
-    if problems:
-        raise ConfigError(problems)
-    return config
-
-
-def _take_null_overrides(argv: list[str], kinds) -> tuple[list[str], dict[str, None]]:
-    """`--save_steps null` (or none) on the command line sets a nullable field to None, as `null` does in YAML."""
-    kept, nulls, index = [], {}, 0
-    while index < len(argv):
-        name = argv[index][2:] if argv[index].startswith("--") else None
-        if (name in kinds and kinds[name][1] and index + 1 < len(argv)
-                and argv[index + 1].lower() in ("null", "none")):
-            nulls[name] = None
-            index += 2
-            continue
-        kept.append(argv[index])
-        index += 1
-    return kept, nulls
 
 
 def config_to_dict(config) -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""A config dataclass from a YAML file plus `--field value` flags (`parse_config`): every problem found, unknown keys
+with a "did you mean", values of the wrong type and what the class's own `validate()` reports, collected and raised
+together as one ConfigError before anything expensive starts. Command-line values win over the file; `--field null`
+sets a nullable field to None as `null` does in YAML."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+from transformers import HfArgumentParser
+
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.yaml_json import load_yaml_mapping
+
+
+def _field_kinds(cls) -> dict[str, tuple[type, bool]]:
+    """field name -> (base type, accepts None)."""
+    hints = typing.get_type_hints(cls)
+    kinds = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            base = next(a for a in args if a is not type(None))
+            kinds[field.name] = (base, type(None) in args)
+        else:
+            kinds[field.name] = (hint, False)
+    return kinds
+
+
+def _coerce(value: Any, base: type, nullable: bool) -> Any:
+    """YAML value -> field type. YAML reads `1e-5` as a string, so numbers written that way are converted."""
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError("may not be null")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expected true or false, got {value!r}")
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(value)
+    if base is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        return float(value)
+    if typing.get_origin(base) is list:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, e.g. [{value!r}], got {value!r}")
+        return [_coerce(item, typing.get_args(base)[0], False) for item in value]
+    if base is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"expected a string, got {type(value).__name__}")
+        return str(value)
+    return value
+
+
+def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
+    if key.startswith("fsdp") or key in ("mixed_precision", "num_processes", "distributed_type"):
+        return (
+            f"{key!r} in {where} is an Accelerate setting: FSDP and precision settings live only in the Accelerate "
+            "config (accelerate launch --config_file accelerate_configs/<topology>.yaml); remove it here"
+        )
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the valid ones"
+    return f"unknown key {key!r} in {where}{hint}"
+
+
+def parse_config(cls, argv: list[str] | None = None):
+    """`--config FILE` plus `--field value` overrides -> a validated `cls` instance, or ConfigError listing all
+    problems. Command-line values win over the file."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    file_values = load_yaml_mapping(known.config) if known.config else {}
+    where = f"config file {known.config!r}"
+
+    kinds = _field_kinds(cls)
+    problems, defaults = [], {}
+    for key, value in file_values.items():
+        if key not in kinds:
+            problems.append(_unknown_key_message(key, list(kinds), where))
+            continue
+        try:
+            defaults[key] = _coerce(value, *kinds[key])
+        except ValueError as err:
+            problems.append(f"{key} in {where}: {err}")
+
+    rest, null_overrides = _take_null_overrides(rest, kinds)
+    parser = HfArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps
+    parser.add_argument("--config", help="YAML file with the recipe's settings; command-line flags override it")
+    parser.set_defaults(**defaults)
+    try:
+        *parsed, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    except SystemExit as err:  # argparse already printed what was wrong with the value
+        if err.code == 0:  # --help
+            raise
+        raise ConfigError("invalid command-line value (see the message above)") from None
+    previous_was_flag = False
+    for arg in remaining:
+        if arg.startswith("--"):
+            problems.append(_unknown_key_message(arg[2:].split("=")[0], list(kinds), "the command line"))
+            previous_was_flag = "=" not in arg
+        elif not previous_was_flag:  # a value right after an unknown flag is that flag's value
+            problems.append(f"unexpected command-line argument {arg!r}: flags take the form --field value")
+        else:
+            previous_was_flag = False
+    config = dataclasses.replace(parsed[0], **null_overrides)
+    if not problems:
+        problems.extend(config.validate())
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _take_null_overrides(argv: list[str], kinds) -> tuple[list[str], dict[str, None]]:
+    """`--save_steps null` (or none) on the command line sets a nullable field to None, as `null` does in YAML."""
+    kept, nulls, index = [], {}, 0
+    while index < len(argv):
+        name = argv[index][2:] if argv[index].startswith("--") else None
+        if (name in kinds and kinds[name][1] and index + 1 < len(argv)
+                and argv[index + 1].lower() in ("null", "none")):
+            nulls[name] = None
+            index += 2
+            continue
+        kept.append(argv[index])
+        index += 1
+    return kept, nulls
