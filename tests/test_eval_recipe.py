@@ -181,6 +181,18 @@ def test_plain_text_perplexity_equals_the_models_own_loss(tmp_path, tiny_lm, tok
     assert not (tmp_path / "out" / "eval_predictions.jsonl").exists()  # no generation was asked for
 
 
+def test_a_one_split_dataset_is_evaluated_on_its_split_and_the_tracker_gets_the_results(tmp_path, tiny_lm, capsys):
+    """A single data file loads as one split ('train'): evaluated on it, not refused for lacking 'test'. report_to, a
+    flag every recipe takes, writes the results to the tracker in output_dir too."""
+    write_jsonl(tmp_path / "texts.jsonl", [{"text": "hello world"}, {"text": "the quick brown fox"}])
+    run_in_process(tmp_path, "one_split", lm_values(tiny_lm, tmp_path / "texts.jsonl", tmp_path / "out",
+                                                    metrics=["perplexity"], report_to="tensorboard"))
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert results["split"] == "train" and math.isfinite(results["eval_loss"])
+    assert "the dataset has one split, 'train', and no 'test': evaluating on it" in capsys.readouterr().out
+    assert list((tmp_path / "out").rglob("events.out.tfevents.*")), "the tracker wrote nothing"
+
+
 # ---------------------------------------------------------------------- errors before any weights load, in this process
 def test_a_metric_that_cannot_be_loaded_offline_is_one_error_before_loading(tmp_path, tiny_lm, chat_eval_data, capsys):
     values = lm_values(tiny_lm, chat_eval_data, tmp_path / "out", metrics=["perplexity", "bleu", "rouge"])
