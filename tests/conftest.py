@@ -4,69 +4,16 @@ real multi-process jobs with `accelerate launch` (gloo on CPU)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "demo" / "assets" / "tokenizer"
-DEMO_DATA = REPO / "demo" / "assets" / "reverse"
-FSDP_CPU_CONFIG = REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"
-SFT = REPO / "recipes" / "sft.py"
-ACCELERATE = Path(sys.executable).with_name("accelerate")
-LAUNCH_TIMEOUT_S = 240
+pytest.register_assert_rewrite("helpers")  # before the first import: their asserts report as a test's own do
 
-
-def load_recipe(name: str):
-    """recipes/<name>.py as a module, for its config class and `main` (recipes are scripts, not a package)."""
-    import importlib.util
-
-    module_name = f"recipe_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, REPO / "recipes" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses look their module up while the class is being built
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-def run_recipe_in_process(recipe: str, tmp: Path, name: str, values: dict) -> None:
-    """recipes/<recipe>.py's main on this one process (no launcher, no FSDP), as `python recipes/<recipe>.py` runs it."""
-    from accelerate.state import AcceleratorState
-
-    from fsdp_recipes.common.errors import exit_on_user_error
-
-    config = recipe_config(tmp / f"{name}.yaml", **values)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        exit_on_user_error(lambda: load_recipe(recipe).main(["--config", str(config)]))
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def recipe_error_in_process(recipe: str, tmp: Path, values: dict, capsys, extra_argv: tuple[str, ...] = ()) -> str:
-    """recipes/<recipe>.py's main in this process, under the same wrapper as `python recipes/<recipe>.py`, with a
-    config that must be refused before weights load: returns its one `error:` line (exit 2, no traceback). The checks
-    before loading need no processes, so this costs well under a second instead of a ~15 s launch."""
-    from accelerate.state import AcceleratorState
-
-    from fsdp_recipes.common.errors import exit_on_user_error
-
-    config = recipe_config(tmp / "recipe.yaml", **values)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    with pytest.raises(SystemExit) as exit_info:
-        exit_on_user_error(lambda: load_recipe(recipe).main(["--config", str(config), *extra_argv]))
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr[-3000:]
-    assert "Traceback" not in stderr
-    return errors[0]
+from helpers.data import write_jsonl, write_tiny_model_config  # noqa: E402
+from helpers.launch import concurrently, full_state_dict_config, launch, require_success, run_launched  # noqa: E402
+from helpers.paths import CLASSIFY, DEMO_DATA, DPO, REPO, SFT, TOKENIZER  # noqa: E402
+from helpers.recipes import base_recipe_values, recipe_config, run_recipe_in_process  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -76,28 +23,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(TOKENIZER)
 
 
-def write_tiny_model_config(path: Path, tokenizer, **overrides) -> Path:
-    """A Llama of about 0.1M parameters: big enough to have every real part, small enough for 2 CPU cores."""
-    from transformers import LlamaConfig
-
-    settings = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-    )
-    settings.update(overrides)
-    LlamaConfig(**settings).to_json_file(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model_config(tmp_path_factory, tokenizer) -> Path:
     return write_tiny_model_config(tmp_path_factory.mktemp("model") / "config.json", tokenizer)
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -109,106 +37,6 @@ def chat_data(tmp_path_factory) -> Path:
     write_jsonl(folder / "train.jsonl", train)
     write_jsonl(folder / "test.jsonl", test)
     return folder
-
-
-def recipe_config(path: Path, **values) -> Path:
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def base_recipe_values(tiny_model_config: Path, chat_data: Path, output_dir: Path, **overrides) -> dict:
-    values = dict(
-        model_config=str(tiny_model_config),
-        tokenizer_name_or_path=str(TOKENIZER),
-        dataset_name=str(chat_data),
-        max_length=64,
-        max_steps=10,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        warmup_steps=2,
-        logging_steps=1,
-        output_dir=str(output_dir),
-        seed=7,
-        report_to="none",  # the tracker costs every launch an import; the reference run turns it on and checks it
-    )
-    values.update(overrides)
-    return values
-
-
-def launch(
-    script: Path | str,
-    args: list[str],
-    *,
-    num_processes: int = 2,
-    accelerate_config: Path | None = FSDP_CPU_CONFIG,
-    env: dict[str, str] | None = None,
-    timeout: float = LAUNCH_TIMEOUT_S,
-    launcher_args: list[str] = (),
-    cwd: Path = REPO,
-) -> subprocess.CompletedProcess:
-    """`accelerate launch` with real processes; a hang fails the test at `timeout` instead of blocking the suite."""
-    command = [str(ACCELERATE), "launch"]
-    if accelerate_config is not None:
-        command += ["--config_file", str(accelerate_config)]
-    command += ["--num_processes", str(num_processes)]
-    if num_processes > 1:
-        command += ["--main_process_port", str(free_port())]
-    command += [*launcher_args, str(script), *args]
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return run_process_group(command, timeout=timeout, env=full_env, cwd=cwd)
-
-
-def run_process_group(command: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO):
-    """subprocess.run, but a timeout kills the launcher's whole process group: ranks left behind would keep the
-    CPU busy for the rest of the suite."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def concurrently(*runs):
-    """Calls each of `runs` (launches) in a thread of its own and returns their results in order. A launch leaves a
-    core idle a quarter of its time (start-up, rendezvous, teardown), so two at once take ~30% less than in turn."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        futures = [pool.submit(run) for run in runs]
-        return [future.result() for future in futures]
-
-
-def alongside(in_process, *launches):
-    """Runs each of `launches` in a thread of its own while `in_process` (a recipe run in this process, which must stay
-    in the main thread) runs here; returns its result and theirs. They share the cores the launches leave idle."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=len(launches)) as pool:
-        futures = [pool.submit(launch) for launch in launches]
-        here = in_process()
-        return here, [future.result() for future in futures]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def require_success(result: subprocess.CompletedProcess) -> None:
-    if result.returncode != 0:
-        pytest.fail(f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
 
 
 # ----------------------------------------------------------------------------------------------- shared SFT launches
@@ -235,14 +63,6 @@ def small_chat_data(tmp_path_factory, chat_data) -> Path:
     (folder / "train.jsonl").write_text("\n".join(lines[:64]) + "\n")
     (folder / "test.jsonl").write_text((chat_data / "test.jsonl").read_text())
     return folder
-
-
-def run_launched(script: Path, tmp: Path, name: str, values: dict, *, expect_success: bool = True, **launch_options):
-    """A recipe under `accelerate launch` with `values` as its config (written to tmp/<name>.yaml)."""
-    result = launch(script, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))], **launch_options)
-    if expect_success:
-        require_success(result)
-    return result
 
 
 def run_sft(tmp: Path, name: str, values: dict, **options):
@@ -308,8 +128,6 @@ def full_state_dict_run(tmp_path_factory, tokenizer, small_chat_data) -> Path:
 
 
 # ----------------------------------------------------------------------------------- classify and eval: shared launch
-CLASSIFY = REPO / "recipes" / "classify.py"
-EVAL = REPO / "recipes" / "eval.py"
 CLASSIFY_STEPS = 40
 CLASSIFY_TEST_ROWS = 45  # 2 ranks x 8 rows per eval batch: the last of 3 global batches holds 13 rows, so accelerate
 # pads it with copies that gather_for_metrics must drop
@@ -411,13 +229,6 @@ def lora_one_process_run(tmp_path_factory, pretrained_tiny_model, small_chat_dat
     return tmp / "out"
 
 
-def full_state_dict_config(folder: Path) -> Path:
-    """The 2-process CPU FSDP2 config with FULL_STATE_DICT checkpoints (rank 0 writes the whole state)."""
-    path = folder / "fsdp_full_state_dict.yaml"
-    path.write_text(FSDP_CPU_CONFIG.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
-    return path
-
-
 @pytest.fixture(scope="session")
 def lora_killed_during_save(lora_launches):
     """The LoRA reference run, but with FULL_STATE_DICT checkpoints, and rank 1 killed while saving step 6.
@@ -455,7 +266,6 @@ def lora_resumed_run(lora_resumes) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ DPO: shared launches
-DPO = REPO / "recipes" / "dpo.py"
 DPO_STEPS = 8
 
 

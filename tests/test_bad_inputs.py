@@ -11,12 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    TOKENIZER,
-    base_recipe_values,
-    recipe_error_in_process,
-    write_tiny_model_config,
-)
+from helpers.data import write_tiny_model_config
+from helpers.paths import TOKENIZER
+from helpers.recipes import base_recipe_values, recipe_error_in_process
 
 
 def run_failing_in_process(tmp: Path, values: dict, capsys, extra_argv: tuple[str, ...] = ()) -> str:

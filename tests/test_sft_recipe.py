@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import STEPS, read_metrics
+from helpers.recipes import read_metrics
+from conftest import STEPS
 
 pytestmark = pytest.mark.slow
 

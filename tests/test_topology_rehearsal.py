@@ -15,20 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
-    ACCELERATE,
-    LAUNCH_TIMEOUT_S,
-    REPO,
-    STEPS,
-    concurrently,
-    free_port,
-    read_metrics,
-    recipe_config,
-    require_success,
-    resume_values,
-    run_process_group,
-    run_sft,
-)
+from helpers.launch import ACCELERATE, LAUNCH_TIMEOUT_S, concurrently, free_port, require_success, run_process_group
+from helpers.paths import REPO
+from helpers.recipes import read_metrics, recipe_config
+from conftest import STEPS, resume_values, run_sft
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
