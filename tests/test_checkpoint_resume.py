@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fixtures.sft import STEPS, run_sft
 from helpers.launch import concurrently
 from helpers.recipes import read_metrics
-from conftest import STEPS, run_sft
 from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fixtures.dpo import DPO_STEPS, dpo_values, run_dpo
 from helpers.launch import alongside
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
-from conftest import DPO_STEPS, dpo_values, run_dpo
 from fsdp_recipes.train import losses
 from fsdp_recipes.data import preference
 from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
 from helpers.paths import DEMO_DATA, EVAL
 from helpers.recipes import load_recipe, recipe_config, run_recipe_in_process
-from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS
 from fsdp_recipes.train import evaluation
 from fsdp_recipes.publish import model_index, model_source
 from fsdp_recipes.train.config import parse_config
