@@ -1,4 +1,5 @@
-"""Bad input gives one clear `error:` line, a nonzero exit, no traceback, and leaves existing files alone.
+"""Bad input to the SFT recipe (recipes/sft.py) gives one clear `error:` line, a nonzero exit, no traceback, and
+leaves existing files alone.
 
 The checks run before any weights load, so they are exercised in this process (the recipe's `main`, as the launcher
 would run it, on one process). That such an error stops every rank of a real launch, is printed once and does not
