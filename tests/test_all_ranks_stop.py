@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FSDP_CPU_CONFIG, REPO, SFT, base_recipe_values, concurrently, launch, recipe_config, write_jsonl
+from helpers.data import write_jsonl
+from helpers.launch import concurrently, launch
+from helpers.paths import FSDP_CPU_CONFIG, REPO, SFT
+from helpers.recipes import base_recipe_values, recipe_config
 
 pytestmark = pytest.mark.slow
 SFT_CLAIMING_A_DEVICE = REPO / "tests" / "scripts" / "sft_on_a_machine_claiming_a_device.py"

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TOKENIZER, launch, read_metrics, require_success, run_process_group
+from helpers.launch import launch, require_success, run_process_group
+from helpers.paths import REPO, TOKENIZER
+from helpers.recipes import read_metrics
 from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.catalog import HUB_CONFIGS, Catalog, listing, model_info
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import STEPS, concurrently, read_metrics, run_sft
+from fixtures.sft import STEPS, run_sft
+from helpers.launch import concurrently
+from helpers.recipes import read_metrics
 from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
 
 pytestmark = pytest.mark.slow

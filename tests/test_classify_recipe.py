@@ -12,17 +12,9 @@ import torch
 import yaml
 from datasets import ClassLabel, Dataset, Features
 
-from conftest import (
-    CLASSIFY_STEPS,
-    CLASSIFY_TEST_ROWS,
-    classify_values,
-    load_recipe,
-    read_metrics,
-    recipe_config,
-    recipe_error_in_process,
-    write_jsonl,
-    write_tiny_model_config,
-)
+from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, classify_values
+from helpers.data import write_jsonl, write_tiny_model_config
+from helpers.recipes import load_recipe, read_metrics, recipe_config, recipe_error_in_process
 from fsdp_recipes.train import classifier
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.data import classification

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from conftest import load_recipe
+from helpers.recipes import load_recipe
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from conftest import write_tiny_model_config
+from helpers.data import write_tiny_model_config
 from fsdp_recipes.data.chat import detect_format, tokenize_dataset, tokenize_example
 from fsdp_recipes.data.rows import build_rows, collate_rows, pack_lengths
 from fsdp_recipes.data.rows import IGNORE_INDEX

@@ -9,7 +9,7 @@ import datasets
 import pytest
 from datasets import Dataset
 
-from conftest import write_jsonl
+from helpers.data import write_jsonl
 from fsdp_recipes.data import files
 from fsdp_recipes.data.chat import tokenize_dataset
 from fsdp_recipes.data.files import load_raw_dataset

@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, DEMO_DATA, EVAL, alongside, launch, load_recipe
-from conftest import recipe_config, require_success, run_recipe_in_process, write_jsonl, write_tiny_model_config
+from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS
+from helpers.data import write_jsonl, write_tiny_model_config
+from helpers.launch import alongside, launch, require_success
+from helpers.paths import DEMO_DATA, EVAL
+from helpers.recipes import load_recipe, recipe_config, run_recipe_in_process
 from fsdp_recipes.train import evaluation
 from fsdp_recipes.publish import model_index, model_source
 from fsdp_recipes.common.arguments import parse_config

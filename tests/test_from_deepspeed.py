@@ -12,7 +12,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import REPO
+from helpers.paths import REPO
 from fsdp_recipes.tools import cli, memory
 from fsdp_recipes.distributed.launch_checks import exported_environment
 from fsdp_recipes.tools.linter import lint_config_file

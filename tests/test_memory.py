@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FSDP_CPU_CONFIG, REPO
+from helpers.paths import FSDP_CPU_CONFIG, REPO
 from fsdp_recipes.tools import memory
 from fsdp_recipes.common.errors import ConfigError
 

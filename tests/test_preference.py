@@ -1,6 +1,6 @@
 """The in-process pieces of preference tuning: pairs in TRL's formats split into prompt and answers, truncated as TRL
 does, collated as chosen rows then rejected rows; summed log-probabilities, the DPO losses and their figures.
-Each check here costs well under a second (the recipe's launches are in tests/test_dpo.py)."""
+Each check here costs well under a second (the recipe's launches are in tests/test_dpo_recipe.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ the same way). Each section is compared as text."""
 
 from __future__ import annotations
 
-from conftest import REPO
+from helpers.paths import REPO
 
 
 def section(recipe: str, first_line: str, last_line: str) -> list[str]:

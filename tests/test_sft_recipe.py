@@ -1,5 +1,5 @@
 """End-to-end runs of recipes/sft.py under `accelerate launch`, with real processes sharding over gloo. The runs are
-the shared session launches of conftest.py."""
+the shared session launches of tests/fixtures/sft.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import STEPS, read_metrics
+from fixtures.sft import STEPS
+from helpers.recipes import read_metrics
 
 pytestmark = pytest.mark.slow
 

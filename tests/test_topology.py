@@ -12,7 +12,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import write_tiny_model_config
+from helpers.data import write_tiny_model_config
 from fsdp_recipes.tools import cli
 from fsdp_recipes.distributed.launch_checks import (
     ERROR,

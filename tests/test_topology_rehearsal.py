@@ -2,9 +2,9 @@
 
 HSDP (hsdp_4proc_cpu.yaml) really builds a 2 x 2 (replicate x shard) mesh, and HSDP, SHARD_GRAD_OP and NO_SHARD
 (plain DDP, MULTI_GPU: MULTI_CPU here) all give the losses of the 2-process FULL_SHARD run with the same global
-batch (the shared reference run of conftest.py). The SLURM template, run as SLURM would run it on two nodes, gives
-2 nodes x 2 processes of HSDP the losses of 1 node x 4. A wrap class the model lacks stops the recipe before any
-weights load."""
+batch (the shared reference run of tests/fixtures/sft.py). The SLURM template, run as SLURM would run it on two
+nodes, gives 2 nodes x 2 processes of HSDP the losses of 1 node x 4. A wrap class the model lacks stops the recipe
+before any weights load."""
 
 from __future__ import annotations
 
@@ -15,20 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
-    ACCELERATE,
-    LAUNCH_TIMEOUT_S,
-    REPO,
-    STEPS,
-    concurrently,
-    free_port,
-    read_metrics,
-    recipe_config,
-    require_success,
-    resume_values,
-    run_process_group,
-    run_sft,
-)
+from fixtures.sft import STEPS, resume_values, run_sft
+from helpers.launch import ACCELERATE, LAUNCH_TIMEOUT_S, concurrently, free_port, require_success, run_process_group
+from helpers.paths import REPO
+from helpers.recipes import read_metrics, recipe_config
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"

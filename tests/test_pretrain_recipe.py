@@ -13,20 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
-    FSDP_CPU_CONFIG,
-    REPO,
-    TOKENIZER,
-    concurrently,
-    launch,
-    load_recipe,
-    read_metrics,
-    recipe_config,
-    recipe_error_in_process,
-    require_success,
-    write_jsonl,
-    write_tiny_model_config,
-)
+from helpers.data import write_jsonl, write_tiny_model_config
+from helpers.launch import concurrently, launch, require_success
+from helpers.paths import FSDP_CPU_CONFIG, REPO, TOKENIZER
+from helpers.recipes import load_recipe, read_metrics, recipe_config, recipe_error_in_process
 from fsdp_recipes.data import text
 from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data.rows import IGNORE_INDEX

@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DPO_STEPS, alongside, dpo_values, read_metrics, recipe_error_in_process, run_dpo
-from conftest import run_recipe_in_process
+from fixtures.dpo import DPO_STEPS, dpo_values, run_dpo
+from helpers.launch import alongside
+from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 from fsdp_recipes.train import losses
 from fsdp_recipes.data import preference
 from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault

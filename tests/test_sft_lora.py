@@ -11,7 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from conftest import STEPS, alongside, lora_values, read_metrics, recipe_error_in_process, run_recipe_in_process, run_sft
+from fixtures.lora import lora_values
+from fixtures.sft import STEPS, run_sft
+from helpers.launch import alongside
+from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 from fsdp_recipes.models import adapters
 from fsdp_recipes.tools import memory
 from fsdp_recipes.common.errors import ConfigError

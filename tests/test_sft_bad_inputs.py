@@ -1,4 +1,5 @@
-"""Bad input gives one clear `error:` line, a nonzero exit, no traceback, and leaves existing files alone.
+"""Bad input to the SFT recipe (recipes/sft.py) gives one clear `error:` line, a nonzero exit, no traceback, and
+leaves existing files alone.
 
 The checks run before any weights load, so they are exercised in this process (the recipe's `main`, as the launcher
 would run it, on one process). That such an error stops every rank of a real launch, is printed once and does not
@@ -11,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    TOKENIZER,
-    base_recipe_values,
-    recipe_error_in_process,
-    write_tiny_model_config,
-)
+from helpers.data import write_tiny_model_config
+from helpers.paths import TOKENIZER
+from helpers.recipes import base_recipe_values, recipe_error_in_process
 
 
 def run_failing_in_process(tmp: Path, values: dict, capsys, extra_argv: tuple[str, ...] = ()) -> str:
