@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from conftest import REPO, load_recipe
+from helpers.paths import REPO
+from helpers.recipes import load_recipe
 from fsdp_recipes.common.errors import exit_on_user_error
 from fsdp_recipes.train.config import TrainingConfig
 
