@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 DEMO_OUTPUT := outputs/demo_reverse/$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast lint format venv clean
 
 # Let Python cache bytecode even where the environment says not to: without it every process (a 2-process launch
 # starts three) compiles transformers, datasets, peft... from source again, ~10 s of CPU each.
@@ -29,6 +29,15 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest --durations=25
+
+# The linter and the formatter's check, as CI runs them (`make format` rewrites the files instead).
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 # Unit tests only: skips the multi-process launches.
 test-fast: venv
