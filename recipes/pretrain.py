@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         source, split = text.rank_documents(
             text.tokenize(train_raw, tokenizer, config.dataset_text_field, num_proc=config.dataset_num_proc),
             rank=accelerator.process_index, world_size=accelerator.num_processes, seed=config.seed,
-            max_length=config.max_length,
+            max_length=config.max_length, dataset_name=config.dataset_name,
         )
         packing = dict(max_length=config.max_length, strategy=config.packing_strategy,
                        cross_document_attention=config.cross_document_attention)
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         eval_rows = None
         if eval_raw is not None:
             eval_tokens = text.tokenize(eval_raw, tokenizer, config.dataset_text_field, name="eval")
-            eval_rows = text.eval_rows(eval_tokens, limit=config.max_eval_samples, **packing)
+            eval_rows = text.eval_rows(eval_tokens, limit=config.max_eval_samples, dataset_name=config.dataset_name,
+                                       **packing)
         return stream, split, eval_rows
 
     batches, split, eval_rows = run.on_every_rank(prepare_data, main_process_first=True)

@@ -82,10 +82,11 @@ class StartedRun:
     attn_implementation: str
     attention_note: str
 
-    def on_every_rank(self, step: Callable[[], T], *, main_process_first: bool = False) -> T:
+    def on_every_rank(self, step: Callable[[], T], *, main_process_first: bool = False, what: str | None = None) -> T:
         """Runs `step` on every rank; if it fails on one, it fails on all, with that rank's message (no rank is left
-        waiting in a collective). `main_process_first`: e.g. to fill the datasets cache once."""
-        return on_every_rank_together(self.accelerator, step, main_process_first=main_process_first)
+        waiting in a collective). `main_process_first`: e.g. to fill the datasets cache once. `what`: names the step,
+        for a library's exception caused by the input (`fsdp_recipes.common.steps`)."""
+        return on_every_rank_together(self.accelerator, step, main_process_first=main_process_first, what=what)
 
     def sum_over_ranks(self, value: float) -> float:
         """Collective: the sum of `value` over all ranks (e.g. the target tokens of a global batch)."""
@@ -336,15 +337,18 @@ def accelerator_for(config: RunConfig, *, compile_layers: bool = False) -> Accel
 
 
 def load_model_files(config: RunConfig, model_name_or_path: str | None, model_config_file: str | None = None, *,
-                     tokenizer_name_or_path: str | None = None):
+                     tokenizer_name_or_path: str | None = None, model_setting: str = "model_name_or_path"):
     """(tokenizer, model config) of the model to load, checked against each other; no weights. The tokenizer is the
-    config's `tokenizer_name_or_path`, else `tokenizer_name_or_path`, else the model's own."""
+    config's `tokenizer_name_or_path`, else `tokenizer_name_or_path`, else the model's own. `model_setting`: the field
+    that named `model_name_or_path`, for messages."""
     tokenizer = load_tokenizer(
         config.tokenizer_name_or_path or tokenizer_name_or_path or model_name_or_path, revision=config.model_revision,
         trust_remote_code=config.trust_remote_code, chat_template=config.chat_template,
+        setting="tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path",
     )
     model_config = load_model_config(model_name_or_path, model_config_file, revision=config.model_revision,
-                                     trust_remote_code=config.trust_remote_code)
+                                     trust_remote_code=config.trust_remote_code,
+                                     setting=None if model_config_file else model_setting)
     check_tokenizer_fits_model(tokenizer, model_config)
     return tokenizer, model_config
 

@@ -1,5 +1,7 @@
 """Errors a user can fix, and how a recipe reports them: one message naming the problem and the fix, a nonzero
-exit, no traceback, printed once rather than by every rank."""
+exit, no traceback, printed once rather than by every rank. A library's exception caused by the user's input becomes
+one of them where the step that met it is named (`fsdp_recipes.common.steps`); any other exception is a bug, shown
+with its traceback once, on the rank that hit it, with a line saying so."""
 
 from __future__ import annotations
 
@@ -41,6 +43,20 @@ class DistributedSetupError(UserError, RuntimeError):
     """The launch cannot give the training that was asked for."""
 
 
+class InputError(UserError):
+    """A library's exception (the Hub, a file, a tokenizer) caused by the user's input, translated by the step that met
+    it (`fsdp_recipes.common.steps.step`): the step, the input and the fix."""
+
+
+class PeerRankFailed(UserError):
+    """Another rank failed in a step every rank runs together; this one stops with it instead of waiting in a
+    collective. `bug`: the other rank's failure was not the user's error (its traceback is printed there)."""
+
+    def __init__(self, message: str, *, bug: bool = False):
+        super().__init__(message)
+        self.bug = bug
+
+
 class DiskFullError(UserError, OSError):
     """A write ran out of disk space (or quota): the message says where, how much is free and how much was needed."""
 
@@ -54,24 +70,40 @@ def is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+BUG_NOTE = ("This is a bug in FSDP Recipes or in a library it uses, not a problem with your input: please report it, "
+            "with the traceback above and the command that ran.")
+
+
 def exit_on_user_error(main: Callable[[], object]) -> None:
-    """Runs `main`; a UserError becomes `error: <message>` on stderr (main rank only) and exit status 2."""
+    """Runs `main`, the recipe's boundary: a UserError becomes `error: <message>` on stderr (main rank only) and exit
+    status 2; any other exception is a bug, re-raised (its traceback printed once, by the rank that hit it) with a
+    last line saying so; a rank stopped by another rank's bug prints one line and exits 1."""
+    rank = os.environ.get("RANK", "0")
     try:
         main()
     except UserError as error:
-        if is_main_rank():
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        elif not error.reported_by_main_rank:
-            print(f"error: rank {os.environ.get('RANK')}: {error}", file=sys.stderr, flush=True)
-        _destroy_process_group()
-        sys.exit(USER_ERROR_EXIT_CODE)
+        if isinstance(error, PeerRankFailed) and error.bug:  # one line: the traceback is the failing rank's to show
+            print(f"rank {rank}: stopping because {error}", file=sys.stderr, flush=True)
+            _destroy_process_group()
+            sys.exit(PEER_FAILURE_EXIT_CODE)
+        _report_user_error(error)
     except Exception as error:
         if not _is_peer_failure(error):
+            error.add_note(BUG_NOTE)
             raise
         # The failing rank prints its own error; repeating it here as a second traceback would only bury it.
-        rank = os.environ.get("RANK", "0")
         print(f"rank {rank}: stopping because another process failed (its error is above)", file=sys.stderr, flush=True)
         sys.exit(PEER_FAILURE_EXIT_CODE)
+
+
+def _report_user_error(error: UserError) -> None:
+    """`error: <message>` (once: by the main rank, or by the rank that met it alone), exit status 2."""
+    if is_main_rank():
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    elif not error.reported_by_main_rank:
+        print(f"error: rank {os.environ.get('RANK')}: {error}", file=sys.stderr, flush=True)
+    _destroy_process_group()
+    sys.exit(USER_ERROR_EXIT_CODE)
 
 
 _PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")

@@ -15,6 +15,7 @@ import torch
 from datasets import ClassLabel, Dataset
 
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import files
 
 
 def check_columns(dataset: Dataset, *, text_column: str, text_pair_column: str | None, label_column: str | None,
@@ -32,6 +33,9 @@ def check_columns(dataset: Dataset, *, text_column: str, text_pair_column: str |
         empty = sum(value is None for value in dataset[column])
         if empty:
             raise DataError(f"{empty} rows of the {name} split have no value in column {column!r}: drop or fill them")
+    for column, setting in ((text_column, "text_column"), (text_pair_column, "text_pair_column")):
+        if column:
+            files.check_text_column_type(dataset, column, split=name, setting=setting)
 
 
 def _texts_of(dataset: Dataset, column: str) -> list[str]:
@@ -101,8 +105,9 @@ def tokenize(dataset: Dataset, tokenizer, *, text_column: str, text_pair_column:
         full = tokenizer(batch[text_column], pairs)["input_ids"]
         return {"input_ids": encoded["input_ids"], "truncated": [len(ids) > max_length for ids in full]}
 
-    tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
-                            desc=f"Tokenizing {name}")
+    with files.tokenizing(text_column, split=name, setting="text_column"):
+        tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
+                                desc=f"Tokenizing {name}")
     stats = {"examples": len(dataset), "truncated": int(sum(tokenized["truncated"]))}
     return tokenized.remove_columns("truncated").add_column("labels", list(labels)), stats
 

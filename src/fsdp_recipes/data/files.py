@@ -7,8 +7,10 @@ With `streaming=True` nothing is read until iterated, and nothing is written to 
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import json
-import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow
@@ -18,19 +20,94 @@ from datasets.exceptions import DataFilesNotFoundError, DatasetBuildError, Datas
 from datasets.table import CastError
 from huggingface_hub.errors import HfHubHTTPError
 
+from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import DataError
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 _ONE_DOCUMENT_PER_TEXT_FILE = {"sample_by": "document"}  # datasets' default cuts a text file at every line
-# `name` or `org/name`, as the Hub spells repository ids; anything else can only be meant as a local path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # What the json, csv and parquet builders raise on a file they cannot read (pandas' and pyarrow's are ValueErrors).
 _READ_ERRORS = (DatasetBuildError, pyarrow.ArrowException, ValueError)
+
+
+@contextlib.contextmanager
+def reading(dataset_name: str, *, met_by_one_rank: bool = False) -> Iterator[steps.Step]:
+    """The step of reading `dataset_name` (`fsdp_recipes.common.steps`): what a library raises because of a file (not
+    UTF-8, not the format its name says, unreadable) becomes one DataError naming the file. Wrap what reads a stream
+    too: a streamed dataset is read only when iterated. `met_by_one_rank`: while each rank reads its own part, so the
+    rank that met it says so itself."""
+    with steps.step(f"reading dataset_name {dataset_name!r}", name=dataset_name, setting="dataset_name",
+                    explain=_explain_unreadable(dataset_name), met_by_one_rank=met_by_one_rank) as step:
+        yield step
+
+
+def _explain_unreadable(dataset_name: str):
+    def explain(error: BaseException, step: steps.Step) -> steps.Problem | None:
+        if not isinstance(error, (UnicodeDecodeError, *_READ_ERRORS)):
+            return None
+        path = Path(dataset_name).expanduser()
+        paths = [path] if path.is_file() else _data_files_in(path) if path.is_dir() else []
+        for file in paths:
+            problem = _file_problem(file)
+            if problem is not None:
+                fix = "Fix it, or move it out of the folder" if len(paths) > 1 else f"Fix it, or {step.point_elsewhere()}"
+                return steps.Problem(f"{file}: {problem}", fix)
+        return None
+
+    return explain
+
+
+def tokenizing(column: str, *, split: str, setting: str):
+    """The step of tokenizing a text column (`fsdp_recipes.common.steps`): values the tokenizer refuses (not text)
+    become one error naming the column, the split and the setting that chose it."""
+    return steps.step(f"tokenizing column {column!r} of the {split} split ({setting})", name=column, setting=setting)
+
+
+def check_text_column_type(dataset, column: str, *, split: str, setting: str) -> None:
+    """DataError unless `column` holds text: the tokenizer refuses numbers and chat turns, and takes lists of strings
+    for words already split (which they are not). A stream that declares no features: its first value is looked at."""
+    features = getattr(dataset, "features", None)
+    feature = features.get(column) if features else None
+    if feature is not None:
+        if getattr(feature, "dtype", None) in ("string", "large_string"):
+            return
+        kind = _feature_kind(feature)
+    else:
+        first = next(iter(dataset), None) if features is None else None
+        value = None if first is None else first.get(column)
+        if value is None or isinstance(value, str):
+            return
+        kind = _value_kind(value)
+    raise DataError(f"column {column!r} of the {split} split holds {kind}, not text: point {setting} at a column of "
+                    "strings" + (" (conversations go in a 'messages' column, read as chat where a recipe takes chat)"
+                                 if "turns" in kind else ""))
+
+
+def _feature_kind(feature) -> str:
+    inner = getattr(feature, "feature", None)
+    if inner is not None:  # a list
+        if isinstance(inner, dict) and {"role", "content"} <= set(inner):
+            return "chat turns (lists of role/content)"
+        return f"lists of {getattr(inner, 'dtype', None) or type(inner).__name__}"
+    if isinstance(feature, dict):
+        return f"records with keys {sorted(feature)}"
+    return getattr(feature, "dtype", None) or type(feature).__name__
+
+
+def _value_kind(value) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "role" in v for v in value):
+        return "chat turns (lists of role/content)"
+    return {list: "lists", dict: "records", bool: "booleans", int: "numbers", float: "numbers"}.get(type(value),
+                                                                                                     type(value).__name__)
 
 
 def load_raw_dataset(dataset_name: str, dataset_config: str | None = None, *,
                      streaming: bool = False) -> DatasetDict | IterableDatasetDict:
     """A Hub dataset id, a local data file, or a local folder of data files (all splits it has)."""
+    with reading(dataset_name):
+        return _load_raw_dataset(dataset_name, dataset_config, streaming)
+
+
+def _load_raw_dataset(dataset_name: str, dataset_config: str | None, streaming: bool) -> DatasetDict | IterableDatasetDict:
     path = Path(dataset_name).expanduser()
     if path.is_file():
         return _load_file(dataset_name, path, streaming)
@@ -55,7 +132,7 @@ def load_raw_dataset(dataset_name: str, dataset_config: str | None = None, *,
 
 
 def _looks_local(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).suffix.lower() in _LOCAL_FORMATS or not _HUB_ID.match(name)
+    return Path(name).suffix.lower() in _LOCAL_FORMATS or not steps.looks_like_hub_id(name)
 
 
 def _load_file(dataset_name: str, path: Path, streaming: bool) -> DatasetDict | IterableDatasetDict:
@@ -144,6 +221,20 @@ def _file_problem(path: Path) -> str | None:
         return _parquet_problem(path)
     if suffix == ".csv":
         return _csv_problem(path)
+    if suffix == ".txt":
+        return _text_problem(path)
+    return None
+
+
+def _text_problem(path: Path) -> str | None:
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                return f"it is not UTF-8 text (byte {offset + error.start} is not valid UTF-8: a binary file?)"
+            offset += len(chunk)
     return None
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from datasets import Dataset
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import chat, rows
+from fsdp_recipes.data import chat, files, rows
 
 
 def _chat_format(columns: list[str]) -> bool:
@@ -35,12 +35,15 @@ def loss_rows(dataset: Dataset, tokenizer, *, text_column: str, max_length: int,
             "(set text_column), 'messages', or 'prompt' and 'completion'"
         )
 
+    files.check_text_column_type(dataset, text_column, split="eval", setting="text_column")
+
     def encode(batch):
         ids = tokenizer(batch[text_column], truncation=True, max_length=max_length)["input_ids"]
         return {"input_ids": ids, "loss_mask": [[1] * len(row) for row in ids]}
 
-    tokens = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
-                         desc="Tokenizing eval")
+    with files.tokenizing(text_column, split="eval", setting="text_column"):
+        tokens = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
+                             desc="Tokenizing eval")
     with_target = tokens.filter(lambda ids: len(ids) > 1, input_columns="input_ids")  # one token predicts nothing
     if len(with_target) == 0:
         raise DataError(f"no eval text has two tokens or more in column {text_column!r}: nothing to predict")

@@ -29,6 +29,7 @@ corpus into ranks: only the same number of processes can continue it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -63,16 +64,17 @@ def load_corpus(dataset_name: str, dataset_config: str | None, *, text_field: st
                 test_split: str | None, eval_split_size: float, seed: int):
     """(train, held-out or None), each with its text column checked: Datasets, or IterableDatasets when streaming.
     A stream has no held-out part unless it has a test split (carving one out would need its length)."""
-    raw = files.load_raw_dataset(dataset_name, dataset_config, streaming=streaming)
-    if not streaming:
-        train, held_out = files.split_train_eval(raw, train_split, test_split, eval_split_size, seed)
-    elif train_split not in raw:
-        raise DataError(f"the dataset has no split {train_split!r} (it has {sorted(raw)}); set dataset_train_split")
-    else:
-        train, held_out = raw[train_split], raw[test_split] if test_split and test_split in raw else None
-    for dataset in (train, held_out):
-        if dataset is not None:
-            check_text_column(dataset, text_field)
+    with files.reading(dataset_name):  # a stream's first example may be read here
+        raw = files.load_raw_dataset(dataset_name, dataset_config, streaming=streaming)
+        if not streaming:
+            train, held_out = files.split_train_eval(raw, train_split, test_split, eval_split_size, seed)
+        elif train_split not in raw:
+            raise DataError(f"the dataset has no split {train_split!r} (it has {sorted(raw)}); set dataset_train_split")
+        else:
+            train, held_out = raw[train_split], raw[test_split] if test_split and test_split in raw else None
+        for dataset in (train, held_out):
+            if dataset is not None:
+                check_text_column(dataset, text_field)
     return train, held_out
 
 
@@ -86,9 +88,7 @@ def check_text_column(dataset: Dataset | IterableDataset, text_field: str) -> No
             f"the dataset has columns {sorted(columns)} but no {text_field!r} column holding the documents: set "
             "dataset_text_field to the column with the text"
         )
-    feature = (dataset.features or {}).get(text_field)
-    if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"column {text_field!r} holds {feature}, not text: set dataset_text_field to a text column")
+    files.check_text_column_type(dataset, text_field, split="train", setting="dataset_text_field")
 
 
 def _tokenize_batch(batch: dict[str, list], tokenizer, text_field: str) -> dict[str, list]:
@@ -105,20 +105,24 @@ def tokenize(dataset: Dataset | IterableDataset, tokenizer, text_field: str, *, 
     options = dict(function=_tokenize_batch, batched=True, fn_kwargs=dict(tokenizer=tokenizer, text_field=text_field))
     if isinstance(dataset, IterableDataset):
         return dataset.select_columns([text_field]).map(remove_columns=[text_field], **options)
-    return dataset.map(remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {name}", **options)
+    with files.tokenizing(text_field, split=name, setting="dataset_text_field"):
+        return dataset.map(remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {name}", **options)
 
 
-def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_size: int, seed: int, max_length: int):
+def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_size: int, seed: int, max_length: int,
+                   dataset_name: str | None = None):
     """This rank's part of the corpus as an endless document source, and how the corpus was divided (for the run
-    summary). DataError if a rank's part holds less than one row of tokens: it would repeat documents within a row."""
+    summary). DataError if a rank's part holds less than one row of tokens: it would repeat documents within a row.
+    `dataset_name`: where a stream reads from, named if a file of it cannot be read."""
     part = split_dataset_by_node(tokenized, rank=rank, world_size=world_size)
     if isinstance(tokenized, IterableDataset):
         shards = tokenized.num_shards
         split = {"split": f"{shards // world_size} whole shard(s) of {shards} per rank" if shards % world_size == 0
                  else f"one document in {world_size} ({shards} shards do not divide among {world_size} processes)"}
-        short = _first_tokens(part, max_length)
+        with _reading(dataset_name, met_by_one_rank=True):
+            short = _first_tokens(part, max_length)
         short = {rank: short} if short < max_length else {}
-        source = StreamedDocuments(part)
+        source = StreamedDocuments(part, dataset_name=dataset_name)
     else:
         parts = [split_dataset_by_node(tokenized, rank=r, world_size=world_size) for r in range(world_size)]
         split = {"split": "a contiguous block of documents per rank, in a new seeded order each epoch",
@@ -137,6 +141,10 @@ def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_siz
     return source, split
 
 
+def _reading(dataset_name: str | None, *, met_by_one_rank: bool = False):
+    return files.reading(dataset_name, met_by_one_rank=met_by_one_rank) if dataset_name else contextlib.nullcontext()
+
+
 def _first_tokens(documents: IterableDataset, enough: int) -> int:
     """Tokens at the start of a stream, counted up to `enough` (reads no further)."""
     total = 0
@@ -150,8 +158,9 @@ def _first_tokens(documents: IterableDataset, enough: int) -> int:
 class StreamedDocuments:
     """A rank's part of a stream, pass after pass (datasets reorders the shards each epoch, the same way on every rank)."""
 
-    def __init__(self, dataset: IterableDataset):
+    def __init__(self, dataset: IterableDataset, *, dataset_name: str | None = None):
         self.dataset, self.epoch, self._iterator, self._resume_from = dataset, 0, None, None
+        self.dataset_name = dataset_name  # named if a file of the stream cannot be read (this rank alone meets it)
 
     def next_document(self) -> list[int]:
         empty_passes = 0  # a restored position may be at the very end of a pass; two empty ones mean no data
@@ -160,7 +169,8 @@ class StreamedDocuments:
                 self.dataset.set_epoch(self.epoch)
                 self.dataset.load_state_dict(self._resume_from)  # None: from the start (else datasets would keep
                 self._iterator, self._resume_from = iter(self.dataset), None  # resuming from the last state loaded)
-            example = next(self._iterator, None)
+            with _reading(self.dataset_name, met_by_one_rank=True):
+                example = next(self._iterator, None)
             if example is not None:
                 return example["input_ids"]
             self.epoch, self._iterator, empty_passes = self.epoch + 1, None, empty_passes + 1
@@ -361,13 +371,14 @@ class PackedStream:
 
 
 def eval_rows(tokenized: Dataset | IterableDataset, *, max_length: int, strategy: str, cross_document_attention: bool,
-              limit: int | None) -> list[dict[str, list[int]]] | None:
+              limit: int | None, dataset_name: str | None = None) -> list[dict[str, list[int]]] | None:
     """Held-out rows packed as for training, at most `limit` of them (None: all); the same on every rank, which
-    evaluate in turn on their share. None if there are none."""
+    evaluate in turn on their share. None if there are none. `dataset_name`: named if a file cannot be read."""
     source, packer, rows = _OnePass(example["input_ids"] for example in tokenized), Packer(
         max_length, strategy, cross_document_attention=cross_document_attention), []
     while limit is None or len(rows) < limit:
-        row = packer.next_row(source)
+        with _reading(dataset_name):
+            row = packer.next_row(source)
         if row is None:
             break
         rows.append(row)

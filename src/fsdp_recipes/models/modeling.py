@@ -20,6 +20,7 @@ from transformers import (
 )
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
+from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import ConfigError
 
 # What a recipe trains: the transformers Auto class that builds it, and the Hub's pipeline tag for its card.
@@ -55,10 +56,14 @@ def load_tokenizer(
     revision: str = "main",
     trust_remote_code: bool = False,
     chat_template: str | None = None,
+    setting: str = "tokenizer_name_or_path",
 ) -> PreTrainedTokenizerBase:
     """The tokenizer, with the config's chat template if given (else its own, if any) and a pad token. Data that
-    needs a template and finds none is refused when it is tokenised (fsdp_recipes.data.chat)."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    needs a template and finds none is refused when it is tokenised (fsdp_recipes.data.chat). `setting`: the config
+    field that named it, for the message if it cannot be loaded."""
+    with steps.step(f"loading the tokenizer from {name_or_path!r} ({setting})", name=name_or_path, setting=setting,
+                    explain=_model_files_problem):
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if chat_template is not None:
         template_path = Path(chat_template)
         tokenizer.chat_template = template_path.read_text() if template_path.is_file() else chat_template
@@ -69,11 +74,35 @@ def load_tokenizer(
 
 
 def load_model_config(
-    model_name_or_path: str | None, model_config: str | None, *, revision: str = "main", trust_remote_code: bool = False
+    model_name_or_path: str | None, model_config: str | None, *, revision: str = "main", trust_remote_code: bool = False,
+    setting: str | None = None,
 ) -> PretrainedConfig:
-    if model_config is not None:
-        return AutoConfig.from_pretrained(model_config, trust_remote_code=trust_remote_code)
-    return AutoConfig.from_pretrained(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    """The model's config (no weights): from `model_config` (a config.json) if given, else from `model_name_or_path`
+    (a folder or Hub id). `setting`: the config field that named it, for the message if it cannot be loaded."""
+    name = model_config if model_config is not None else model_name_or_path
+    setting = setting or ("model_config" if model_config is not None else "model_name_or_path")
+    with steps.step(f"loading the model config from {name!r} ({setting})", name=name, setting=setting,
+                    explain=_model_files_problem):
+        if model_config is not None:
+            return AutoConfig.from_pretrained(model_config, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def _model_files_problem(error: BaseException, step: steps.Step) -> steps.Problem | None:
+    """What transformers says of a local folder that holds no model config or no tokenizer."""
+    text = " ".join(str(error).split())
+    if isinstance(error, ValueError) and text.startswith("Couldn't instantiate the backend tokenizer"):
+        fix = ("Set tokenizer_name_or_path to the tokenizer the model was trained with (a folder or Hub id)"
+               if step.setting != "tokenizer_name_or_path" else "Point tokenizer_name_or_path at a folder with one")
+        return steps.Problem("it holds no tokenizer files (tokenizer.json, or a vocabulary its tokenizer_config.json "
+                             "names)", fix)
+    if isinstance(error, ValueError) and text.startswith("Unrecognized model in"):
+        return steps.Problem("it has no config.json naming a model_type, so it is not a model folder",
+                             f"Point {step.setting} at a model folder (with config.json) or a Hub id")
+    if isinstance(error, OSError) and "does not appear to have a file named" in text:
+        return steps.Problem(text.split(". Checkout")[0].rstrip("."), f"Point {step.setting} at a complete model "
+                             "folder or Hub id")
+    return None
 
 
 def module_class_names(config: PretrainedConfig, *, task: str = "causal-lm",
