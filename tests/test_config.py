@@ -30,6 +30,18 @@ def test_yaml_values_and_command_line_overrides(tmp_path):
     assert config.trust_remote_code is False
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--save_steps", "null", "--save_steps", "2"], 2),
+    (["--save_steps", "2", "--save_steps", "null"], None),
+    (["--save_steps=none", "--save_steps=3"], 3),
+    (["--save_steps", "4", "--save_steps=NULL"], None),
+    (["--save_steps", "null", "--eval_steps", "5"], None),
+])
+def test_the_last_flag_for_a_field_wins_null_or_not(tmp_path, flags, expected):
+    config = parse_config(SFTConfig, ["--config", write(tmp_path, BASE + "save_steps: 9\n"), *flags])
+    assert config.save_steps == expected
+
+
 def test_unknown_keys_are_reported_with_the_closest_valid_key(tmp_path):
     path = write(tmp_path, BASE + "learning_rat: 1e-3\nfsdp_config: {}\n")
     with pytest.raises(ConfigError) as error:

@@ -121,15 +121,21 @@ def parse_config(cls, argv: list[str] | None = None):
 
 
 def _take_null_overrides(argv: list[str], kinds) -> tuple[list[str], dict[str, None]]:
-    """`--save_steps null` (or none) on the command line sets a nullable field to None, as `null` does in YAML."""
+    """`--save_steps null` (or none, or `--save_steps=null`) on the command line sets a nullable field to None, as
+    `null` does in YAML. The last flag for a field wins, as argparse has it for every other value: a null before
+    `--save_steps 2` is dropped, and a value before a null is overridden by it (nulls are applied after parsing)."""
     kept, nulls, index = [], {}, 0
     while index < len(argv):
-        name = argv[index][2:] if argv[index].startswith("--") else None
-        if (name in kinds and kinds[name][1] and index + 1 < len(argv)
-                and argv[index + 1].lower() in ("null", "none")):
+        argument = argv[index]
+        name, has_equals, inline = argument[2:].partition("=") if argument.startswith("--") else (None, False, None)
+        nullable = name in kinds and kinds[name][1]
+        value = inline if has_equals else argv[index + 1] if index + 1 < len(argv) else None
+        if nullable and value is not None and value.lower() in ("null", "none"):
             nulls[name] = None
-            index += 2
+            index += 1 if has_equals else 2
             continue
-        kept.append(argv[index])
+        if name is not None:
+            nulls.pop(name, None)  # a later value wins over an earlier null
+        kept.append(argument)
         index += 1
     return kept, nulls
