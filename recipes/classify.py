@@ -74,6 +74,9 @@ class ClassifyConfig(config_lib.TrainingConfig):
         },
     )
 
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + ("text_column", "text_pair_column", "label_column", "class_weights")
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.text_pair_column is not None and self.text_pair_column == self.text_column:

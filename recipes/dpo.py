@@ -86,6 +86,10 @@ class DPOConfig(config_lib.TrainingConfig):
     def frozen_model_copies(self) -> int:
         return reference.frozen_copies(self.reference_mode())
 
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + ("beta", "loss_type", "label_smoothing", "max_prompt_length",
+                                                    "precompute_ref_log_probs")
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if not (math.isfinite(self.beta) and self.beta > 0):

@@ -81,6 +81,10 @@ class PretrainConfig(config_lib.TrainingConfig):
         metadata={"help": "held-out rows evaluated each time (null: all); each costs a forward pass"},
     )
 
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + ("dataset_text_field", "streaming", "packing_strategy",
+                                                    "cross_document_attention")
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.packing_strategy not in text.PACKING_STRATEGIES:

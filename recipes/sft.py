@@ -81,6 +81,10 @@ class SFTConfig(config_lib.TrainingConfig):
     def packs_examples(self) -> bool:
         return self.packing
 
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + ("packing", "packing_row_length", "assistant_only_loss",
+                                                    "completion_only_loss")
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.packing_row_length is not None and self.packing_row_length < 1:

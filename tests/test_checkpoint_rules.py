@@ -52,3 +52,51 @@ def test_pruning_keeps_the_newest_and_never_latest(tmp_path):
     assert [p.name for p in removed] == ["step-00000020"]
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-00000010", "step-00000030", "step-00000040"]
     assert latest_checkpoint(tmp_path).name == "step-00000010"
+
+
+# ------------------------------------------------------------------------------ what a resumed run must keep
+def test_each_recipe_declares_what_its_objective_and_data_depend_on():
+    """The shared layer asks the config class; each recipe adds its own objective and data fields."""
+    from helpers.recipes import load_recipe
+
+    declared = {name: getattr(load_recipe(name), config)().resume_sensitive_fields() for name, config in (
+        ("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("pretrain", "PretrainConfig"), ("classify", "ClassifyConfig"))}
+    assert {"beta", "loss_type", "label_smoothing"} <= set(declared["dpo"])
+    assert {"packing", "assistant_only_loss", "completion_only_loss"} <= set(declared["sft"])
+    assert {"dataset_text_field", "packing_strategy", "streaming"} <= set(declared["pretrain"])
+    assert {"text_column", "label_column", "class_weights"} <= set(declared["classify"])
+    assert all({"dataset_name", "max_length", "seed"} <= set(fields) for fields in declared.values())
+
+
+def test_a_changed_objective_is_refused_listing_every_change_unless_allowed(tmp_path):
+    import pytest
+
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.train.config import check_resume_config
+    from helpers.recipes import load_recipe
+
+    config_class = load_recipe("dpo").DPOConfig
+    saved = {"beta": 0.5, "loss_type": "ipo", "max_length": 1024}  # fields it lacks had their defaults
+    now = config_class(beta=0.1, loss_type="sigmoid", learning_rate=1e-3)  # learning_rate: not the objective
+    with pytest.raises(ConfigError) as refused:
+        check_resume_config(now, saved, tmp_path / "step-00000004")
+    message = str(refused.value)
+    assert "(beta: 0.5 -> 0.1; loss_type: 'ipo' -> 'sigmoid')" in message
+    assert "--allow_config_change beta loss_type (recorded in metrics.jsonl)" in message
+    allowed = config_class(beta=0.1, loss_type="ipo", allow_config_change=["beta"], resume_from_checkpoint="latest")
+    assert check_resume_config(allowed, saved, tmp_path) == {"beta": [0.5, 0.1]}
+    with pytest.raises(ConfigError, match=r"other LoRA settings \(lora_r 4 in the checkpoint, 16 now\)"):
+        check_resume_config(allowed, {**saved, "use_peft": False, "lora_r": 4}, tmp_path)
+
+
+def test_allow_config_change_names_only_fields_a_resume_checks():
+    from helpers.recipes import load_recipe
+
+    config = load_recipe("dpo").DPOConfig(model_name_or_path="m", dataset_name="d", resume_from_checkpoint="latest",
+                                          allow_config_change=["betta", "lora_r"])
+    problems = config.validate()
+    assert "allow_config_change: 'betta' is not a field that resuming checks; did you mean 'beta'?" in problems
+    assert any(p.startswith("allow_config_change: lora_r cannot change on resume") for p in problems)
+    config.resume_from_checkpoint = None
+    config.allow_config_change = ["beta"]
+    assert "allow_config_change applies to a resumed run only" in config.validate()[0]

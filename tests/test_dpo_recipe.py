@@ -174,6 +174,21 @@ def test_resuming_with_precomputed_values_that_are_gone_is_refused(tmp_path, one
     assert "reference_log_probs.json" in error and "cannot be recomputed" in error
 
 
+def test_an_objective_changed_on_resume_is_refused_unless_allowed_and_then_recorded(
+        tmp_path, one_process_precomputed, pretrained_tiny_model, preference_data, capsys):
+    out = shutil.copytree(one_process_precomputed, tmp_path / "out")
+    values = dpo_values(pretrained_tiny_model, preference_data, out, per_device_train_batch_size=8,
+                        precompute_ref_log_probs=True, resume_from_checkpoint="latest", max_steps=DPO_STEPS + 1,
+                        beta=0.25, label_smoothing=0.1)
+    error = recipe_error_in_process("dpo", tmp_path, values, capsys)
+    assert "other settings that change the objective or the data (beta: 0.5 -> 0.25; label_smoothing: 0.0 -> 0.1)" in error
+    assert (out / "metrics.jsonl").read_text() == (one_process_precomputed / "metrics.jsonl").read_text()
+    run_recipe_in_process("dpo", tmp_path, "allowed", {**values, "allow_config_change": ["beta", "label_smoothing"]})
+    (resumed,) = [r for r in read_metrics(out) if r.get("event") == "resumed"]
+    assert resumed["config_changes"] == {"beta": [0.5, 0.25], "label_smoothing": [0.0, 0.1]}
+    assert max(step_records(out)) == DPO_STEPS + 1
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("rows, overrides, expected", [
     ([{"prompt": "a", "answer": "b"}], {}, "columns ['answer', 'prompt'], but preference tuning needs 'prompt', 'chosen'"),

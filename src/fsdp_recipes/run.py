@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from fsdp_recipes.models import adapters
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
+from fsdp_recipes.train.config import RunConfig, TrainingConfig, check_resume_config, config_to_dict
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
 from fsdp_recipes.distributed.accelerator import build_accelerator, describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
@@ -108,6 +108,7 @@ class Run(StartedRun):
 
     config: TrainingConfig
     checkpoint: Path | None
+    config_changes: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # resumed: allowed, old -> new
     log: MetricsLog | None = None
     metrics: StepLogger | None = None
     evaluation: Evaluation | None = None
@@ -177,8 +178,11 @@ class Run(StartedRun):
         self._record_state_bytes_after_first_step(model, scheduler.optimizer)
         accelerator.init_trackers(self.name, config=numeric_fields(config_to_dict(config), keep_text=True))
         if self.resumed:
+            changes = {"config_changes": self.config_changes} if self.config_changes else {}
             self.log.log({"step": first_step - 1, "event": "resumed", "checkpoint": str(self.checkpoint),
-                          "world_size": accelerator.num_processes})
+                          "world_size": accelerator.num_processes, **changes})
+            for name, (old, new) in self.config_changes.items():
+                accelerator.print(f"warning: resumed with {name} {old!r} -> {new!r} (allow_config_change)")
 
         self.metrics = StepLogger(
             accelerator, self.log, every=config.logging_steps, total_steps=total_steps, model_config=self.model_config,
@@ -381,9 +385,10 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         saved = load_model_config(None, str(checkpoints_lib.saved_model_config_path(checkpoint)),
                                   trust_remote_code=config.trust_remote_code)
         check_same_shapes(saved, model_config, task=task, trust_remote_code=config.trust_remote_code)
+    config_changes = {}
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
         saved_recipe = json.loads(checkpoints_lib.saved_recipe_config_path(checkpoint).read_text())
-        adapters.check_resume_settings(config, saved_recipe, checkpoint)
+        config_changes = check_resume_config(config, saved_recipe, checkpoint)
     if config.packs_examples():
         check_packing_is_isolated(model_config)
     layout = model_layout(accelerator, config, model_config, task)
@@ -393,4 +398,5 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     problem = loss_implementation_problem(config.loss_implementation, accelerator.device.type)
     if problem:
         raise ConfigError(problem)
-    return dict(checkpoint=checkpoint, hub_token=hub_token, tokenizer=tokenizer, model_config=model_config, **layout)
+    return dict(checkpoint=checkpoint, hub_token=hub_token, tokenizer=tokenizer, model_config=model_config,
+                config_changes=config_changes, **layout)

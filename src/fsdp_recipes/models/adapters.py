@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -223,18 +222,9 @@ def checkpoint_state_filter(accelerator):
         accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
 
 
-# What a checkpoint's adapter shapes depend on: resuming with other values cannot restore it.
+# What a checkpoint's adapter shapes depend on: resuming with other values cannot restore it (checked with the other
+# resume-sensitive fields, `fsdp_recipes.train.config.check_resume_config`).
 RESUME_SETTINGS = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save", "use_dora", "load_in_4bit")
-
-
-def check_resume_settings(config, saved: dict[str, Any], checkpoint: Path) -> None:
-    """Raises ConfigError when the checkpoint was trained with other adapter settings than `config`."""
-    defaults = {field.name: field.default for field in dataclasses.fields(config)}  # older checkpoints lack them
-    changed = [f"{name} {saved.get(name, defaults[name])!r} in the checkpoint, {getattr(config, name)!r} now"
-               for name in RESUME_SETTINGS if saved.get(name, defaults[name]) != getattr(config, name)]
-    if changed:
-        raise ConfigError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(changed)}): resume with the "
-                          "settings that wrote it, or start a new run in a new output_dir")
 
 
 # ------------------------------------------------------------------------------------------------------------ export

@@ -11,6 +11,7 @@ field's help (`--help`) says what the knob trades.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import math
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 
 from transformers import SchedulerType
 
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 from fsdp_recipes.models.adapters import adapter_config_problems
 
 
@@ -325,6 +328,14 @@ class TrainingConfig(RunConfig):
         default=None,
         metadata={"help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"},
     )
+    allow_config_change: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "resuming: fields that change the objective or the data (see docs/errors.md) which may differ "
+            "from the checkpoint's, e.g. --allow_config_change beta; the change is recorded in metrics.jsonl. "
+            "Without it such a change is refused"
+        },
+    )
 
     # --- what the shared layer asks of a recipe ---------------------------------------------------------------------
     # A recipe's config class overrides these; nothing under src/ reads a field that only one recipe has.
@@ -343,6 +354,18 @@ class TrainingConfig(RunConfig):
     def frozen_model_copies(self) -> int:
         """Whole frozen copies of the model kept beside the trained one (a reference model), sharded like it."""
         return 0
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        """Fields that change the objective or the data (which rows, in which order, as which tokens): a resumed run
+        must keep the checkpoint's values, or one run would mix two trainings, unless `allow_config_change` names
+        them. A recipe's config adds its own: `super().resume_sensitive_fields() + (...)`."""
+        return ("model_name_or_path", "model_config", "tokenizer_name_or_path", "chat_template", "dataset_name",
+                "dataset_config", "dataset_train_split", "dataset_test_split", "eval_split_size", "max_length", "seed",
+                "train_sampling_strategy", "lora_alpha", "lora_dropout", "use_rslora")
+
+    def resume_fixed_fields(self) -> tuple[str, ...]:
+        """Fields the checkpoint's tensors depend on (LoRA's shapes): no resume with other values, allowed or not."""
+        return ADAPTER_SHAPE_FIELDS
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -392,10 +415,56 @@ class TrainingConfig(RunConfig):
         if self.lr_scheduler_type not in schedulers:
             problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
         problems.extend(adapter_config_problems(self))
+        problems.extend(self._allow_config_change_problems())
         if self.push_to_hub and not self.hub_model_id:
             problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
         return problems
 
 
+    def _allow_config_change_problems(self) -> list[str]:
+        if self.allow_config_change is None:
+            return []
+        if not self.resume_from_checkpoint:
+            return ["allow_config_change applies to a resumed run only: set resume_from_checkpoint, or remove it"]
+        problems, sensitive = [], self.resume_sensitive_fields()
+        for name in self.allow_config_change:
+            if name in self.resume_fixed_fields():
+                problems.append(f"allow_config_change: {name} cannot change on resume: the checkpoint's tensors "
+                                "depend on it. Start a new run in a new output_dir instead")
+            elif name not in sensitive:
+                close = difflib.get_close_matches(name, sensitive, n=1)
+                problems.append(f"allow_config_change: {name!r} is not a field that resuming checks"
+                                + (f"; did you mean {close[0]!r}?" if close else f" (those are: {', '.join(sensitive)})"))
+        return problems
+
+
 def config_to_dict(config) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+def check_resume_config(config: TrainingConfig, saved: dict[str, Any], checkpoint: Path) -> dict[str, list[Any]]:
+    """Compares the fields the run depends on (the config class says which) with the values `checkpoint` was trained
+    with (its saved recipe config; a field it lacks had its default). Raises ConfigError listing every change that is
+    not allowed; returns the allowed ones, {field: [old, new]}, for the metrics log."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+
+    def before(name):
+        return saved.get(name, defaults.get(name))
+
+    fixed = [f"{name} {before(name)!r} in the checkpoint, {getattr(config, name)!r} now"
+             for name in config.resume_fixed_fields() if before(name) != getattr(config, name)]
+    if fixed:
+        raise ConfigError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(fixed)}): resume with the "
+                          "settings that wrote it, or start a new run in a new output_dir")
+    changed = {name: [before(name), getattr(config, name)] for name in config.resume_sensitive_fields()
+               if before(name) != getattr(config, name)}
+    refused = [name for name in changed if name not in (config.allow_config_change or [])]
+    if refused:
+        listed = "; ".join(f"{name}: {changed[name][0]!r} -> {changed[name][1]!r}" for name in refused)
+        raise ConfigError(
+            f"{checkpoint} was trained with other settings that change the objective or the data ({listed}), so the "
+            "resumed run would mix two trainings. Resume with the values it was trained with (model/recipe_config.json "
+            "in the checkpoint), start a new run in a new output_dir, or allow the change explicitly: "
+            f"--allow_config_change {' '.join(refused)} (recorded in metrics.jsonl)"
+        )
+    return changed
