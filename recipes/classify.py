@@ -65,6 +65,13 @@ class ClassifyConfig(config_lib.TrainingConfig):
         default="label",
         metadata={"help": "ClassLabel, integers or strings; the classes are those seen in training"},
     )
+    ignore_mismatched_sizes: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "model_name_or_path is already a classifier for another number of classes: start a new head for "
+            "the data's classes (transformers' option; the trained head is dropped). false: refused before loading"
+        },
+    )
     class_weights: str | None = dataclasses.field(
         default=None,
         metadata={
@@ -73,6 +80,10 @@ class ClassifyConfig(config_lib.TrainingConfig):
             "in label-id order"
         },
     )
+
+    def min_max_length(self) -> tuple[int, str]:
+        # the tokenizer's own special tokens are counted once it is loaded (classification.tokenize)
+        return 2, "a special token the tokenizer adds (BOS or CLS) and at least one token of the text"
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         return super().resume_sensitive_fields() + ("text_column", "text_pair_column", "label_column", "class_weights")
@@ -124,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                                        main_process_first=True)
     if run.resumed:
         classifier.check_resumed_labels(run.checkpoint, names)
+    classifier.check_head_fits(run.model_config, names, ignore_mismatched_sizes=config.ignore_mismatched_sizes,
+                               source=config.model_name_or_path)
     classifier.configure(run.model_config, names, pad_token_id=tokenizer.pad_token_id)
     collator = classification.Collator(tokenizer.pad_token_id)
     train_loader = rows.train_dataloader(train_rows, config, num_processes=accelerator.num_processes,
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     model = modeling.load_model(
         run.model_config, model_name_or_path=config.model_name_or_path, task="sequence-classification",
         revision=config.model_revision, attn_implementation=run.attn_implementation,
-        trust_remote_code=config.trust_remote_code,
+        trust_remote_code=config.trust_remote_code, ignore_mismatched_sizes=config.ignore_mismatched_sizes,
         **adapters.loading_options(config, accelerator),
     )
     head = classifier.head_module_names(model)

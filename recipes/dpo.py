@@ -86,6 +86,9 @@ class DPOConfig(config_lib.TrainingConfig):
     def frozen_model_copies(self) -> int:
         return reference.frozen_copies(self.reference_mode())
 
+    def min_max_length(self) -> tuple[int, str]:
+        return 2, "a pair's rows need a prompt token and an answer token predicted from it"
+
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         return super().resume_sensitive_fields() + ("beta", "loss_type", "label_smoothing", "max_prompt_length",
                                                     "precompute_ref_log_probs")
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     train_pairs, eval_pairs, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
     collate = preference.PairCollator(tokenizer.pad_token_id)
     train_loader = rows.train_dataloader(train_pairs, config, num_processes=accelerator.num_processes,
-                                         pad_token_id=tokenizer.pad_token_id, collate_fn=collate)
+                                         pad_token_id=tokenizer.pad_token_id, collate_fn=collate, unit="pairs")
     in_order = {name: torch.utils.data.DataLoader(pairs, batch_size=config.per_device_eval_batch_size,
                                                   collate_fn=collate)
                 for name, pairs in (("train", train_pairs), ("eval", eval_pairs)) if pairs is not None}

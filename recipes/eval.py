@@ -55,6 +55,13 @@ class EvalConfig(config_lib.RunConfig):
         default=None,
         metadata={"help": "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"},
     )
+    base_model_name_or_path: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "LoRA adapters (a folder or a LoRA run's checkpoint): the base model to merge them into (null: "
+            "the one the adapter records, refused before loading if it is a path that does not exist here)"
+        },
+    )
     task: str | None = dataclasses.field(
         default=None,
         metadata={
@@ -166,7 +173,8 @@ def measures_for(run: run_lib.EvaluationRun, config: EvalConfig) -> Measures:
 
 def main(argv: list[str] | None = None) -> None:
     config = arguments.parse_config(EvalConfig, argv)
-    run = run_lib.start_evaluation(config, name="eval", task=config.task)  # accelerator, every check before loading
+    run = run_lib.start_evaluation(config, name="eval", task=config.task,  # accelerator, every check before loading
+                                   base_model_name_or_path=config.base_model_name_or_path)
     accelerator, tokenizer, task, model_config = run.accelerator, run.tokenizer, run.task, run.model_config
     measures = run.on_every_rank(lambda: measures_for(run, config))
     metrics = measures.metrics

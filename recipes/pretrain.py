@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             text.tokenize(train_raw, tokenizer, config.dataset_text_field, num_proc=config.dataset_num_proc),
             rank=accelerator.process_index, world_size=accelerator.num_processes, seed=config.seed,
             max_length=config.max_length, dataset_name=config.dataset_name,
+            rows_per_step=config.per_device_train_batch_size * config.gradient_accumulation_steps,
+            repeat_small_dataset=config.repeat_small_dataset,
         )
         packing = dict(max_length=config.max_length, strategy=config.packing_strategy,
                        cross_document_attention=config.cross_document_attention)

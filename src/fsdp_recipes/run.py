@@ -158,6 +158,10 @@ class Run(StartedRun):
 
         adapters.register_generate_as_forward(model)
         self.summary = describe_run(accelerator, model, self.wrap_classes)
+        rows = None if per_rank_stream else len(getattr(train_loader, "dataset", None) or [])
+        if rows is not None and rows < self.global_batch_rows:  # allowed by repeat_small_dataset (else refused)
+            self.summary["repeated_data"] = (f"{rows} training rows, fewer than one optimizer step takes "
+                                             f"({self.global_batch_rows}): every step repeats rows")
         self.summary.update(
             recipe=self.name, task=self.task, attn_implementation=self.attention_note, **(summary or {}),
             **adapters.parameter_counts(model), lora=adapters.describe(config),
@@ -293,14 +297,16 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     return Run(config=config, name=name, task=task, accelerator=accelerator, **checks)
 
 
-def start_evaluation(config: RunConfig, *, name: str, task: str | None = None) -> EvaluationRun:
+def start_evaluation(config: RunConfig, *, name: str, task: str | None = None,
+                     base_model_name_or_path: str | None = None) -> EvaluationRun:
     """`start` for a recipe that loads a trained model to measure it: the same accelerator and checks before loading,
     on a model folder, Hub id, LoRA adapter folder or recipe checkpoint; `task` None: the model's own (a
-    *ForSequenceClassification is a classifier). output_dir None: the model folder itself."""
+    *ForSequenceClassification is a classifier). output_dir None: the model folder itself. `base_model_name_or_path`:
+    a LoRA adapter's base, instead of the one it records."""
     accelerator = accelerator_for(config)
 
     def checks() -> dict[str, Any]:
-        source = resolve_model_source(config.model_name_or_path)
+        source = resolve_model_source(config.model_name_or_path, base_model_name_or_path=base_model_name_or_path)
         output_dir = config.output_dir or (str(source.local_folder) if source.local_folder else None)
         if output_dir is None:
             raise ConfigError("output_dir is required when evaluating a Hub id or a checkpoint: the folder for the "
@@ -313,7 +319,9 @@ def start_evaluation(config: RunConfig, *, name: str, task: str | None = None) -
             raise ConfigError(problem)
         hub_token = require_hub_token() if config.push_to_hub else None
         # an adapter folder has no model config of its own (its base's applies) but carries the tokenizer it used
-        tokenizer, model_config = load_model_files(config, source.config_files, tokenizer_name_or_path=source.files)
+        tokenizer, model_config = load_model_files(
+            config, source.config_files, tokenizer_name_or_path=source.files,
+            model_setting="base_model_name_or_path" if source.kind == "adapter" else "model_name_or_path")
         model_task = task or model_source_task(source, model_config)
         return dict(source=source, output_dir=Path(output_dir), hub_model_id=hub_model_id, hub_token=hub_token,
                     tokenizer=tokenizer, model_config=model_config, task=model_task,

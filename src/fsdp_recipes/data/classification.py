@@ -99,6 +99,14 @@ def tokenize(dataset: Dataset, tokenizer, *, text_column: str, text_pair_column:
              max_length: int, num_proc: int | None = None, name: str = "train") -> tuple[Dataset, dict[str, int]]:
     """`input_ids` (text, or text and pair as the tokenizer joins them, truncated to max_length) and `labels`."""
 
+    special = tokenizer.num_special_tokens_to_add(pair=text_pair_column is not None)
+    if max_length < special + 1 + (text_pair_column is not None):
+        raise DataError(
+            f"max_length={max_length} leaves no token of the text: the tokenizer adds {special} special token(s) to "
+            f"each example{' (with its pair)' if text_pair_column else ''}. Raise max_length (the texts' usual length "
+            "in tokens is a good value)"
+        )
+
     def encode(batch):
         pairs = batch[text_pair_column] if text_pair_column else None
         encoded = tokenizer(batch[text_column], pairs, truncation=True, max_length=max_length)

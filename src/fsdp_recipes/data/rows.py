@@ -15,6 +15,8 @@ import random
 import torch
 from datasets import Dataset
 
+from fsdp_recipes.common.errors import DataError
+
 IGNORE_INDEX = -100  # targets that carry no loss (prompt tokens, padding, the last token of each example)
 
 
@@ -125,13 +127,31 @@ class RowCollator:
         return collate_rows(rows, self.pad_token_id)
 
 
-def train_dataloader(rows: Dataset, config, *, num_processes: int, pad_token_id: int,
-                     collate_fn=None) -> torch.utils.data.DataLoader:
+def check_one_step_of_data(count: int, *, per_step: int, unit: str, batch: str, allowed: bool) -> None:
+    """DataError when `count` rows (or pairs, ...) are fewer than one optimizer step takes (`per_step`, as `batch`
+    spells it out): every step would repeat some, silently. `allowed` (repeat_small_dataset): no error."""
+    if count >= per_step or allowed:
+        return
+    raise DataError(
+        f"the training data has {count} {unit}, fewer than one optimizer step takes: {per_step} ({batch}), so every "
+        f"step would repeat {unit}. Use more data or a smaller batch, or set repeat_small_dataset: true to train on "
+        "repeated copies (noted in the run summary)"
+    )
+
+
+def train_dataloader(rows: Dataset, config, *, num_processes: int, pad_token_id: int, collate_fn=None,
+                     unit: str = "rows") -> torch.utils.data.DataLoader:
     """Batches of `config.per_device_train_batch_size` rows, ordered by `config.train_sampling_strategy`: grouped by
     length (less padding) or shuffled (accelerate then makes the order depend only on seed and epoch). Pass it to
     `accelerator.prepare`, which splits it across ranks. `collate_fn`: for rows of another kind than token rows
     (e.g. classification rows or preference pairs); it must be picklable when dataloader_num_workers > 0. Rows are
-    grouped by their `length` column if they have one, else by the length of `input_ids`."""
+    grouped by their `length` column if they have one, else by the length of `input_ids`. Fewer rows than one optimizer
+    step takes are refused unless `config.repeat_small_dataset` (`unit`: what a row is, for the message)."""
+    check_one_step_of_data(
+        len(rows), per_step=config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps,
+        unit=unit, allowed=config.repeat_small_dataset,
+        batch=f"per_device_train_batch_size {config.per_device_train_batch_size} x {num_processes} processes x "
+              f"gradient_accumulation_steps {config.gradient_accumulation_steps}")
     sampler = None
     if config.train_sampling_strategy == "group_by_length":
         lengths = rows["length"] if "length" in rows.column_names else [len(ids) for ids in rows["input_ids"]]

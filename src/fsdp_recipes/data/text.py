@@ -110,34 +110,48 @@ def tokenize(dataset: Dataset | IterableDataset, tokenizer, text_field: str, *, 
 
 
 def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_size: int, seed: int, max_length: int,
-                   dataset_name: str | None = None):
+                   rows_per_step: int = 1, repeat_small_dataset: bool = False, dataset_name: str | None = None):
     """This rank's part of the corpus as an endless document source, and how the corpus was divided (for the run
-    summary). DataError if a rank's part holds less than one row of tokens: it would repeat documents within a row.
-    `dataset_name`: where a stream reads from, named if a file of it cannot be read."""
+    summary). DataError if a rank's part holds less than one row of tokens (a row would repeat documents), or less than
+    the `rows_per_step` rows one optimizer step takes of each rank (every step would repeat documents) unless
+    `repeat_small_dataset`, which the summary then notes. `dataset_name`: where a stream reads from, named if a file of
+    it cannot be read."""
     part = split_dataset_by_node(tokenized, rank=rank, world_size=world_size)
+    step_tokens = rows_per_step * max_length
     if isinstance(tokenized, IterableDataset):
         shards = tokenized.num_shards
         split = {"split": f"{shards // world_size} whole shard(s) of {shards} per rank" if shards % world_size == 0
                  else f"one document in {world_size} ({shards} shards do not divide among {world_size} processes)"}
         with _reading(dataset_name, met_by_one_rank=True):
-            short = _first_tokens(part, max_length)
-        short = {rank: short} if short < max_length else {}
+            tokens = {rank: _first_tokens(part, step_tokens)}
         source = StreamedDocuments(part, dataset_name=dataset_name)
     else:
         parts = [split_dataset_by_node(tokenized, rank=r, world_size=world_size) for r in range(world_size)]
         split = {"split": "a contiguous block of documents per rank, in a new seeded order each epoch",
                  "documents_per_rank": [len(p) for p in parts],
                  "tokens_per_rank": [int(sum(p["length"])) for p in parts]}
-        short = {r: tokens for r, tokens in enumerate(split["tokens_per_rank"]) if tokens < max_length}
+        tokens = dict(enumerate(split["tokens_per_rank"]))
         source = IndexedDocuments(part, seed=seed)
-    if short:
-        smallest = min(short, key=short.get)
+    smallest = min(tokens, key=tokens.get)
+    fewest = tokens[smallest]
+    if fewest < max_length:
         empty = " (no documents: the texts are empty, or there are fewer of them than processes)"
         raise DataError(
-            f"the corpus is too small: rank {smallest}'s part of it holds {short[smallest]} tokens"
-            f"{'' if short[smallest] else empty}, less than one row (max_length={max_length}), so a row would repeat "
-            "documents. Use more data, a smaller max_length, or fewer processes."
+            f"the corpus is too small: rank {smallest}'s part of it holds {fewest} tokens{'' if fewest else empty}, "
+            f"less than one row (max_length={max_length}), so a row would repeat documents. Use more data, a smaller "
+            "max_length, or fewer processes."
         )
+    if fewest < step_tokens:
+        if not repeat_small_dataset:
+            raise DataError(
+                f"the corpus is too small: rank {smallest}'s part of it holds {fewest} tokens, less than one optimizer "
+                f"step takes of each rank ({rows_per_step} rows of max_length={max_length}: per_device_train_batch_size "
+                "x gradient_accumulation_steps), so every step would repeat documents. Use more data, a smaller batch "
+                "or max_length, or fewer processes; or set repeat_small_dataset: true to train on repeated copies "
+                "(noted in the run summary)"
+            )
+        split["repeated_data"] = (f"rank {smallest}'s part holds {fewest} tokens, less than one step's {step_tokens}: "
+                                  "every step repeats documents")
     return source, split
 
 

@@ -44,6 +44,9 @@ def adapter_config_problems(config) -> list[str]:
                         "cannot be trained in full)")
     if config.export_merged_model and not config.use_peft:
         problems.append("export_merged_model merges LoRA adapters: it needs use_peft: true")
+    if not config.use_peft and (config.lora_target_modules or config.lora_modules_to_save):
+        problems.append("lora_target_modules and lora_modules_to_save choose what LoRA adapts: set use_peft: true, or "
+                        "remove them (without LoRA every weight is trained)")
     if not config.use_peft:
         return problems
     if config.lora_r < 1:
@@ -85,7 +88,36 @@ def check_before_loading(config, model_config, *, task: str, is_fsdp: bool, trus
     from fsdp_recipes.models.modeling import meta_model
 
     base = meta_model(model_config, task=task, trust_remote_code=trust_remote_code)
+    check_module_names(base, config)
     _peft_model(base, config, task)
+
+
+def check_module_names(model: torch.nn.Module, config) -> None:
+    """ConfigError naming every entry of lora_target_modules and lora_modules_to_save that matches no module of
+    `model` (peft matches a name or a dotted suffix of one, and skips a name that matches nothing as long as another
+    matches), with the names that exist."""
+    modules = [name for name, _ in model.named_modules() if name]
+
+    def unmatched(names):
+        return [name for name in names or [] if not any(m == name or m.endswith("." + name) for m in modules)]
+
+    problems = []
+    missing_targets = unmatched(config.lora_target_modules)
+    if missing_targets:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        problems.append(f"lora_target_modules names {', '.join(map(repr, missing_targets))}, which match no module of "
+                        f"this {model.config.model_type} model. Its linear modules are: {', '.join(linear)}; set "
+                        "lora_target_modules to some of them (or null for all of them)")
+    missing_saved = unmatched(config.lora_modules_to_save)
+    if missing_saved:
+        owners = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if name and any(True for _ in module.parameters(recurse=False))})
+        problems.append(f"lora_modules_to_save names {', '.join(map(repr, missing_saved))}, which match no module of "
+                        f"this {model.config.model_type} model (it would be reported as trained in full, and is not). "
+                        f"Its modules with weights are: {', '.join(owners)}; name some of them (e.g. lm_head), or null")
+    if problems:
+        raise ConfigError(problems)
 
 
 def _peft_model(model: torch.nn.Module, config, task: str):

@@ -193,11 +193,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     quantization_config=None,
     device=None,
+    ignore_mismatched_sizes: bool = False,
 ) -> torch.nn.Module:
     """Weights in fp32 by default: FSDP's mixed-precision policy (from the Accelerate YAML) casts for compute and keeps
     fp32 master weights (a frozen LoRA base is loaded in its compute dtype instead: fsdp_recipes.models.adapters). Create the
     Accelerator first, so that low-RAM loading under FSDP can see the process group. `quantization_config` (QLoRA)
-    quantises while loading, on `device`."""
+    quantises while loading, on `device`. `ignore_mismatched_sizes`: weights of another shape than `config` gives them
+    (a classifier's head for other classes) are initialised anew instead of refused."""
     model_class = auto_model_class(task)
     if model_name_or_path is None:
         return model_class.from_config(
@@ -213,6 +215,7 @@ def load_model(
         trust_remote_code=trust_remote_code,
         dtype=dtype,
         **quantized,
+        **({"ignore_mismatched_sizes": True} if ignore_mismatched_sizes else {}),
     )
 
 

@@ -17,6 +17,7 @@ from fsdp_recipes.train.checkpoint import MODEL_FILES, PROGRESS, RUN_INFO
 from fsdp_recipes.publish.checkpoint_export import export_checkpoint
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.steps import looks_like_hub_id
 
 
 @dataclasses.dataclass
@@ -37,16 +38,37 @@ class ModelSource:
         return Path(self.name) if self.kind in ("folder", "adapter") else None
 
 
-def resolve(name: str) -> ModelSource:
-    """ConfigError if `name` is a local path that is neither a model folder nor a recipe checkpoint."""
+def resolve(name: str, *, base_model_name_or_path: str | None = None) -> ModelSource:
+    """ConfigError if `name` is a local path that is neither a model folder nor a recipe checkpoint, or a LoRA adapter
+    (folder or checkpoint) whose base model is a local path that does not exist here. `base_model_name_or_path`: the
+    base to merge a LoRA adapter into instead of the one it records."""
     path = Path(name)
+    source = _resolve(name, path)
+    if base_model_name_or_path is not None:
+        if source.base is None:
+            raise ConfigError(f"base_model_name_or_path is for LoRA adapters, and {name!r} is not one ({source.kind}): "
+                              "remove it")
+        return dataclasses.replace(source, base=base_model_name_or_path)
+    if source.base is not None and not looks_like_hub_id(source.base) and not Path(source.base).expanduser().exists():
+        recorded = ("its adapter_config.json's base_model_name_or_path" if source.kind == "adapter" else
+                    "the model_name_or_path of the run that wrote it")
+        raise ConfigError(
+            f"{name!r} is a LoRA adapter for the base model {source.base!r} ({recorded}), which does not exist here "
+            f"({Path(source.base).expanduser().absolute()}). Set --base_model_name_or_path to that base model's folder "
+            "or Hub id (the model the adapter was trained on)"
+        )
+    return source
+
+
+def _resolve(name: str, path: Path) -> ModelSource:
     if not path.exists():
         return ModelSource(name=name, kind="hub", files=name)
     if (path / "adapter_config.json").is_file():
         base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
             raise ConfigError(f"{name!r} is a LoRA adapter folder whose adapter_config.json names no "
-                              "base_model_name_or_path: set it to the base model's folder or Hub id")
+                              "base_model_name_or_path: set --base_model_name_or_path to the base model's folder or "
+                              "Hub id")
         return ModelSource(name=name, kind="adapter", files=name, base=base)
     if (path / "config.json").is_file():
         return ModelSource(name=name, kind="folder", files=name)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from fsdp_recipes.train.checkpoint import saved_model_config_path
-from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.common.errors import ConfigError, DataError
 
 
 def configure(model_config, label_names: list[str], *, pad_token_id: int) -> None:
@@ -30,6 +30,23 @@ def configure(model_config, label_names: list[str], *, pad_token_id: int) -> Non
     model_config.get_text_config().pad_token_id = pad_token_id
     if hasattr(model_config, "use_cache"):
         model_config.use_cache = False  # a classifier never decodes; a KV cache would only cost memory in training
+
+
+def check_head_fits(model_config, label_names: list[str], *, ignore_mismatched_sizes: bool, source: str | None) -> None:
+    """Before loading: a base that is already a classifier (its config's architecture) holds a head with a row per
+    class it was trained on; data with another number of classes needs a new head, which transformers makes only with
+    `ignore_mismatched_sizes` (and otherwise refuses halfway through loading). ConfigError with that fix."""
+    architectures = getattr(model_config, "architectures", None) or []
+    if source is None or not any(a.endswith("ForSequenceClassification") for a in architectures):
+        return  # no head in the weights: a new one is made for the data's classes
+    if model_config.num_labels == len(label_names) or ignore_mismatched_sizes:
+        return
+    saved = [model_config.id2label[i] for i in range(model_config.num_labels)] if model_config.id2label else []
+    raise ConfigError(
+        f"{source!r} is a classifier whose head has {model_config.num_labels} classes ({saved}), but the data has "
+        f"{len(label_names)} ({label_names}). Set ignore_mismatched_sizes: true to start a new head for these "
+        "classes (its trained head is dropped), or train on data with its classes"
+    )
 
 
 def head_module_names(model: torch.nn.Module) -> list[str]:

@@ -105,14 +105,21 @@ class RunConfig:
         default=True, metadata={"help": "create the repo private; flip for public releases"}
     )
 
+    def min_max_length(self) -> tuple[int, str]:
+        """The fewest tokens one example of this recipe's format needs, and why: a smaller max_length is refused
+        (a recipe whose format needs more overrides this)."""
+        return 2, "a causal LM example needs one token to read and one to predict"
+
     def validate(self) -> list[str]:
         """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
         problems = []
         if not self.dataset_name:
             problems.append("dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path")
-        for name in ("max_length", "per_device_eval_batch_size"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        fewest, why = self.min_max_length()
+        if self.max_length < fewest:
+            problems.append(f"max_length must be >= {fewest} ({why}), got {self.max_length}")
+        if self.per_device_eval_batch_size < 1:
+            problems.append(f"per_device_eval_batch_size must be >= 1, got {self.per_device_eval_batch_size}")
         if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):
             problems.append(f"report_to {self.report_to!r} is not one of tensorboard, wandb, trackio, none")
         elif self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
@@ -207,6 +214,14 @@ class TrainingConfig(RunConfig):
     train_sampling_strategy: str = dataclasses.field(
         default="group_by_length",
         metadata={"help": "group_by_length: rows of similar length share a batch (less padding); or random"},
+    )
+    repeat_small_dataset: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
+            "gradient_accumulation_steps rows; pretraining: per process), so that every step repeats rows (noted in "
+            "the run summary). false: refused, with the numbers"
+        },
     )
     # --- training ------------------------------------------------------------------------------------------------
     overwrite_output_dir: bool = dataclasses.field(
