@@ -115,7 +115,7 @@ def check_module_names(model: torch.nn.Module, config) -> None:
                          if name and any(True for _ in module.parameters(recurse=False))})
         problems.append(f"lora_modules_to_save names {', '.join(map(repr, missing_saved))}, which match no module of "
                         f"this {model.config.model_type} model (it would be reported as trained in full, and is not). "
-                        f"Its modules with weights are: {', '.join(owners)}; name some of them (e.g. lm_head), or null")
+                        f"Its modules with weights are: {', '.join(owners)}; name some of them, or null")
     if problems:
         raise ConfigError(problems)
 

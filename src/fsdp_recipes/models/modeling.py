@@ -66,7 +66,8 @@ def load_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if chat_template is not None:
         template_path = Path(chat_template)
-        tokenizer.chat_template = template_path.read_text() if template_path.is_file() else chat_template
+        with steps.step(f"reading chat_template {chat_template!r}", name=chat_template, setting="chat_template"):
+            tokenizer.chat_template = template_path.read_text() if template_path.is_file() else chat_template
     if tokenizer.pad_token is None:
         # Padding never carries loss and never attends to real tokens, so any id will do; eos is always there.
         tokenizer.pad_token = tokenizer.eos_token
