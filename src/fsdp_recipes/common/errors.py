@@ -89,7 +89,8 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
         _report_user_error(error)
     except Exception as error:
         if not _is_peer_failure(error):
-            error.add_note(BUG_NOTE)
+            if not getattr(error, "deliberate", False):  # FSDP_RECIPES_FAULT's own errors are no bug
+                error.add_note(BUG_NOTE)
             raise
         # The failing rank prints its own error; repeating it here as a second traceback would only bury it.
         print(f"rank {rank}: stopping because another process failed (its error is above)", file=sys.stderr, flush=True)
