@@ -19,7 +19,8 @@ sequence classification; the run summary lists the head as `classifier_head`).
 
 Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: no held-out data, a
 missing text or label column, empty values, a single class in training, held-out labels absent from training, class
-weights that do not match the classes, a checkpoint trained on other classes.
+weights that do not match the classes, a checkpoint trained on other classes, a text column that is not text, a base
+that is already a classifier for another number of classes (fix: ignore_mismatched_sizes) (docs/errors.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ global batch; and the finish as every recipe's (export, card, Hub). Logged under
 `eval_` on held-out pairs every `eval_steps`.
 
 Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: columns that match
-no preference format, a pair whose answers are equal, an answer left empty by truncation, beta <= 0.
+no preference format, a pair whose answers are equal, an answer left empty by truncation, beta <= 0, fewer pairs
+than one optimizer step, a resume with another beta, loss_type, ... (docs/errors.md).
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ Predictions are gathered with `gather_for_metrics` (an uneven last batch adds no
 same on 1 and N ranks. They are written to `output_dir/eval_results.json` and merged into the model card's
 model-index (`output_dir/README.md`, the model folder's own card by default), which the Hub shows on the model page;
 `push_to_hub` uploads those two files.
+
+Errors raised before any weights load, on every rank, as in every recipe (docs/errors.md), and: a LoRA adapter whose
+recorded base model no longer exists (point `--base_model_name_or_path` at it), metrics that do not apply or cannot be
+loaded offline.
 """
 
 from __future__ import annotations

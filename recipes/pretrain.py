@@ -19,7 +19,9 @@ number is refused: it would split the corpus differently). A stream has no known
 
 Errors raised before any weights load, on every rank: bad config, non-empty or unwritable output_dir, missing Hub
 token, degraded launch, a tokenizer without EOS, missing or empty data, no text column, a corpus part smaller than one
-row, a checkpoint written by another number of processes or with other data settings.
+row or than one optimizer step of a rank, a binary file in the corpus (named, streaming too), a text column that
+holds something else, a checkpoint written by another number of processes or with other data settings
+(docs/errors.md).
 
 This file is meant to be copied and edited: the data pipeline lives in `fsdp_recipes.data.text`, the distributed
 details in `fsdp_recipes`. docs/pretraining.md says what each setting trades.

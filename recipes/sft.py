@@ -16,7 +16,10 @@ processes) keep their own cadence (`logging_steps`, `eval_steps`, `save_steps`).
 Errors raised before any weights load, on every rank: bad config, non-empty or unwritable output_dir, missing Hub
 token with push_to_hub, degraded launch, FSDP1 on CPU, wrap class absent from the model, two activation-checkpointing
 mechanisms, an attention implementation that cannot run, no chat template, a checkpoint of another model or global
-batch, missing or corrupt data files, a dataset without the needed columns, an empty dataset.
+batch, missing or corrupt data files, a dataset without the needed columns, an empty dataset, a model or data path
+that does not exist or a Hub id that cannot be reached (one line naming the step and the fix, not a traceback), fewer
+rows than one optimizer step (unless repeat_small_dataset), LoRA module names that match nothing, a resume that
+changes what the run depends on (unless allow_config_change). The whole list, with the messages: docs/errors.md.
 
 This file is meant to be copied and edited (`fsdp-recipes cp sft my_project/`): the distributed details live in
 `fsdp_recipes`.
