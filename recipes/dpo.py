@@ -91,8 +91,7 @@ class DPOConfig(config_lib.TrainingConfig):
         return 2, "a pair's rows need a prompt token and an answer token predicted from it"
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("beta", "loss_type", "label_smoothing", "max_prompt_length",
-                                                    "precompute_ref_log_probs")
+        return super().resume_sensitive_fields() + ("beta", "loss_type", "label_smoothing", "max_prompt_length")
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -129,6 +128,14 @@ def main(argv: list[str] | None = None) -> None:
         return train_pairs, eval_pairs, train_stats
 
     train_pairs, eval_pairs, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
+    stored = None  # resuming with precomputed reference values: those the checkpoint holds, one for every pair
+    if run.resumed and config.reference_mode() == "precomputed":
+        def read_stored():
+            tables = reference.read_tables(run.checkpoint)
+            reference.check_tables(tables, {"train": train_pairs, "eval": eval_pairs}, run.checkpoint)
+            return tables
+
+        stored = run.on_every_rank(read_stored)
     collate = preference.PairCollator(tokenizer.pad_token_id)
     train_loader = rows.train_dataloader(train_pairs, config, num_processes=accelerator.num_processes,
                                          pad_token_id=tokenizer.pad_token_id, collate_fn=collate, unit="pairs")
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     elif reference_mode == "adapters":
         references = dict.fromkeys(in_order, reference.ReferenceLogProbs("adapters", policy=model, token_loss=token_loss))
     else:  # the untrained policy's values, or (resuming) those it computed before its first step
-        tables = reference.read_tables(run.checkpoint) if run.resumed else {
+        tables = stored or {
             name: reference.precompute(accelerator, model, token_loss, loader) for name, loader in in_order.items()}
         if accelerator.is_main_process and not run.resumed:
             reference.write_tables(config.output_dir, tables)
@@ -197,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         summary=dict(train_pairs=len(train_pairs), eval_pairs=len(eval_pairs or []), data=train_stats,
                      loss=f"{config.loss_type} DPO, beta {config.beta}; token log-probs: {token_loss.description}",
                      reference=references["train"].description),
+        checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)}  # kept with every checkpoint
+        if reference_mode == "precomputed" else None,
     )
 
 

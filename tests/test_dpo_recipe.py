@@ -162,16 +162,41 @@ def test_precomputed_values_survive_a_resume(tmp_path, one_process_precomputed, 
     assert losses_of(tmp_path / "out") == losses_of(one_process_precomputed)
 
 
-def test_resuming_with_precomputed_values_that_are_gone_is_refused(tmp_path, one_process_precomputed, capsys):
-    out = tmp_path / "out"
-    shutil.copytree(one_process_precomputed, out)
-    (out / "reference_log_probs.json").unlink()
-    values = json.loads((out / "checkpoints" / "latest").parent.joinpath(
-        (out / "checkpoints" / "latest").read_text().strip(), "model", "recipe_config.json").read_text())
+def resume_values_of(out: Path) -> dict:
+    """The values the run in `out` was trained with (its latest checkpoint's recipe config), resumed for 2 more steps."""
+    checkpoint = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    values = json.loads((checkpoint / "model" / "recipe_config.json").read_text())
     values = {k: v for k, v in values.items() if v is not None}
-    error = recipe_error_in_process("dpo", tmp_path, {**values, "output_dir": str(out), "resume_from_checkpoint": "latest",
-                                                      "max_steps": DPO_STEPS + 2}, capsys)
+    return {**values, "output_dir": str(out), "resume_from_checkpoint": "latest", "max_steps": DPO_STEPS + 2}
+
+
+def test_resuming_with_precomputed_values_that_are_gone_is_refused(tmp_path, one_process_precomputed, capsys):
+    out = shutil.copytree(one_process_precomputed, tmp_path / "out")
+    for stored in out.rglob("reference_log_probs.json"):  # output_dir's copy and each checkpoint's
+        stored.unlink()
+    error = recipe_error_in_process("dpo", tmp_path, resume_values_of(out), capsys)
     assert "reference_log_probs.json" in error and "cannot be recomputed" in error
+
+
+def test_precomputed_values_are_found_by_content_and_edited_pairs_are_refused(tmp_path, one_process_precomputed,
+                                                                              preference_data, capsys):
+    """The values are kept in every checkpoint, keyed by each pair's content: data with one pair edited (same count,
+    the change of dataset_name allowed) is refused before loading, naming the pair, instead of giving that pair
+    another's values; nothing of the run is rewritten."""
+    out = shutil.copytree(one_process_precomputed, tmp_path / "out")
+    checkpoint = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert json.loads((checkpoint / "reference_log_probs.json").read_text())["keyed_by"] == "content"
+    edited = shutil.copytree(preference_data, tmp_path / "edited")
+    lines = (edited / "train.jsonl").read_text().splitlines()
+    pair = json.loads(lines[5])
+    pair["rejected"], pair["chosen"] = pair["chosen"], pair["rejected"]
+    lines[5] = json.dumps(pair)
+    (edited / "train.jsonl").write_text("\n".join(lines) + "\n")
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    values = {**resume_values_of(out), "dataset_name": str(edited), "allow_config_change": ["dataset_name"]}
+    error = recipe_error_in_process("dpo", tmp_path, values, capsys)
+    assert "1 of the 64 train pairs have no precomputed reference value" in error and "(pair 5)" in error
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
 
 
 def test_an_objective_changed_on_resume_is_refused_unless_allowed_and_then_recorded(

@@ -125,6 +125,17 @@ def test_a_template_that_does_not_extend_the_prompt_is_refused_with_a_fix_for_dp
 
 
 # ------------------------------------------------------------------------------------------------ collation
+def test_a_pair_is_keyed_by_its_content_not_its_position(tokenizer):
+    """Precomputed reference values are found by this key: the same pair anywhere has it, an edited one does not."""
+    columns = {"prompt": ["p: ", "q: ", "p: "], "chosen": ["ab", "c", "ab"], "rejected": ["x", "yz", "xy"]}
+    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+    moved, _ = preference.tokenize_pairs(Dataset.from_dict({k: v[::-1] for k, v in columns.items()}), tokenizer,
+                                         max_length=64)
+    assert len(set(pairs["key"])) == 3 and sorted(pairs["key"]) == sorted(moved["key"])
+    batch = preference.PairCollator(tokenizer.pad_token_id)([pairs[1], pairs[0]])
+    assert batch["pair_key"].tolist() == [pairs[1]["key"], pairs[0]["key"]]
+
+
 def test_a_batch_of_pairs_is_the_chosen_rows_then_the_rejected_rows(tokenizer):
     columns = {"prompt": ["p: ", "long prompt: ", "q: "], "chosen": ["ab", "c", "defg"], "rejected": ["x", "yz", "w"]}
     pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)

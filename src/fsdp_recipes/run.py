@@ -134,7 +134,8 @@ class Run(StartedRun):
                     desc=self.name)
 
     def begin(self, model, train_loader, scheduler, *, total_steps: int, evaluator: Evaluation | None = None,
-              summary: dict[str, Any] | None = None) -> tuple[BatchStream, int]:
+              summary: dict[str, Any] | None = None,
+              checkpoint_files: dict[str, str] | None = None) -> tuple[BatchStream, int]:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
         batch stream at the right data position and the first optimizer step to run.
@@ -142,7 +143,8 @@ class Run(StartedRun):
         `train_loader` is a prepared DataLoader (its position is progress.json's, valid on any world size), or a
         stream that keeps each rank's own position: it has BatchStream's `take`, `epoch` and `batches_into_epoch`
         plus `state_dict()`, which every checkpoint stores per rank; the recipe restores it (`read_rank_state`)
-        before loading weights, so it is used here as it is."""
+        before loading weights, so it is used here as it is. `checkpoint_files`: {name: text} kept in every
+        checkpoint, committed with it (e.g. values computed before the first step that a resume needs)."""
         config, accelerator = self.config, self.accelerator
         self.total_steps = total_steps
         accelerator.register_for_checkpointing(scheduler)
@@ -203,7 +205,7 @@ class Run(StartedRun):
                 world_size=accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
                 gradient_accumulation_steps=config.gradient_accumulation_steps, data_state_per_rank=per_rank_stream,
             ),
-            rank_state=batches.state_dict if per_rank_stream else None,
+            rank_state=batches.state_dict if per_rank_stream else None, extra_files=checkpoint_files,
             model_files_writer=lambda folder: checkpoints_lib.write_model_files(
                 folder, model_config=self.model_config, tokenizer=self.tokenizer,
                 generation_config=getattr(accelerator.unwrap_model(model), "generation_config", None),

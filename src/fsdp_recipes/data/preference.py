@@ -7,11 +7,15 @@ rejected row per pair that share the prompt and carry loss on their completion o
   the leading turns of two conversations or the common start of two strings.
 
 A batch of B pairs is 2B rows (`PairCollator`): the B chosen rows, then the B rejected ones, so one forward pass
-scores both; `pair_index` says which pair each of the first B rows is (to find precomputed reference values).
+scores both; `pair_index` says which pair each of the first B rows is, and `pair_key` what it holds: a hash of its
+token ids and targets, by which precomputed reference values are found (an edited pair gets another key, so a value
+is never given to a pair it was not computed for).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any
 
@@ -127,15 +131,23 @@ def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedToke
         row[f"{side}_input_ids"] = ids
         row[f"{side}_targets"] = shifted_targets(ids, mask)
     row["length"] = max(len(row["chosen_input_ids"]), len(row["rejected_input_ids"]))
+    row["key"] = content_key(row)
     return row
+
+
+def content_key(pair: dict[str, Any]) -> int:
+    """A signed 64-bit hash of what a pair's reference values depend on: both rows' token ids and targets."""
+    content = json.dumps([list(pair[f"{side}_{part}"]) for side in ("chosen", "rejected")
+                          for part in ("input_ids", "targets")], separators=(",", ":"))
+    return int.from_bytes(hashlib.blake2b(content.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def tokenize_pairs(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, *, max_length: int,
                    max_prompt_length: int | None = None, num_proc: int | None = None,
                    name: str = "train") -> tuple[Dataset, dict[str, Any]]:
     """Pairs as `chosen_input_ids`, `chosen_targets`, `rejected_input_ids`, `rejected_targets` (targets shifted,
-    IGNORE_INDEX outside the completion), `index` (the pair's position in `dataset`) and `length` (the longer row),
-    with counts for the run summary."""
+    IGNORE_INDEX outside the completion), `index` (the pair's position in `dataset`), `key` (`content_key`) and
+    `length` (the longer row), with counts for the run summary."""
     if len(dataset) == 0:
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
     data_format = detect_format(dataset.column_names)
@@ -162,8 +174,8 @@ def count_pairs(batch: dict[str, torch.Tensor]) -> int:
 
 
 class PairCollator:
-    """B pairs -> 2B right-padded rows (the chosen rows, then the rejected ones) and `pair_index`. Picklable, for
-    DataLoader workers."""
+    """B pairs -> 2B right-padded rows (the chosen rows, then the rejected ones), `pair_index` and `pair_key`.
+    Picklable, for DataLoader workers."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -174,4 +186,5 @@ class PairCollator:
                 for side in ("chosen", "rejected") for pair in pairs]
         batch = collate_rows(rows, self.pad_token_id)
         batch["pair_index"] = torch.tensor([pair["index"] for pair in pairs], dtype=torch.long)
+        batch["pair_key"] = torch.tensor([pair["key"] for pair in pairs], dtype=torch.long)
         return batch

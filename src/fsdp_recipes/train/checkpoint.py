@@ -106,11 +106,11 @@ class Checkpointer:
 
     def __init__(self, accelerator: Accelerator, output_dir: str | Path, *, every: int | None, total_steps: int,
                  save_total_limit: int | None, position, model_files_writer=None, pause=contextlib.nullcontext,
-                 rank_state=None):
+                 rank_state=None, extra_files: dict[str, str] | None = None):
         self.accelerator, self.output_dir = accelerator, output_dir
         self.cadence = Cadence(every, total_steps, at_last_step=every is not None)
         self.save_total_limit, self.position, self.model_files_writer = save_total_limit, position, model_files_writer
-        self.pause, self.rank_state = pause, rank_state
+        self.pause, self.rank_state, self.extra_files = pause, rank_state, extra_files
 
     def maybe_save(self, step: int) -> Path | None:
         if not self.cadence.due(step):
@@ -118,7 +118,8 @@ class Checkpointer:
         with self.pause():
             return save_checkpoint(self.accelerator, self.output_dir, self.position(step),
                                    save_total_limit=self.save_total_limit, model_files_writer=self.model_files_writer,
-                                   rank_state=self.rank_state() if self.rank_state else None)
+                                   rank_state=self.rank_state() if self.rank_state else None,
+                                   extra_files=self.extra_files)
 
 
 def checkpoint_name(step: int) -> str:
@@ -142,10 +143,12 @@ def save_checkpoint(
     save_total_limit: int | None,
     model_files_writer=None,
     rank_state: dict | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Collective. `model_files_writer(folder)`, if given, is called on the main process to add what an offline
     export needs (config, tokenizer). `rank_state`, if given, is this rank's data position (JSON), written by each
-    rank into the checkpoint before it is committed."""
+    rank into the checkpoint before it is committed. `extra_files`: {name: text} the recipe keeps with every
+    checkpoint (e.g. precomputed reference values), written by the main process, committed with the rest."""
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(progress.step)
     staging = root / f"{_STAGING}{checkpoint_name(progress.step)}"
@@ -164,6 +167,8 @@ def save_checkpoint(
         if accelerator.is_main_process:
             if model_files_writer is not None:
                 model_files_writer(staging / MODEL_FILES)
+            for name, text in (extra_files or {}).items():
+                _write_atomically(staging / name, text)
             record = dataclasses.asdict(progress)
             if not progress.data_state_per_rank:  # progress.json as before the field existed, for older readers
                 del record["data_state_per_rank"]

@@ -6,19 +6,24 @@ it was before training, three ways (`reference_mode`):
   precision, through accelerate's own FSDP2 preparation, since `accelerator.prepare` takes one model with its
   optimizer): a second copy of the weights, at the compute dtype, sharded, and a second forward per step;
 - "precomputed": one pass of the untrained policy over every pair before the first step stores the values; no
-  reference is kept in memory after that. They are written to `output_dir/reference_log_probs.json` and read back
-  by a resumed run (the policy has changed by then, so they could not be recomputed).
+  reference is kept in memory after that. They are keyed by each pair's content (`preference.content_key`: a hash of
+  its token ids and targets), written to `output_dir/reference_log_probs.json` and into every checkpoint (committed
+  with it), and read back from the checkpoint by a resumed run (the policy has changed by then, so they could not be
+  recomputed). A resume whose data holds a pair without a stored value (edited or added since) is refused before
+  loading (`check_tables`): a value is never given to a pair it was not computed for.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.train.losses import TokenLoss, sequence_log_probs
 
 MODES = ("adapters", "model", "precomputed")
@@ -53,13 +58,15 @@ def shard_frozen_copy(accelerator: Accelerator, model: torch.nn.Module) -> torch
     return model.to(accelerator.device)
 
 
+Table = dict[int, tuple[float, float]]  # a pair's content key -> its (chosen, rejected) reference log-probabilities
+
+
 class ReferenceLogProbs:
     """`reference(batch)`: the reference's summed completion log-probability of every row of a pair batch (chosen
     rows, then rejected ones), without gradients. A collective under FSDP (every rank calls it on every batch)."""
 
     def __init__(self, mode: str, *, policy: torch.nn.Module | None = None, token_loss: TokenLoss | None = None,
-                 copy: torch.nn.Module | None = None, copy_loss: TokenLoss | None = None,
-                 table: dict[int, tuple[float, float]] | None = None):
+                 copy: torch.nn.Module | None = None, copy_loss: TokenLoss | None = None, table: Table | None = None):
         if mode not in MODES:
             raise ValueError(f"reference mode {mode!r} is not one of {MODES}")
         self.mode, self.policy, self.token_loss, self.copy, self.copy_loss = mode, policy, token_loss, copy, copy_loss
@@ -72,55 +79,87 @@ class ReferenceLogProbs:
                 return sequence_log_probs(self.token_loss.token_losses(self.policy, batch))
         if self.mode == "model":
             return sequence_log_probs(self.copy_loss.token_losses(self.copy, batch))
-        missing = [int(i) for i in batch["pair_index"] if int(i) not in self.table]
-        if missing:
+        keys = [int(key) for key in batch["pair_key"]]
+        missing = [int(i) for i, key in zip(batch["pair_index"], keys) if key not in self.table]
+        if missing:  # check_tables refuses such data before loading: reaching this is a bug
             raise RuntimeError(f"no precomputed reference log-probabilities for pairs {missing[:5]}")
-        chosen = [self.table[int(i)][0] for i in batch["pair_index"]]
-        rejected = [self.table[int(i)][1] for i in batch["pair_index"]]
-        return torch.tensor(chosen + rejected, dtype=torch.float32, device=batch["input_ids"].device)
+        values = [self.table[key][0] for key in keys] + [self.table[key][1] for key in keys]
+        return torch.tensor(values, dtype=torch.float32, device=batch["input_ids"].device)
 
     @property
     def description(self) -> str:
         return {"adapters": "the policy with its LoRA adapters disabled (no second model)",
                 "model": "a frozen copy sharded like the policy (one more model in memory, one more forward per step)",
-                "precomputed": f"precomputed before training ({len(self.table or {})} pairs; no model kept)"}[self.mode]
+                "precomputed": f"precomputed before training ({len(self.table or {})} pairs, by content; no model "
+                               "kept)"}[self.mode]
 
 
 @torch.no_grad()
-def precompute(accelerator: Accelerator, policy: torch.nn.Module, token_loss: TokenLoss, loader) -> dict[int, tuple[float, float]]:
+def precompute(accelerator: Accelerator, policy: torch.nn.Module, token_loss: TokenLoss, loader) -> Table:
     """Collective: the untrained policy's summed log-probabilities of each pair's answers over a prepared loader of
     pairs (accelerate splits it; `gather_for_metrics` drops the copies padding an uneven last batch), on every rank:
-    {pair index: (chosen, rejected)}."""
+    {pair content key: (chosen, rejected)}."""
     was_training = policy.training
     policy.eval()
-    table: dict[int, tuple[float, float]] = {}
+    table: Table = {}
     try:
         for batch in loader:
             chosen, rejected = sequence_log_probs(token_loss.token_losses(policy, batch)).chunk(2)
-            values = accelerator.gather_for_metrics(
-                torch.stack([batch["pair_index"].double(), chosen.double(), rejected.double()], dim=1))
-            for index, chosen_value, rejected_value in values.cpu().tolist():
-                table[int(index)] = (chosen_value, rejected_value)
+            keys = accelerator.gather_for_metrics(batch["pair_key"])
+            values = accelerator.gather_for_metrics(torch.stack([chosen.double(), rejected.double()], dim=1))
+            for key, (chosen_value, rejected_value) in zip(keys.cpu().tolist(), values.cpu().tolist()):
+                table[int(key)] = (chosen_value, rejected_value)
     finally:
         policy.train(was_training)
     return table
 
 
-def write_tables(output_dir: str | Path, tables: dict[str, dict[int, tuple[float, float]]]) -> Path:
-    """{split: table} as JSON (floats written exactly), on the main process."""
+def tables_json(tables: dict[str, Table]) -> str:
+    """{split: table} as JSON (floats written exactly), for output_dir and every checkpoint."""
+    return json.dumps({"keyed_by": "content", "splits": {
+        split: {str(key): list(values) for key, values in sorted(table.items())} for split, table in tables.items()}}) + "\n"
+
+
+def write_tables(output_dir: str | Path, tables: dict[str, Table]) -> Path:
+    """`output_dir/reference_log_probs.json`, replaced atomically, on the main process."""
     path = Path(output_dir) / PRECOMPUTED_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({split: {str(i): list(v) for i, v in sorted(table.items())}
-                                for split, table in tables.items()}) + "\n")
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(tables_json(tables))
+    os.replace(staging, path)
     return path
 
 
-def read_tables(checkpoint: Path) -> dict[str, dict[int, tuple[float, float]]]:
-    """The values a run precomputed, from the output_dir its checkpoint belongs to (`output_dir/checkpoints/step-N`)."""
-    path = Path(checkpoint).resolve().parents[1] / PRECOMPUTED_FILE
+def read_tables(checkpoint: Path) -> dict[str, Table]:
+    """The values a run precomputed before its first step, as `checkpoint` holds them. ConfigError when it holds none
+    (or holds values by position, as runs before content keys stored them)."""
+    path = Path(checkpoint) / PRECOMPUTED_FILE
     if not path.is_file():
         raise ConfigError(f"resuming with precompute_ref_log_probs needs the values the run computed before its first "
                           f"step, {path}, which is missing; they cannot be recomputed from a trained policy. Start a "
                           "new run, or resume with precompute_ref_log_probs: false (a reference model is loaded)")
-    return {split: {int(i): (v[0], v[1]) for i, v in table.items()}
-            for split, table in json.loads(path.read_text()).items()}
+    stored = json.loads(path.read_text())
+    if stored.get("keyed_by") != "content":
+        raise ConfigError(f"{path} holds reference values by pair position (written before they were keyed by "
+                          "content), which a resume cannot match to its pairs safely. Start a new run, or resume with "
+                          "precompute_ref_log_probs: false (a reference model is loaded)")
+    return {split: {int(key): (values[0], values[1]) for key, values in table.items()}
+            for split, table in stored["splits"].items()}
+
+
+def check_tables(tables: dict[str, Table], pairs: dict[str, Any], checkpoint: Path) -> None:
+    """DataError, before loading, when a pair of the data (`{split: tokenised pairs or None}`) has no stored value:
+    edited or added since the values were computed, and not computable from the trained policy."""
+    for split, rows in pairs.items():
+        if rows is None:
+            continue
+        table = tables.get(split, {})
+        missing = [index for index, key in zip(rows["index"], rows["key"]) if key not in table]
+        if missing:
+            shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise DataError(
+                f"{len(missing)} of the {len(rows)} {split} pairs have no precomputed reference value in {checkpoint} "
+                f"(pair {shown}): they were edited or added since the run computed its values, which cannot be "
+                "recomputed from the trained policy. Resume with the data the run started with, start a new run, or "
+                "resume with precompute_ref_log_probs: false (a reference model is loaded)"
+            )
