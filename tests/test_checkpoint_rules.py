@@ -72,7 +72,7 @@ def test_a_changed_objective_is_refused_listing_every_change_unless_allowed(tmp_
     import pytest
 
     from fsdp_recipes.common.errors import ConfigError
-    from fsdp_recipes.train.config import check_resume_config
+    from fsdp_recipes.train.checkpoint import check_resume_config
     from helpers.recipes import load_recipe
 
     config_class = load_recipe("dpo").DPOConfig

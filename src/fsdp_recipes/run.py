@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from fsdp_recipes.models import adapters
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train.config import RunConfig, TrainingConfig, check_resume_config, config_to_dict
+from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
 from fsdp_recipes.distributed.accelerator import build_accelerator, describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
@@ -398,7 +398,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     config_changes = {}
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
         saved_recipe = json.loads(checkpoints_lib.saved_recipe_config_path(checkpoint).read_text())
-        config_changes = check_resume_config(config, saved_recipe, checkpoint)
+        config_changes = checkpoints_lib.check_resume_config(config, saved_recipe, checkpoint)
     if config.packs_examples():
         check_packing_is_isolated(model_config)
     layout = model_layout(accelerator, config, model_config, task)

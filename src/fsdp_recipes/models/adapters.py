@@ -255,7 +255,7 @@ def checkpoint_state_filter(accelerator):
 
 
 # What a checkpoint's adapter shapes depend on: resuming with other values cannot restore it (checked with the other
-# resume-sensitive fields, `fsdp_recipes.train.config.check_resume_config`).
+# resume-sensitive fields, `fsdp_recipes.train.checkpoint.check_resume_config`).
 RESUME_SETTINGS = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save", "use_dora", "load_in_4bit")
 
 

@@ -29,6 +29,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from accelerate import Accelerator
 from torch.distributed.checkpoint.api import CheckpointException
@@ -392,3 +393,31 @@ def _write_atomically(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
+
+
+def check_resume_config(config, saved: dict[str, Any], checkpoint: Path) -> dict[str, list[Any]]:
+    """Compares the fields the run depends on (the config class says which) with the values `checkpoint` was trained
+    with (its saved recipe config; a field it lacks had its default). Raises ConfigError listing every change that is
+    not allowed; returns the allowed ones, {field: [old, new]}, for the metrics log."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+
+    def before(name):
+        return saved.get(name, defaults.get(name))
+
+    fixed = [f"{name} {before(name)!r} in the checkpoint, {getattr(config, name)!r} now"
+             for name in config.resume_fixed_fields() if before(name) != getattr(config, name)]
+    if fixed:
+        raise ConfigError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(fixed)}): resume with the "
+                          "settings that wrote it, or start a new run in a new output_dir")
+    changed = {name: [before(name), getattr(config, name)] for name in config.resume_sensitive_fields()
+               if before(name) != getattr(config, name)}
+    refused = [name for name in changed if name not in (config.allow_config_change or [])]
+    if refused:
+        listed = "; ".join(f"{name}: {changed[name][0]!r} -> {changed[name][1]!r}" for name in refused)
+        raise ConfigError(
+            f"{checkpoint} was trained with other settings that change the objective or the data ({listed}), so the "
+            "resumed run would mix two trainings. Resume with the values it was trained with (model/recipe_config.json "
+            "in the checkpoint), start a new run in a new output_dir, or allow the change explicitly: "
+            f"--allow_config_change {' '.join(refused)} (recorded in metrics.jsonl)"
+        )
+    return changed

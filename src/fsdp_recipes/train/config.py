@@ -19,7 +19,6 @@ from typing import Any
 
 from transformers import SchedulerType
 
-from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 from fsdp_recipes.models.adapters import adapter_config_problems
 
@@ -215,14 +214,10 @@ class TrainingConfig(RunConfig):
         default="group_by_length",
         metadata={"help": "group_by_length: rows of similar length share a batch (less padding); or random"},
     )
-    repeat_small_dataset: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "help": "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
-            "gradient_accumulation_steps rows; pretraining: per process), so that every step repeats rows (noted in "
-            "the run summary). false: refused, with the numbers"
-        },
-    )
+    repeat_small_dataset: bool = dataclasses.field(default=False, metadata={
+        "help": "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
+        "gradient_accumulation_steps rows; pretraining: per process), every step repeating rows (noted in the run "
+        "summary). false: refused, with the numbers"})
     # --- training ------------------------------------------------------------------------------------------------
     overwrite_output_dir: bool = dataclasses.field(
         default=False,
@@ -343,14 +338,9 @@ class TrainingConfig(RunConfig):
         default=None,
         metadata={"help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"},
     )
-    allow_config_change: list[str] | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "resuming: fields that change the objective or the data (see docs/errors.md) which may differ "
-            "from the checkpoint's, e.g. --allow_config_change beta; the change is recorded in metrics.jsonl. "
-            "Without it such a change is refused"
-        },
-    )
+    allow_config_change: list[str] | None = dataclasses.field(default=None, metadata={
+        "help": "resuming: fields that change the objective or the data (docs/errors.md) which may differ from the "
+        "checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change is refused"})
 
     # --- what the shared layer asks of a recipe ---------------------------------------------------------------------
     # A recipe's config class overrides these; nothing under src/ reads a field that only one recipe has.
@@ -455,31 +445,3 @@ class TrainingConfig(RunConfig):
 
 def config_to_dict(config) -> dict[str, Any]:
     return dataclasses.asdict(config)
-
-
-def check_resume_config(config: TrainingConfig, saved: dict[str, Any], checkpoint: Path) -> dict[str, list[Any]]:
-    """Compares the fields the run depends on (the config class says which) with the values `checkpoint` was trained
-    with (its saved recipe config; a field it lacks had its default). Raises ConfigError listing every change that is
-    not allowed; returns the allowed ones, {field: [old, new]}, for the metrics log."""
-    defaults = {field.name: field.default for field in dataclasses.fields(config)}
-
-    def before(name):
-        return saved.get(name, defaults.get(name))
-
-    fixed = [f"{name} {before(name)!r} in the checkpoint, {getattr(config, name)!r} now"
-             for name in config.resume_fixed_fields() if before(name) != getattr(config, name)]
-    if fixed:
-        raise ConfigError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(fixed)}): resume with the "
-                          "settings that wrote it, or start a new run in a new output_dir")
-    changed = {name: [before(name), getattr(config, name)] for name in config.resume_sensitive_fields()
-               if before(name) != getattr(config, name)}
-    refused = [name for name in changed if name not in (config.allow_config_change or [])]
-    if refused:
-        listed = "; ".join(f"{name}: {changed[name][0]!r} -> {changed[name][1]!r}" for name in refused)
-        raise ConfigError(
-            f"{checkpoint} was trained with other settings that change the objective or the data ({listed}), so the "
-            "resumed run would mix two trainings. Resume with the values it was trained with (model/recipe_config.json "
-            "in the checkpoint), start a new run in a new output_dir, or allow the change explicitly: "
-            f"--allow_config_change {' '.join(refused)} (recorded in metrics.jsonl)"
-        )
-    return changed
