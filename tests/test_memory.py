@@ -13,6 +13,7 @@ import yaml
 from conftest import FSDP_CPU_CONFIG, REPO
 from fsdp_recipes.tools import memory
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.sizes import parse_reserve, parse_size
 
 LLAMA_8B = REPO / "tests" / "data" / "llama-3-8b-like_config.json"
 GiB = 2**30
@@ -190,18 +191,18 @@ def test_activation_formula(llama8b):
 
 # ------------------------------------------------------------------------------------------------ command line
 def test_size_parsing():
-    assert memory.parse_size("80GB") == 80 * 10**9
-    assert memory.parse_size("141GiB") == 141 * 2**30
-    assert memory.parse_size("24e9") == 24 * 10**9
-    assert memory.parse_size(" 1.5 tb ") == 1.5e12
-    assert memory.parse_size("40960MiB") == 40 * 2**30
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("141GiB") == 141 * 2**30
+    assert parse_size("24e9") == 24 * 10**9
+    assert parse_size(" 1.5 tb ") == 1.5e12
+    assert parse_size("40960MiB") == 40 * 2**30
     for bad in ("eighty", "80XB", "-8GB", "", "80"):  # "80" would be 80 bytes: refused, with a hint
         with pytest.raises(ConfigError):
-            memory.parse_size(bad)
-    assert memory.parse_reserve("10%", 100 * 2**30) == 10 * 2**30
-    assert memory.parse_reserve("0", 100) == 0
+            parse_size(bad)
+    assert parse_reserve("10%", 100 * 2**30) == 10 * 2**30
+    assert parse_reserve("0", 100) == 0
     with pytest.raises(ConfigError):
-        memory.parse_reserve("150%", 100 * 2**30)
+        parse_reserve("150%", 100 * 2**30)
 
 
 def test_cli_json_fields_and_fit(tiny_model_config, capsys):

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from fsdp_recipes.common.errors import ConfigError, UserError
+from fsdp_recipes.common.tables import format_table
 
 DEFAULT_GPU_MEMORY = "80GB"
 HUB_CONFIGS = Path("tests/data/hub_configs")  # <hub id>/config.json: model shapes, relative to the root
@@ -489,9 +490,7 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
                 memory += f" + {_size(sum(estimate.host_state.values()))} host RAM"
             rows.append((config.key, str(config.model), config.method, accelerate_config, processes, memory))
         if configs:
-            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-            lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
-                      for row in rows]
+            lines += format_table(rows).splitlines()
     if not lines:
         return [f"no recipe or config name contains {text!r}"]
     lines += ["", "Estimates: parameters, gradients, AdamW state, activations of one micro-batch and FSDP buffers on the "

@@ -9,6 +9,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from fsdp_recipes.common.errors import ConfigError, UserError
+from fsdp_recipes.common.sizes import parse_size
+
 Runner = Callable[[argparse.Namespace], int]
 _SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], Runner]]] = []
 
@@ -159,15 +162,10 @@ def from_deepspeed_command(parser: argparse.ArgumentParser) -> Runner:
 
 
 def parse_bytes(text: str) -> int:
-    """'5GB', '500MB', '141GiB' or a plain number of bytes."""
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    cleaned = text.strip().upper().replace(" ", "")
-    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
-        if cleaned.endswith(unit):
-            return int(float(cleaned[: -len(unit)]) * factor)
+    """'5GB', '500MB', '141GiB' or a plain number of bytes (fsdp_recipes.common.sizes reads it)."""
     try:
-        return int(float(cleaned))
-    except ValueError:
+        return parse_size(text, minimum=1)
+    except ConfigError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 5GB, 500MB, 141GiB") from None
 
 
@@ -181,8 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fsdp_recipes.common.errors import UserError
-
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
