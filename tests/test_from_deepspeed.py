@@ -14,6 +14,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import REPO
 from fsdp_recipes.tools import cli, memory
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.launch_checks import exported_environment
 from fsdp_recipes.tools.linter import lint_config_file
 
@@ -198,7 +199,7 @@ def test_the_docs_table_of_per_rank_bytes_is_what_the_estimator_says():
         ("stage 2", "fsdp_8gpu_shard_grad_op.yaml", 2 + 14 / 8), ("stage 3", "fsdp_8gpu.yaml", 16 / 8),
         ("stage 3, MiCS 8 on 2 x 8 GPUs", "hsdp_2x8gpu.yaml", 16 / 8),
     ]:
-        topology = memory.load_topology(REPO / "accelerate_configs" / accelerate_config)
+        topology = LaunchLayout.from_file(REPO / "accelerate_configs" / accelerate_config)
         estimate = memory.estimate(info, topology, workload)
         cells = [cell.strip() for cell in rows[stage].split("|")[3:9]]
         assert cells[:4] == [gib(estimate.state["parameters"]), gib(estimate.state["gradients"]),
@@ -206,6 +207,6 @@ def test_the_docs_table_of_per_rank_bytes_is_what_the_estimator_says():
         assert cells[4].startswith(gib(estimate.buffers["all_gather"])), stage
         assert cells[5] == gib(zero_bytes_per_param * info.num_params), stage
         assert f"`{accelerate_config}`" in rows[stage]
-    offload = memory.estimate(info, memory.load_topology(REPO / "accelerate_configs/fsdp_8gpu_offload.yaml"), workload)
+    offload = memory.estimate(info, LaunchLayout.from_file(REPO / "accelerate_configs/fsdp_8gpu_offload.yaml"), workload)
     assert f"{gib(sum(offload.host_state.values()))} of host RAM per rank" in rows["stage 3, offload cpu"]
     assert offload.device_state == 0 and f"| 0 | {gib(offload.buffers['all_gather'])} |" in rows["stage 3, offload cpu"]

@@ -13,6 +13,7 @@ import yaml
 from conftest import FSDP_CPU_CONFIG, REPO
 from fsdp_recipes.tools import memory
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.common.sizes import parse_reserve, parse_size
 
 LLAMA_8B = REPO / "tests" / "data" / "llama-3-8b-like_config.json"
@@ -87,12 +88,12 @@ def test_measured_state_shrinks_as_one_over_n(measured):
 # ------------------------------------------------------------------------------------------------ sharding arithmetic
 def test_full_shard_predicts_one_over_n_of_no_shard(llama8b, tiny_info):
     for info, tolerance in ((llama8b, 1e-4), (tiny_info, 0.02)):
-        no_shard = memory.Topology(world_size=8, distributed_type="MULTI_GPU", shard_size=1)
+        no_shard = LaunchLayout(world_size=8, distributed_type="MULTI_GPU", shard_size=1)
         whole = sum(memory.state_bytes_on_rank(memory.plan_units(info, no_shard), no_shard).values())
         # NO_SHARD holds fp32 params + grads + 2 AdamW states: 16 bytes per parameter (+ 4-byte steps)
         assert whole == pytest.approx(16 * info.num_params, rel=1e-3)
         for n in (2, 4, 8):
-            full = memory.Topology(world_size=n, shard_size=n)
+            full = LaunchLayout(world_size=n, shard_size=n)
             sharded = sum(memory.state_bytes_on_rank(memory.plan_units(info, full), full).values())
             assert whole / n <= sharded <= whole / n * (1 + tolerance), (n, sharded, whole)
 
@@ -103,45 +104,45 @@ def test_padding_follows_fsdp2_chunks():
     assert [param.rows_on(r, 4) for r in range(4)] == [3, 3, 3, 1]
     assert [param.rows_on(r, 8) for r in range(8)] == [2, 2, 2, 2, 2, 0, 0, 0]
     unit = memory.Unit("u", "layer", [param])
-    topo = memory.Topology(world_size=4, shard_size=4)
+    topo = LaunchLayout(world_size=4, shard_size=4)
     assert memory.state_bytes_on_rank([unit], topo, 3) == {
         "parameters": 4 * 3 * 7, "gradients": 4 * 3 * 7, "optimizer_state": 2 * 4 * 1 * 7 + 4}
 
 
 def test_hsdp_shards_over_the_shard_size_only(llama8b, tmp_path):
-    hsdp = memory.load_topology(fsdp_yaml(tmp_path / "h.yaml", processes=16, machines=2, parallelism_config={
+    hsdp = LaunchLayout.from_file(fsdp_yaml(tmp_path / "h.yaml", processes=16, machines=2, parallelism_config={
         "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 8}))
     assert (hsdp.world_size, hsdp.shard_size, hsdp.sharding) == (16, 8, "HSDP")
-    full8 = memory.Topology(world_size=8, shard_size=8)
-    full16 = memory.Topology(world_size=16, shard_size=16)
+    full8 = LaunchLayout(world_size=8, shard_size=8)
+    full16 = LaunchLayout(world_size=16, shard_size=16)
     state = lambda t: sum(memory.state_bytes_on_rank(memory.plan_units(llama8b, t), t).values())  # noqa: E731
     assert state(hsdp) == state(full8) and state(hsdp) > 1.9 * state(full16)
     with pytest.raises(ConfigError, match="dp_replicate_size 2 x dp_shard_size 4"):
-        memory.load_topology(fsdp_yaml(tmp_path / "bad.yaml", processes=16, parallelism_config={
+        LaunchLayout.from_file(fsdp_yaml(tmp_path / "bad.yaml", processes=16, parallelism_config={
             "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 4}))
 
 
 def test_topologies_read_from_accelerate_yaml(tmp_path):
-    repo = memory.load_topology(REPO / "accelerate_configs" / "fsdp_8gpu.yaml")
+    repo = LaunchLayout.from_file(REPO / "accelerate_configs" / "fsdp_8gpu.yaml")
     assert (repo.world_size, repo.fsdp_version, repo.sharding, repo.mixed_precision, repo.compute_bytes) == (
         8, 2, "FULL_SHARD", "bf16", 2)
-    sgo = memory.load_topology(fsdp_yaml(tmp_path / "a.yaml", reshard=False))
+    sgo = LaunchLayout.from_file(fsdp_yaml(tmp_path / "a.yaml", reshard=False))
     assert sgo.sharding == "SHARD_GRAD_OP"
-    fsdp1 = memory.load_topology(fsdp_yaml(tmp_path / "b.yaml", version=1, reshard=False))
+    fsdp1 = LaunchLayout.from_file(fsdp_yaml(tmp_path / "b.yaml", version=1, reshard=False))
     assert (fsdp1.fsdp_version, fsdp1.sharding) == (1, "SHARD_GRAD_OP")
     # FSDP1 strategy written where `accelerate config` puts it is ignored by the launcher: FULL_SHARD
-    fsdp1_misplaced = memory.load_topology(fsdp_yaml(tmp_path / "c.yaml", version=1,
+    fsdp1_misplaced = LaunchLayout.from_file(fsdp_yaml(tmp_path / "c.yaml", version=1,
                                                      extra_fsdp={"fsdp_reshard_after_forward": "SHARD_GRAD_OP"}))
     assert fsdp1_misplaced.sharding == "FULL_SHARD"
-    ddp = memory.topology_from_dict({"distributed_type": "MULTI_GPU", "num_processes": 8, "mixed_precision": "bf16"})
+    ddp = LaunchLayout.from_mapping({"distributed_type": "MULTI_GPU", "num_processes": 8, "mixed_precision": "bf16"})
     assert (ddp.distributed_type, ddp.shard_size, ddp.sharding) == ("MULTI_GPU", 1, "NO_SHARD")
-    omitted = memory.topology_from_dict({"distributed_type": "FSDP", "num_processes": 2,
+    omitted = LaunchLayout.from_mapping({"distributed_type": "FSDP", "num_processes": 2,
                                          "fsdp_config": {"fsdp_version": 2}})
     assert omitted.wrap_policy == "NO_WRAP"  # what the launcher does with an omitted policy
 
 
 def test_units_mirror_accelerates_fsdp2_preparation(tiny_info):
-    topo = memory.Topology(world_size=2, shard_size=2)
+    topo = LaunchLayout(world_size=2, shard_size=2)
     units = memory.plan_units(tiny_info, topo)
     assert [u.kind for u in units] == ["embedding", "layer", "layer", "tail"]
     assert [u.reshard_after_forward for u in units] == [True, True, True, False]
@@ -154,7 +155,7 @@ def test_units_mirror_accelerates_fsdp2_preparation(tiny_info):
 
 
 def test_buffers_by_sharding(llama8b):
-    full = memory.Topology(world_size=8, shard_size=8, mixed_precision="bf16")
+    full = LaunchLayout(world_size=8, shard_size=8, mixed_precision="bf16")
     work = memory.Workload(2048, 4)
     e_full = memory.estimate(llama8b, full, work)
     e_sgo = memory.estimate(llama8b, dataclasses.replace(full, reshard_after_forward=False), work)
@@ -278,7 +279,7 @@ def test_tied_embeddings_are_one_tail_unit_counted_once():
     the shared weight is counted once (as model.parameters() does)."""
     info = memory.load_model_info(str(REPO / "demo" / "tiny_llama.json"))
     assert info.tied_embeddings
-    units = memory.plan_units(info, memory.Topology(world_size=2, shard_size=2))
+    units = memory.plan_units(info, LaunchLayout(world_size=2, shard_size=2))
     assert [u.kind for u in units] == ["layer", "layer", "layer", "tail"]
     assert "model.embed_tokens" in units[-1].name and sum(u.numel for u in units) == info.num_params == 505_600
 

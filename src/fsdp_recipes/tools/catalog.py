@@ -37,6 +37,7 @@ import yaml
 
 from fsdp_recipes.common.errors import ConfigError, UserError
 from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout, fsdp_settings, read_accelerate_yaml
 
 DEFAULT_GPU_MEMORY = "80GB"
 HUB_CONFIGS = Path("tests/data/hub_configs")  # <hub id>/config.json: model shapes, relative to the root
@@ -253,9 +254,8 @@ class Catalog:
         if not path.is_file():
             raise ConfigError(f"{config.key}: its launch command names {launch.accelerate_config}, which does not "
                               "exist")
-        raw = yaml.safe_load(path.read_text()) or {}
-        fsdp = {key if key.startswith("fsdp_") else f"fsdp_{key}": value
-                for key, value in (raw.get("fsdp_config") or {}).items()}
+        raw = read_accelerate_yaml(path)
+        fsdp = fsdp_settings(raw)
         top_level = {f.name for f in dataclasses.fields(ClusterConfig)}
         for key, value in launch.overrides.items():
             if key.startswith("fsdp_"):
@@ -286,7 +286,7 @@ class Catalog:
             raise ConfigError(f"no local config.json for model {config.model!r}: add {HUB_CONFIGS / str(config.model)}"
                               "/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
         where = f"{config.key}'s Accelerate config"
-        topology = memory.for_recipe(memory.topology_from_dict(self.accelerate_settings(config), where=where),
+        topology = memory.for_recipe(LaunchLayout.from_mapping(self.accelerate_settings(config), where=where),
                                      config.values)
         workload = memory.workload_from_recipe(config.values)
         adapters = memory.adapters_from_recipe(config.values, topology.compute_bytes)

@@ -28,186 +28,12 @@ from typing import Any
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.sizes import gib, parse_reserve, parse_size
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 
 FP32 = 4
-COMPUTE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 DEFAULT_GPU_MEMORY = "80GB"
 DEFAULT_RESERVE = "10%"  # CUDA context, NCCL buffers, allocator fragmentation: not modelled, kept free
 LORA_RANK = 16
-
-
-# --------------------------------------------------------------------------------------------------- topology
-@dataclass(frozen=True)
-class Topology:
-    """What the Accelerate config asks for, reduced to what memory depends on."""
-
-    world_size: int = 1
-    num_machines: int = 1
-    distributed_type: str = "FSDP"  # FSDP, MULTI_GPU (DDP), NO (one process)
-    fsdp_version: int = 2
-    reshard_after_forward: bool = True  # FULL_SHARD; False = SHARD_GRAD_OP
-    shard_size: int = 1  # ranks one parameter is split over (world size, the HSDP shard size, or 1)
-    cpu_offload: bool = False
-    mixed_precision: str = "no"
-    activation_checkpointing: bool = False
-    wrap_policy: str = "TRANSFORMER_BASED_WRAP"
-    wrap_classes: tuple[str, ...] | None = None  # None: the model's _no_split_modules
-    min_num_params: int = 100_000_000
-    prefetch: bool = True
-
-    @property
-    def is_fsdp(self) -> bool:
-        return self.distributed_type == "FSDP"
-
-    @property
-    def gpus_per_node(self) -> int:
-        return max(1, self.world_size // max(1, self.num_machines))
-
-    @property
-    def sharding(self) -> str:
-        if not self.is_fsdp or self.shard_size == 1 and self.world_size > 1:
-            return "NO_SHARD"
-        kind = "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
-        if self.shard_size < self.world_size:
-            return "HSDP" if self.reshard_after_forward else "HSDP_SHARD_GRAD_OP"
-        return kind
-
-    @property
-    def compute_bytes(self) -> int:
-        return COMPUTE_BYTES.get(self.mixed_precision, 4)
-
-    def describe(self) -> str:
-        if self.distributed_type == "NO":
-            return f"1 process, no data parallelism, {self.mixed_precision}"
-        if self.distributed_type == "MULTI_GPU":
-            return f"{self.world_size} processes, DDP (NO_SHARD), {self.mixed_precision}"
-        parts = [f"{self.world_size} processes", f"FSDP{self.fsdp_version} {self.sharding}"]
-        if self.shard_size < self.world_size:
-            parts[-1] += f" ({self.world_size // self.shard_size} replicas x {self.shard_size} shards)"
-        parts.append(self.mixed_precision if self.mixed_precision != "no" else "fp32")
-        if self.cpu_offload:
-            parts.append("CPU offload")
-        if self.activation_checkpointing:
-            parts.append("activation checkpointing")
-        return ", ".join(parts)
-
-
-def _as_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no", "none"):
-        return False
-    raise ConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-def topology_from_dict(raw: dict, *, where: str = "the Accelerate config") -> Topology:
-    """An Accelerate YAML (as a mapping) -> Topology. Reads the keys the way `accelerate launch` does."""
-    distributed = str(raw.get("distributed_type", "NO")).upper()
-    world = int(raw.get("num_processes", 1) or 1)
-    machines = int(raw.get("num_machines", 1) or 1)
-    mixed = str(raw.get("mixed_precision", "no")).lower()
-    if mixed not in COMPUTE_BYTES:
-        raise ConfigError(f"mixed_precision {mixed!r} in {where} is not one of no, bf16, fp16, fp8")
-    if world < 1:
-        raise ConfigError(f"num_processes in {where} must be >= 1, got {world}")
-    if distributed in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU"):
-        kind = "NO" if distributed == "NO" or world == 1 else "MULTI_GPU"
-        return Topology(world_size=world if kind != "NO" else 1, num_machines=machines, distributed_type=kind,
-                        shard_size=1, mixed_precision=mixed, wrap_policy="NO_WRAP")
-    if distributed != "FSDP":
-        raise ConfigError(f"distributed_type {distributed} in {where}: the estimator knows FSDP, MULTI_GPU and NO")
-    fsdp = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in (raw.get("fsdp_config") or {}).items()}
-    version = int(fsdp.get("fsdp_version", 1))
-    shard_size, reshard = world, True
-    if version == 2:
-        value = fsdp.get("fsdp_reshard_after_forward", True)
-        strategies = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False}
-        reshard = strategies[str(value).upper()] if str(value).upper() in strategies else _as_bool(
-            value, "fsdp_reshard_after_forward")
-    else:  # the launcher always exports FSDP_SHARDING_STRATEGY from fsdp_sharding_strategy (default FULL_SHARD)
-        strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
-        if strategy.isdigit():
-            strategy = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"][int(strategy) - 1]
-        reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")
-        if strategy == "NO_SHARD":
-            shard_size = 1
-        elif "HYBRID" in strategy:
-            shard_size = max(1, world // machines)
-    parallelism = {k.removeprefix("parallelism_config_"): v for k, v in (raw.get("parallelism_config") or {}).items()}
-    replicate = int(parallelism.get("dp_replicate_size", 1) or 1)
-    if replicate > 1:
-        shard = int(parallelism.get("dp_shard_size", -1) or -1)
-        shard = world // replicate if shard in (-1, 0) else shard
-        if shard * replicate != world:
-            raise ConfigError(
-                f"parallelism_config in {where}: dp_replicate_size {replicate} x dp_shard_size {shard} != "
-                f"num_processes {world}"
-            )
-        shard_size = shard
-    classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-    wrap_classes = tuple(c.strip() for c in str(classes).split(",") if c.strip()) if classes else None
-    prefetch = version == 2 or str(fsdp.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper() != "NO_PREFETCH"
-    return Topology(
-        world_size=world, num_machines=machines, distributed_type="FSDP", fsdp_version=version,
-        reshard_after_forward=reshard, shard_size=shard_size,
-        cpu_offload=_as_bool(fsdp.get("fsdp_offload_params", False), "fsdp_offload_params"),
-        mixed_precision=mixed,
-        activation_checkpointing=_as_bool(fsdp.get("fsdp_activation_checkpointing", False), "fsdp_activation_checkpointing"),
-        wrap_policy=str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(),  # the launcher's default when omitted
-        wrap_classes=wrap_classes, min_num_params=int(float(fsdp.get("fsdp_min_num_params", 1e8))), prefetch=prefetch,
-    )
-
-
-def load_topology(path: str | Path) -> Topology:
-    """An Accelerate YAML file -> Topology (plain YAML: accelerate's loader would validate nothing inside fsdp_config
-    either)."""
-    from fsdp_recipes.common.yaml_json import load_yaml_mapping
-
-    return topology_from_dict(load_yaml_mapping(path), where=f"Accelerate config {str(path)!r}")
-
-
-def topology_from_accelerator(accelerator) -> Topology:
-    """The Topology of a running launch, from accelerate's resolved state (no collectives)."""
-    import os
-
-    distributed = accelerator.distributed_type.value
-    world = accelerator.num_processes
-    machines = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world) or world))
-    mixed = str(accelerator.mixed_precision)
-    if distributed != "FSDP":
-        return topology_from_dict(
-            {"distributed_type": "MULTI_GPU" if world > 1 else "NO", "num_processes": world,
-             "num_machines": machines, "mixed_precision": mixed})
-    plugin = accelerator.state.fsdp_plugin
-    policy = plugin.auto_wrap_policy
-    policy = getattr(policy, "func", policy)
-    name = policy if isinstance(policy, str) else getattr(policy, "__name__", "")
-    wrap = ("TRANSFORMER_BASED_WRAP" if "transformer" in str(name).lower()
-            else "SIZE_BASED_WRAP" if "size" in str(name).lower() else "NO_WRAP")
-    fsdp: dict[str, Any] = {
-        "fsdp_version": plugin.fsdp_version,
-        "fsdp_offload_params": type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
-        or bool(getattr(plugin.cpu_offload, "offload_params", False)),
-        "fsdp_activation_checkpointing": bool(plugin.activation_checkpointing),
-        "fsdp_auto_wrap_policy": wrap,
-        "fsdp_min_num_params": plugin.min_num_params or 1e8,
-    }
-    if plugin.transformer_cls_names_to_wrap:
-        fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(plugin.transformer_cls_names_to_wrap)
-    if plugin.fsdp_version == 2:
-        fsdp["fsdp_reshard_after_forward"] = bool(plugin.reshard_after_forward)
-    else:
-        fsdp["fsdp_sharding_strategy"] = getattr(plugin.sharding_strategy, "name", str(plugin.sharding_strategy))
-    raw = {"distributed_type": "FSDP", "num_processes": world, "num_machines": machines, "mixed_precision": mixed,
-           "fsdp_config": fsdp}
-    parallelism = getattr(accelerator, "parallelism_config", None)
-    if parallelism is not None and getattr(parallelism, "dp_replicate_size", 1) > 1:
-        raw["parallelism_config"] = {"dp_replicate_size": parallelism.dp_replicate_size,
-                                     "dp_shard_size": parallelism.dp_shard_size}
-    return topology_from_dict(raw, where="the running launch")
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -363,7 +189,7 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
     )
 
 
-def plan_units(info: ModelInfo, topology: Topology) -> list[Unit]:
+def plan_units(info: ModelInfo, topology: LaunchLayout) -> list[Unit]:
     """The FSDP units accelerate's preparation creates (accelerate 1.15): one per wrapped module (bottom-up); for FSDP2
     also the input embedding (own unit unless tied) and a tail unit [final norm, output embedding] that is not resharded
     after forward; and the root with whatever is left (not resharded after forward either). In execution order."""
@@ -458,7 +284,7 @@ def workload_from_recipe(recipe: Any | None) -> Workload:
 
 
 # --------------------------------------------------------------------------------------------------- estimate
-def state_bytes_on_rank(units: list[Unit], topology: Topology, rank: int = 0, *, trainable: bool = True) -> dict[str, int]:
+def state_bytes_on_rank(units: list[Unit], topology: LaunchLayout, rank: int = 0, *, trainable: bool = True) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state that `rank` holds (before offload moves them to the host).
 
     FSDP2 (per parameter, along dim 0): parameter and gradient storage is padded to ceil(rows / S) rows on every rank
@@ -527,7 +353,7 @@ def adapters_from_recipe(recipe: Any, compute_bytes: int) -> Adapters | None:
                     frozen_bytes=frozen, dora=bool(get("use_dora", False)))
 
 
-def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], topology: Topology, adapters: Adapters,
+def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], topology: LaunchLayout, adapters: Adapters,
                                 rank: int = 0) -> dict[str, int]:
     """`state_bytes_on_rank` for LoRA: every base parameter at `frozen_bytes`, padded as FSDP2 pads it, with no
     gradient or optimizer state; every adapter matrix is a parameter of its own, sharded along dim 0 like any other
@@ -551,7 +377,7 @@ def frozen_copies_from_recipe(recipe: dict[str, Any], config_fields: frozenset[s
                                                       use_peft=bool(recipe.get("use_peft", False))))
 
 
-def for_recipe(topology: Topology, recipe: Any) -> Topology:
+def for_recipe(topology: LaunchLayout, recipe: Any) -> LaunchLayout:
     """The topology as the recipe config changes it: the model's own activation checkpointing
     (`gradient_checkpointing: true`) saves the same activations as FSDP's."""
     get = recipe.get if isinstance(recipe, dict) else (lambda name, default=None: getattr(recipe, name, default))
@@ -585,7 +411,7 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) ->
     return {"per_layer": layer, "logits": logits, "without_checkpointing": without, "with_checkpointing": with_ac}
 
 
-def buffer_bytes(info: ModelInfo, units: list[Unit], topology: Topology, *, trainable_fraction: float = 1.0) -> dict[str, int]:
+def buffer_bytes(info: ModelInfo, units: list[Unit], topology: LaunchLayout, *, trainable_fraction: float = 1.0) -> dict[str, int]:
     """Unsharded copies: all-gathered parameters in the compute dtype and unsharded gradients before reduce-scatter
     (FSDP); gradient buckets and autocast weight copies (DDP / single process)."""
     c = topology.compute_bytes
@@ -614,7 +440,7 @@ def buffer_bytes(info: ModelInfo, units: list[Unit], topology: Topology, *, trai
 @dataclass
 class Estimate:
     model: str
-    topology: Topology
+    topology: LaunchLayout
     workload: Workload
     num_params: int
     units: list[Unit]
@@ -666,7 +492,7 @@ class Estimate:
         }
 
 
-def estimate(info: ModelInfo, topology: Topology, workload: Workload, *, gpu_memory: int = 80 * 10**9,
+def estimate(info: ModelInfo, topology: LaunchLayout, workload: Workload, *, gpu_memory: int = 80 * 10**9,
              reserve: int | None = None, model_name: str = "", adapters: Adapters | None = None,
              frozen_copies: int = 0) -> Estimate:
     """`frozen_copies`: whole frozen copies of the model sharded like it, at the compute dtype (preference tuning's
@@ -699,7 +525,7 @@ def suggestions(info: ModelInfo, current: Estimate) -> list[dict[str, Any]]:
     topo, work = current.topology, current.workload
     out: list[dict[str, Any]] = []
 
-    def add(change: str, how: str, topology: Topology = topo, workload: Workload = work, lora: Adapters | None = None,
+    def add(change: str, how: str, topology: LaunchLayout = topo, workload: Workload = work, lora: Adapters | None = None,
             frozen_copies: int = current.frozen_copies):
         new = estimate(info, topology, workload, gpu_memory=current.gpu_memory, reserve=current.reserve,
                        adapters=lora or current.adapters, frozen_copies=frozen_copies)
@@ -780,7 +606,7 @@ def estimate_for_run(accelerator, model_config, recipe_config, *, gpu_memory: in
     model, no weights) and no collectives: call it on any rank. Bytes are for the most loaded rank; `rank_state_bytes`
     is the state this very rank should hold (parameters, gradients, AdamW state)."""
     info = model_info_from_config(model_config, trust_remote_code=bool(getattr(recipe_config, "trust_remote_code", False)))
-    topology = for_recipe(topology_from_accelerator(accelerator), recipe_config)
+    topology = for_recipe(LaunchLayout.from_accelerator(accelerator), recipe_config)
     workload = workload_from_recipe(recipe_config)
     adapters = adapters_from_recipe(recipe_config, topology.compute_bytes)
     est = estimate(info, topology, workload, gpu_memory=gpu_memory or 80 * 10**9, adapters=adapters,
@@ -838,7 +664,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     model = args.model or recipe.get("model_config") or recipe.get("model_name_or_path")
     if not model:
         raise ConfigError("no model: pass --model (Hub id, folder or config.json) or a --recipe-config that names one")
-    topology = load_topology(args.accelerate_config)
+    topology = LaunchLayout.from_file(args.accelerate_config)
     if args.num_processes is not None:
         if args.num_processes < 1:
             raise ConfigError("--num-processes must be >= 1")
