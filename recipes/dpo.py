@@ -57,6 +57,12 @@ class DPOConfig(config_lib.TrainingConfig):
     def frozen_model_copies(self) -> int:
         return reference.frozen_copies(self.reference_mode())
 
+    def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
+        if not self.frozen_model_copies():
+            return []
+        return [("no reference model copy: one pass of the starting model over the data before training; no copy kept",
+                 {"precompute_ref_log_probs": True})]
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if not (math.isfinite(self.beta) and self.beta > 0):

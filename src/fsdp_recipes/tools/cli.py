@@ -1,6 +1,7 @@
 """The `fsdp-recipes` command. Each subcommand is one function decorated with `@subcommand`: it receives its own
 argparse parser to fill and returns the function that runs it (which returns the exit status). Adding a
-subcommand is adding one such function to this file."""
+subcommand is adding one such function to this file. Every parser is built at start-up, so the module a subcommand
+runs is imported by its runner: most of them import torch, transformers or peft (seconds) that the others never need."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from fsdp_recipes.common.errors import ConfigError, UserError
 from fsdp_recipes.common.sizes import parse_size
+from fsdp_recipes.tools.estimator.arguments import add_estimate_arguments
 
 Runner = Callable[[argparse.Namespace], int]
 _SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], Runner]]] = []
@@ -81,10 +83,14 @@ def validate_config_command(parser: argparse.ArgumentParser) -> Runner:
 
 @subcommand("estimate", help="memory per GPU for a model under an Accelerate config, before launching")
 def estimate_command(parser: argparse.ArgumentParser) -> Runner:
-    from fsdp_recipes.tools.memory import add_estimate_arguments, run_estimate
-
     add_estimate_arguments(parser)
-    return run_estimate
+
+    def run(args: argparse.Namespace) -> int:
+        from fsdp_recipes.tools.estimator.command import run_estimate
+
+        return run_estimate(args)
+
+    return run
 
 
 @subcommand("export", help="turn a training checkpoint into a Hugging Face model folder, on one CPU process")

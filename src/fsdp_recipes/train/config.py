@@ -125,6 +125,12 @@ class TrainingConfig:
         """Whole frozen copies of the model kept beside the trained one (a reference model), sharded like it."""
         return 0
 
+    def memory_saving_alternatives(self) -> list[tuple[str, dict[str, Any]]]:
+        """Changes to this config that save memory the shared layer cannot know of, as (description, {field: value})
+        pairs; the description reads "what it saves: what it costs". The estimator suggests each (with its predicted
+        total) when a launch does not fit, on top of the changes every recipe has (LoRA, a smaller micro-batch)."""
+        return []
+
     def validate(self) -> list[str]:
         """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
         problems = []
