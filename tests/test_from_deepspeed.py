@@ -16,7 +16,7 @@ from conftest import REPO
 from fsdp_recipes.tools import cli
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.launch_checks import exported_environment
-from fsdp_recipes.tools.estimator import formulas
+from fsdp_recipes.tools.estimator import MODEL_SHAPES, formulas
 from fsdp_recipes.tools.estimator.shapes import load_model_info
 from fsdp_recipes.tools.estimator.workload import Workload
 from fsdp_recipes.tools.linter import lint_config_file
@@ -193,7 +193,7 @@ def test_an_existing_output_is_not_overwritten_without_force(tmp_path, capsys):
 def test_the_docs_table_of_per_rank_bytes_is_what_the_estimator_says():
     """docs/from-deepspeed.md, "What each rank holds": Llama-3.1-8B, bf16, 8 GPUs per node."""
     doc = (REPO / "docs" / "from-deepspeed.md").read_text()
-    info = load_model_info(str(REPO / "tests/data/hub_configs/meta-llama/Llama-3.1-8B/config.json"))
+    info = load_model_info(str(MODEL_SHAPES / "meta-llama/Llama-3.1-8B/config.json"))
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     workload = Workload(2048, 1, "sdpa")
     rows = {row.split("|")[1].strip(): row for row in doc.splitlines() if row.startswith("| stage")}

@@ -6,8 +6,9 @@ per GPU (fsdp_recipes.tools.estimator). `fsdp-recipes cp` copies a recipe or a c
 
 What a config is meant for is read from its opening comment, which every config has: the command that launches it
 (fsdp_recipes.tools.config_comments), and optionally a line `# GPU memory: 24GB`, the memory per GPU the config must
-fit (80GB otherwise). A config is estimated as its recipe reads it: with the config class the recipe script defines. Shapes of Hub models come from
-`tests/data/hub_configs/<hub id>/config.json`, so estimates need no network.
+fit (80GB otherwise). A config is estimated as its recipe reads it: with the config class the recipe script defines.
+Shapes of Hub models come from the estimator's own `model_shapes/<hub id>/config.json` (fsdp_recipes.tools.estimator,
+package data), so estimates need no network.
 
 In a checkout, the folders are read in place; an installed wheel carries copies of them under fsdp_recipes/bundled/
 (setup.py puts them there), at the same relative paths.
@@ -36,9 +37,8 @@ from fsdp_recipes.distributed.accelerate_config import LaunchLayout, fsdp_settin
 from fsdp_recipes.distributed.launch_checks import ERROR
 from fsdp_recipes.tools import topology as topology_lib
 from fsdp_recipes.tools.config_comments import LaunchCommand, opening_comment, parse_launch_command
+from fsdp_recipes.tools.estimator import MODEL_SHAPES
 from fsdp_recipes.tools.estimator.arguments import DEFAULT_GPU_MEMORY
-
-HUB_CONFIGS = Path("tests/data/hub_configs")  # <hub id>/config.json: model shapes, relative to the root
 
 
 def source_root() -> Path:
@@ -118,6 +118,10 @@ class Catalog:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else source_root()
 
+    def shown(self, path: Path) -> Path:
+        """`path` as messages show it: relative to the root when it is under it."""
+        return path.relative_to(self.root) if path.is_relative_to(self.root) else path
+
     def recipes(self) -> list[Recipe]:
         return [Recipe(path.stem, path, read_summary(path)) for path in sorted((self.root / "recipes").glob("*.py"))
                 if not path.name.startswith("_")]
@@ -192,7 +196,7 @@ class Catalog:
             path = Path(config.values["model_config"])
             path = path if path.is_absolute() else self.root / path
         elif config.values.get("model_name_or_path"):
-            path = self.root / HUB_CONFIGS / str(config.values["model_name_or_path"]) / "config.json"
+            path = MODEL_SHAPES / str(config.values["model_name_or_path"]) / "config.json"
         else:
             return None
         return path if path.is_file() else None
@@ -206,8 +210,8 @@ class Catalog:
 
         model = self.model_file(config)
         if model is None:
-            raise ConfigError(f"no local config.json for model {config.model!r}: add {HUB_CONFIGS / str(config.model)}"
-                              "/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
+            raise ConfigError(f"no local config.json for model {config.model!r}: add {self.shown(MODEL_SHAPES)}/"
+                              f"{config.model}/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
         layout = LaunchLayout.from_mapping(self.accelerate_settings(config), where=f"{config.key}'s Accelerate config")
         script = next((recipe.path for recipe in self.recipes() if recipe.name == config.recipe), None)
         recipe = recipe_config(config.values, script=script, where=config.key)
@@ -238,7 +242,8 @@ class Catalog:
             return found + [str(error)]
         model = self.model_file(config)
         if model is None:
-            return found + [f"no local config.json for model {config.model!r} (add {HUB_CONFIGS}/<hub id>/config.json)"]
+            return found + [f"no local config.json for model {config.model!r} (add {self.shown(MODEL_SHAPES)}/<hub id>/"
+                            "config.json)"]
         with tempfile.TemporaryDirectory() as folder:
             effective = Path(folder) / "accelerate.yaml"
             effective.write_text(yaml.safe_dump(settings))
