@@ -58,3 +58,8 @@ def parse_reserve(text: str, gpu_memory: int) -> int:
 def gib(n: float) -> str:
     """Bytes as '12.34 GiB'."""
     return f"{n / 2**30:.2f} GiB"
+
+
+def short_size(n: float) -> str:
+    """Bytes as '12.3 GiB', or '456 MiB' under 1 GiB (the width of a table column)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

@@ -22,10 +22,9 @@ from unittest import mock
 
 
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, WRAP_POLICIES, fsdp_settings
+from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
 ERROR, WARNING = "error", "warning"
-STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
 # Keys the launcher exports although FSDP2's plugin never reads them (or drops them with a warning).
 FSDP2_IGNORED = {
     "fsdp_sharding_strategy": "FSDP2 has no sharding strategy; use fsdp_reshard_after_forward: true (FULL_SHARD) or "

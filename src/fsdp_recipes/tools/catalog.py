@@ -31,7 +31,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
 from fsdp_recipes.common.errors import ConfigError, UserError
-from fsdp_recipes.common.sizes import parse_size
+from fsdp_recipes.common.sizes import parse_size, short_size
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout, fsdp_settings, read_accelerate_yaml
 from fsdp_recipes.distributed.launch_checks import ERROR
@@ -362,10 +362,6 @@ class Catalog:
         return lines
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def _flags(overrides: dict[str, Any]) -> list[str]:
     return [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
 
@@ -403,11 +399,11 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
             processes = f"{layout.world_size} CPU" if on_cpu else f"{layout.world_size} x {config.gpu_memory}"
             if layout.num_machines > 1:
                 processes += f" ({layout.num_machines} nodes)"
-            memory = _size(estimate.total)
+            memory = short_size(estimate.total)
             if not on_cpu:
                 memory += " fits" if estimate.fits else f" > {estimate.usable / 2**30:.1f} GiB usable!"
             if estimate.host_state:
-                memory += f" + {_size(sum(estimate.host_state.values()))} host RAM"
+                memory += f" + {short_size(sum(estimate.host_state.values()))} host RAM"
             rows.append((config.key, str(config.model), config.method, accelerate_config, processes, memory))
         if configs:
             lines += format_table(rows).splitlines()
