@@ -15,7 +15,6 @@ BUNDLED = {
     "accelerate_configs": ["*"],
     "demo": ["*.json", "assets/**/*"],
     "benchmarks": ["*.json"],  # model configs named by recipe configs (gpu_check_1b.yaml)
-    "tests/data/hub_configs": ["**/config.json"],  # model shapes for `ls` estimates, offline
 }
 
 

@@ -10,7 +10,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${GPU_CHECK_OUTPUT:-outputs/gpu_check/$(date +%Y%m%d-%H%M%S)}
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('device:', torch.cuda.get_device_name())"
 
-if "$PYTHON" -c "import fsdp_recipes.tools.memory" 2>/dev/null; then
+if "$PYTHON" -c "import fsdp_recipes.tools.estimator.command" 2>/dev/null; then
   echo "== estimator prediction (per GPU)"
   "$PYTHON" -m fsdp_recipes.tools.cli estimate --model benchmarks/llama_1b.json \
     --accelerate-config accelerate_configs/fsdp_8gpu.yaml --num-processes 1 \

@@ -93,6 +93,12 @@ class DPOConfig(config_lib.TrainingConfig):
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         return super().resume_sensitive_fields() + ("beta", "loss_type", "label_smoothing", "max_prompt_length")
 
+    def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
+        if not self.frozen_model_copies():
+            return []
+        return [("no reference model copy: one pass of the starting model over the data before training; no copy kept",
+                 {"precompute_ref_log_probs": True})]
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if not (math.isfinite(self.beta) and self.beta > 0):

@@ -2,8 +2,8 @@
 
 In-process: discovery from folders, the checks of each shipped config (launch command, Accelerate config through the
 linter with the command's flags, the model's wrap classes, the memory estimate against the GPU memory it names), the
-model shapes kept in tests/data/hub_configs, the chat templates configs set, every `cp` mode and refusal, and what the
-wheel bundles. One launch: after a pip install of the wheel, outside any clone, `ls` lists, `cp` copies, and the
+model shapes the estimator ships (fsdp_recipes/tools/estimator/model_shapes), the chat templates configs set, every `cp`
+mode and refusal, and what the wheel bundles. One launch: after a pip install of the wheel, outside any clone, `ls` lists, `cp` copies, and the
 copied recipe, edited, runs the copied demo config from its folder."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,14 @@ from helpers.launch import launch, require_success, run_process_group
 from helpers.paths import REPO, TOKENIZER
 from helpers.recipes import read_metrics
 from fsdp_recipes.tools import cli
-from fsdp_recipes.tools.catalog import HUB_CONFIGS, Catalog, listing, model_info
+from fsdp_recipes.tools.catalog import Catalog, listing, model_info
+from fsdp_recipes.tools.estimator import MODEL_SHAPES
 
 CATALOG = Catalog(REPO)
 SHIPPED = CATALOG.configs()
 SFT_CONFIGS = REPO / "recipes" / "configs" / "sft"
 
-# Sizes the model cards (or the Hub's safetensors metadata) give, in billions: the shapes in tests/data/hub_configs
+# Sizes the model cards (or the Hub's safetensors metadata) give, in billions: the shapes in MODEL_SHAPES
 # were written by hand from the published hyperparameters, and a wrong number of layers or width shows here.
 PUBLISHED_BILLIONS = {
     "meta-llama/Llama-3.2-1B": 1.24, "meta-llama/Llama-3.2-3B": 3.21, "meta-llama/Llama-3.1-8B": 8.03,
@@ -73,9 +75,9 @@ def test_ls_lists_every_recipe_and_config_present_with_its_estimate(capsys):
 
 
 def write_root(root: Path, configs: dict[str, str], recipes: dict[str, str]) -> Catalog:
-    """A catalog folder of its own: the repository's Accelerate configs and model shapes, the given recipes/configs."""
+    """A catalog folder of its own: the repository's Accelerate configs, the given recipes/configs (model shapes are
+    the estimator's own)."""
     shutil.copytree(REPO / "accelerate_configs", root / "accelerate_configs")
-    shutil.copytree(REPO / HUB_CONFIGS, root / HUB_CONFIGS)
     for name, text in recipes.items():
         (root / "recipes").mkdir(exist_ok=True)
         (root / "recipes" / f"{name}.py").write_text(text)
@@ -150,7 +152,7 @@ def test_every_shipped_config_fits_and_passes_its_checks(config):
         assert writers, f"{config.key}: no shipped config writes {config.values['model_name_or_path']}"
         return
     assert CATALOG.model_file(config) is not None, (
-        f"add {HUB_CONFIGS}/{config.model}/config.json (the model's published shapes) for {config.key}")
+        f"add {MODEL_SHAPES}/{config.model}/config.json (the model's published shapes) for {config.key}")
     assert CATALOG.problems(config) == []
     assert CATALOG.estimate(config).fits
 
@@ -162,17 +164,17 @@ def test_the_gpu_memory_line_sets_what_a_config_must_fit():
 
 
 def test_every_hub_model_a_config_names_has_its_shapes_here():
-    """The mapping is the folder name: tests/data/hub_configs/<hub id>/config.json."""
+    """The mapping is the folder name: MODEL_SHAPES/<hub id>/config.json."""
     named = {config.values["model_name_or_path"] for config in SHIPPED
              if config.values.get("model_name_or_path") and not trained_by_another_config(config)}
-    kept = {str(path.parent.relative_to(REPO / HUB_CONFIGS)) for path in (REPO / HUB_CONFIGS).glob("*/*/config.json")}
+    kept = {str(path.parent.relative_to(MODEL_SHAPES)) for path in MODEL_SHAPES.glob("*/*/config.json")}
     assert named <= kept
     assert kept == set(PUBLISHED_BILLIONS)
 
 
 @pytest.mark.parametrize("hub_id", sorted(PUBLISHED_BILLIONS))
 def test_model_shapes_add_up_to_the_published_size(hub_id):
-    info = model_info(REPO / HUB_CONFIGS / hub_id / "config.json")
+    info = model_info(MODEL_SHAPES / hub_id / "config.json")
     assert info.num_params / 1e9 == pytest.approx(PUBLISHED_BILLIONS[hub_id], rel=0.02)
 
 
@@ -281,10 +283,16 @@ def test_the_wheel_bundles_every_file_ls_and_cp_use():
                for folder, patterns in bundled_patterns().items() for pattern in patterns
                for path in (REPO / folder).glob(pattern) if path.is_file()}
     needed = {path.as_posix() for recipe in CATALOG.recipes() for path, _, _ in CATALOG.copy_plan(recipe)}
-    needed |= {(CATALOG.model_file(config).relative_to(REPO)).as_posix() for config in SHIPPED
-               if not trained_by_another_config(config)}
+    models = {CATALOG.model_file(config) for config in SHIPPED if not trained_by_another_config(config)}
+    needed |= {path.relative_to(REPO).as_posix() for path in models if not path.is_relative_to(MODEL_SHAPES)}
     needed |= {"accelerate_configs/topologies.yaml"}
     assert needed <= bundled, sorted(needed - bundled)
+    # the model shapes are package data of the estimator (pyproject.toml), not bundled copies
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    packaged = {path for pattern in package_data["fsdp_recipes.tools.estimator"]
+                for path in MODEL_SHAPES.parent.glob(pattern)}
+    assert {path for path in models if path.is_relative_to(MODEL_SHAPES)} <= packaged
+    assert set(MODEL_SHAPES.glob("*/*/config.json")) <= packaged
 
 
 @pytest.mark.slow
@@ -293,7 +301,7 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     the SFT recipe with the demo config from the bundled files, and the copy, edited, runs from its folder with the
     installed package (under its FSDP2 config, on one process: enough to show which package runs). (`ls` reads the same bundled folders: tested in-process on the checkout.)"""
     source = tmp_path / "source"
-    for name in ("src", "recipes", "accelerate_configs", "demo", "benchmarks", "tests/data/hub_configs"):
+    for name in ("src", "recipes", "accelerate_configs", "demo", "benchmarks"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in"):
         shutil.copy(REPO / name, source / name)
@@ -303,7 +311,7 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *tmp_path.glob("fsdp_recipes-*.whl")],
                    check=True)
     installed = {"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}  # the wheel's package, not the checkout's
-    script = ("import sys; from fsdp_recipes import catalog, cli; print('root', catalog.source_root()); "
+    script = ("import sys; from fsdp_recipes.tools import catalog, cli; print('root', catalog.source_root()); "
               "sys.exit(cli.main(['cp', 'sft/demo_reverse', 'project']))")
     result = run_process_group([sys.executable, "-c", script], timeout=120, env={"PATH": "/usr/bin:/bin", **installed},
                                cwd=tmp_path)

@@ -13,8 +13,12 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from helpers.paths import REPO
-from fsdp_recipes.tools import cli, memory
+from fsdp_recipes.tools import cli
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.launch_checks import exported_environment
+from fsdp_recipes.tools.estimator import MODEL_SHAPES, formulas
+from fsdp_recipes.tools.estimator.shapes import load_model_info
+from fsdp_recipes.tools.estimator.workload import Workload
 from fsdp_recipes.tools.linter import lint_config_file
 
 # What Hugging Face's DeepSpeed docs ship for ZeRO-3 with offload: everything the Trainer fills is "auto".
@@ -189,23 +193,23 @@ def test_an_existing_output_is_not_overwritten_without_force(tmp_path, capsys):
 def test_the_docs_table_of_per_rank_bytes_is_what_the_estimator_says():
     """docs/from-deepspeed.md, "What each rank holds": Llama-3.1-8B, bf16, 8 GPUs per node."""
     doc = (REPO / "docs" / "from-deepspeed.md").read_text()
-    info = memory.load_model_info(str(REPO / "tests/data/hub_configs/meta-llama/Llama-3.1-8B/config.json"))
+    info = load_model_info(str(MODEL_SHAPES / "meta-llama/Llama-3.1-8B/config.json"))
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-    workload = memory.Workload(2048, 1, "sdpa")
+    workload = Workload(2048, 1, "sdpa")
     rows = {row.split("|")[1].strip(): row for row in doc.splitlines() if row.startswith("| stage")}
     for stage, accelerate_config, zero_bytes_per_param in [
         ("stage 0", "ddp_8gpu.yaml", 16), ("stage 1", "fsdp_8gpu_shard_grad_op.yaml", 4 + 12 / 8),
         ("stage 2", "fsdp_8gpu_shard_grad_op.yaml", 2 + 14 / 8), ("stage 3", "fsdp_8gpu.yaml", 16 / 8),
         ("stage 3, MiCS 8 on 2 x 8 GPUs", "hsdp_2x8gpu.yaml", 16 / 8),
     ]:
-        topology = memory.load_topology(REPO / "accelerate_configs" / accelerate_config)
-        estimate = memory.estimate(info, topology, workload)
+        topology = LaunchLayout.from_file(REPO / "accelerate_configs" / accelerate_config)
+        estimate = formulas.estimate(info, topology, workload)
         cells = [cell.strip() for cell in rows[stage].split("|")[3:9]]
         assert cells[:4] == [gib(estimate.state["parameters"]), gib(estimate.state["gradients"]),
                              gib(estimate.state["optimizer_state"]), gib(sum(estimate.state.values()))], stage
         assert cells[4].startswith(gib(estimate.buffers["all_gather"])), stage
         assert cells[5] == gib(zero_bytes_per_param * info.num_params), stage
         assert f"`{accelerate_config}`" in rows[stage]
-    offload = memory.estimate(info, memory.load_topology(REPO / "accelerate_configs/fsdp_8gpu_offload.yaml"), workload)
+    offload = formulas.estimate(info, LaunchLayout.from_file(REPO / "accelerate_configs/fsdp_8gpu_offload.yaml"), workload)
     assert f"{gib(sum(offload.host_state.values()))} of host RAM per rank" in rows["stage 3, offload cpu"]
     assert offload.device_state == 0 and f"| 0 | {gib(offload.buffers['all_gather'])} |" in rows["stage 3, offload cpu"]

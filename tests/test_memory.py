@@ -1,4 +1,4 @@
-"""The memory estimator (fsdp_recipes.tools.memory, `fsdp-recipes estimate`): its state bytes against what real FSDP2 ranks
+"""The memory estimator (fsdp_recipes.tools.estimator, `fsdp-recipes estimate`): its state bytes against what real FSDP2 ranks
 hold on CPU at 1, 2 and 4 processes, its sharding arithmetic, its activation formula, and its command line."""
 
 from __future__ import annotations
@@ -11,8 +11,15 @@ import pytest
 import yaml
 
 from helpers.paths import FSDP_CPU_CONFIG, REPO
-from fsdp_recipes.tools import memory
+from fsdp_recipes.tools.estimator.arguments import add_estimate_arguments
+from fsdp_recipes.tools.estimator.command import main, run_estimate
+from fsdp_recipes.tools.estimator.formulas import Unit, activation_bytes, estimate, plan_units, state_bytes_on_rank
+from fsdp_recipes.tools.estimator.recipe import config_class, recipe_config
+from fsdp_recipes.tools.estimator.shapes import Param, load_model_info
+from fsdp_recipes.tools.estimator.workload import Workload, workload_for
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.common.sizes import parse_reserve, parse_size
 
 LLAMA_8B = REPO / "tests" / "data" / "llama-3-8b-like_config.json"
 GiB = 2**30
@@ -33,16 +40,16 @@ def fsdp_yaml(path: Path, *, processes=8, machines=1, version=2, reshard=True, m
 
 @pytest.fixture(scope="module")
 def llama8b():
-    return memory.load_model_info(str(LLAMA_8B))
+    return load_model_info(str(LLAMA_8B))
 
 
 @pytest.fixture(scope="module")
 def tiny_info(tiny_model_config):
-    return memory.load_model_info(str(tiny_model_config))
+    return load_model_info(str(tiny_model_config))
 
 
 def run_cli(argv, capsys):
-    code = memory.main([str(a) for a in argv])
+    code = main([str(a) for a in argv])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -51,7 +58,7 @@ def run_cli(argv, capsys):
 # Every recipe run records, after its first optimizer step, the bytes each rank really holds (DTensor local shards and
 # their padded storage, gradients, AdamW state: `state_bytes_per_rank`) beside the estimator's prediction for each
 # rank (`memory_estimate.rank_state_bytes_per_rank`). The shared SFT runs serve here (1 and 2 ranks); the resume on 4
-# ranks checks the same in tests/test_checkpoint_resume.py, and the LoRA runs in tests/test_lora.py.
+# ranks checks the same in tests/test_checkpoint_resume.py, and the LoRA runs in tests/test_sft_lora.py.
 @pytest.fixture(scope="module")
 def measured(reference_run, one_process_run) -> dict[int, dict]:
     summaries = [json.loads((run / "run_summary.json").read_text()) for run in (one_process_run, reference_run)]
@@ -86,91 +93,91 @@ def test_measured_state_shrinks_as_one_over_n(measured):
 # ------------------------------------------------------------------------------------------------ sharding arithmetic
 def test_full_shard_predicts_one_over_n_of_no_shard(llama8b, tiny_info):
     for info, tolerance in ((llama8b, 1e-4), (tiny_info, 0.02)):
-        no_shard = memory.Topology(world_size=8, distributed_type="MULTI_GPU", shard_size=1)
-        whole = sum(memory.state_bytes_on_rank(memory.plan_units(info, no_shard), no_shard).values())
+        no_shard = LaunchLayout(world_size=8, distributed_type="MULTI_GPU", shard_size=1)
+        whole = sum(state_bytes_on_rank(plan_units(info, no_shard), no_shard).values())
         # NO_SHARD holds fp32 params + grads + 2 AdamW states: 16 bytes per parameter (+ 4-byte steps)
         assert whole == pytest.approx(16 * info.num_params, rel=1e-3)
         for n in (2, 4, 8):
-            full = memory.Topology(world_size=n, shard_size=n)
-            sharded = sum(memory.state_bytes_on_rank(memory.plan_units(info, full), full).values())
+            full = LaunchLayout(world_size=n, shard_size=n)
+            sharded = sum(state_bytes_on_rank(plan_units(info, full), full).values())
             assert whole / n <= sharded <= whole / n * (1 + tolerance), (n, sharded, whole)
 
 
 def test_padding_follows_fsdp2_chunks():
     """A parameter of 10 rows over 4 ranks: chunks of 3, 3, 3, 1 rows; storage padded to 3 rows on every rank."""
-    param = memory.Param("w", (10, 7))
+    param = Param("w", (10, 7))
     assert [param.rows_on(r, 4) for r in range(4)] == [3, 3, 3, 1]
     assert [param.rows_on(r, 8) for r in range(8)] == [2, 2, 2, 2, 2, 0, 0, 0]
-    unit = memory.Unit("u", "layer", [param])
-    topo = memory.Topology(world_size=4, shard_size=4)
-    assert memory.state_bytes_on_rank([unit], topo, 3) == {
+    unit = Unit("u", "layer", [param])
+    topo = LaunchLayout(world_size=4, shard_size=4)
+    assert state_bytes_on_rank([unit], topo, 3) == {
         "parameters": 4 * 3 * 7, "gradients": 4 * 3 * 7, "optimizer_state": 2 * 4 * 1 * 7 + 4}
 
 
 def test_hsdp_shards_over_the_shard_size_only(llama8b, tmp_path):
-    hsdp = memory.load_topology(fsdp_yaml(tmp_path / "h.yaml", processes=16, machines=2, parallelism_config={
+    hsdp = LaunchLayout.from_file(fsdp_yaml(tmp_path / "h.yaml", processes=16, machines=2, parallelism_config={
         "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 8}))
     assert (hsdp.world_size, hsdp.shard_size, hsdp.sharding) == (16, 8, "HSDP")
-    full8 = memory.Topology(world_size=8, shard_size=8)
-    full16 = memory.Topology(world_size=16, shard_size=16)
-    state = lambda t: sum(memory.state_bytes_on_rank(memory.plan_units(llama8b, t), t).values())  # noqa: E731
+    full8 = LaunchLayout(world_size=8, shard_size=8)
+    full16 = LaunchLayout(world_size=16, shard_size=16)
+    state = lambda t: sum(state_bytes_on_rank(plan_units(llama8b, t), t).values())  # noqa: E731
     assert state(hsdp) == state(full8) and state(hsdp) > 1.9 * state(full16)
     with pytest.raises(ConfigError, match="dp_replicate_size 2 x dp_shard_size 4"):
-        memory.load_topology(fsdp_yaml(tmp_path / "bad.yaml", processes=16, parallelism_config={
+        LaunchLayout.from_file(fsdp_yaml(tmp_path / "bad.yaml", processes=16, parallelism_config={
             "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 4}))
 
 
 def test_topologies_read_from_accelerate_yaml(tmp_path):
-    repo = memory.load_topology(REPO / "accelerate_configs" / "fsdp_8gpu.yaml")
+    repo = LaunchLayout.from_file(REPO / "accelerate_configs" / "fsdp_8gpu.yaml")
     assert (repo.world_size, repo.fsdp_version, repo.sharding, repo.mixed_precision, repo.compute_bytes) == (
         8, 2, "FULL_SHARD", "bf16", 2)
-    sgo = memory.load_topology(fsdp_yaml(tmp_path / "a.yaml", reshard=False))
+    sgo = LaunchLayout.from_file(fsdp_yaml(tmp_path / "a.yaml", reshard=False))
     assert sgo.sharding == "SHARD_GRAD_OP"
-    fsdp1 = memory.load_topology(fsdp_yaml(tmp_path / "b.yaml", version=1, reshard=False))
+    fsdp1 = LaunchLayout.from_file(fsdp_yaml(tmp_path / "b.yaml", version=1, reshard=False))
     assert (fsdp1.fsdp_version, fsdp1.sharding) == (1, "SHARD_GRAD_OP")
     # FSDP1 strategy written where `accelerate config` puts it is ignored by the launcher: FULL_SHARD
-    fsdp1_misplaced = memory.load_topology(fsdp_yaml(tmp_path / "c.yaml", version=1,
+    fsdp1_misplaced = LaunchLayout.from_file(fsdp_yaml(tmp_path / "c.yaml", version=1,
                                                      extra_fsdp={"fsdp_reshard_after_forward": "SHARD_GRAD_OP"}))
     assert fsdp1_misplaced.sharding == "FULL_SHARD"
-    ddp = memory.topology_from_dict({"distributed_type": "MULTI_GPU", "num_processes": 8, "mixed_precision": "bf16"})
+    ddp = LaunchLayout.from_mapping({"distributed_type": "MULTI_GPU", "num_processes": 8, "mixed_precision": "bf16"})
     assert (ddp.distributed_type, ddp.shard_size, ddp.sharding) == ("MULTI_GPU", 1, "NO_SHARD")
-    omitted = memory.topology_from_dict({"distributed_type": "FSDP", "num_processes": 2,
+    omitted = LaunchLayout.from_mapping({"distributed_type": "FSDP", "num_processes": 2,
                                          "fsdp_config": {"fsdp_version": 2}})
     assert omitted.wrap_policy == "NO_WRAP"  # what the launcher does with an omitted policy
 
 
 def test_units_mirror_accelerates_fsdp2_preparation(tiny_info):
-    topo = memory.Topology(world_size=2, shard_size=2)
-    units = memory.plan_units(tiny_info, topo)
+    topo = LaunchLayout(world_size=2, shard_size=2)
+    units = plan_units(tiny_info, topo)
     assert [u.kind for u in units] == ["embedding", "layer", "layer", "tail"]
     assert [u.reshard_after_forward for u in units] == [True, True, True, False]
     assert sum(u.numel for u in units) == tiny_info.num_params
     # NO_WRAP: the decoder layers stay in the root, which is never resharded after forward
-    no_wrap = memory.plan_units(tiny_info, dataclasses.replace(topo, wrap_policy="NO_WRAP"))
+    no_wrap = plan_units(tiny_info, dataclasses.replace(topo, wrap_policy="NO_WRAP"))
     assert [u.kind for u in no_wrap] == ["embedding", "tail", "root"] and not no_wrap[-1].reshard_after_forward
     with pytest.raises(ConfigError, match="GPT2Block"):
-        memory.plan_units(tiny_info, dataclasses.replace(topo, wrap_classes=("GPT2Block",)))
+        plan_units(tiny_info, dataclasses.replace(topo, wrap_classes=("GPT2Block",)))
 
 
 def test_buffers_by_sharding(llama8b):
-    full = memory.Topology(world_size=8, shard_size=8, mixed_precision="bf16")
-    work = memory.Workload(2048, 4)
-    e_full = memory.estimate(llama8b, full, work)
-    e_sgo = memory.estimate(llama8b, dataclasses.replace(full, reshard_after_forward=False), work)
-    e_nowrap = memory.estimate(llama8b, dataclasses.replace(full, wrap_policy="NO_WRAP"), work)
+    full = LaunchLayout(world_size=8, shard_size=8, mixed_precision="bf16")
+    work = Workload(2048, 4)
+    e_full = estimate(llama8b, full, work)
+    e_sgo = estimate(llama8b, dataclasses.replace(full, reshard_after_forward=False), work)
+    e_nowrap = estimate(llama8b, dataclasses.replace(full, wrap_policy="NO_WRAP"), work)
     # SHARD_GRAD_OP and NO_WRAP keep every unit gathered from forward to backward: the whole model in bf16
     assert e_sgo.buffers["all_gather"] == pytest.approx(2 * llama8b.num_params, rel=1e-6)
     assert e_nowrap.buffers["all_gather"] == pytest.approx(2 * llama8b.num_params, rel=0.1)
     assert e_full.buffers["all_gather"] < e_sgo.buffers["all_gather"] / 4
-    offload = memory.estimate(llama8b, dataclasses.replace(full, cpu_offload=True), work)
+    offload = estimate(llama8b, dataclasses.replace(full, cpu_offload=True), work)
     assert offload.per_gpu()["parameters"] == 0 and offload.host_state == e_full.state
     assert offload.total == e_full.total - sum(e_full.state.values())
 
 
 # ------------------------------------------------------------------------------------------------ activations
 def test_activation_formula(llama8b):
-    work = memory.Workload(max_length=2048, per_device_train_batch_size=4, loss_implementation="full_logits")
-    acts = memory.activation_bytes(llama8b, work, compute_bytes=2)
+    work = Workload(row_length=2048, micro_batch_rows=4, loss_implementation="full_logits")
+    acts = activation_bytes(llama8b, work, compute_bytes=2)
     h, i, kv, tokens = 4096, 14336, 8 * 128, 8192
     per_token_layer = 2 * (2 * h + 3 * h + 2 * kv + 4 * i) + 4 * 2 * h + 4 * 32
     assert acts["per_layer"] == per_token_layer * tokens
@@ -178,30 +185,30 @@ def test_activation_formula(llama8b):
     assert acts["without_checkpointing"] > 32 * acts["per_layer"] + acts["logits"]
     assert acts["with_checkpointing"] == 32 * 2 * h * tokens + max(acts["per_layer"], acts["logits"] + (4 * h + 2 * h + 2 * 2 * 128 + 24) * tokens)
     # linear in tokens; eager attention adds the s^2 scores
-    double = memory.activation_bytes(llama8b, dataclasses.replace(work, per_device_train_batch_size=8), 2)
+    double = activation_bytes(llama8b, dataclasses.replace(work, micro_batch_rows=8), 2)
     assert double["without_checkpointing"] == 2 * acts["without_checkpointing"]
-    eager = memory.activation_bytes(llama8b, dataclasses.replace(work, attn_implementation="eager"), 2)
+    eager = activation_bytes(llama8b, dataclasses.replace(work, attn_implementation="eager"), 2)
     assert eager["per_layer"] - acts["per_layer"] == (2 + 4) * 32 * 2048 * tokens
     # the chunked loss holds one chunk's fp32 logits and the hidden states of the loss tokens
-    chunked = memory.activation_bytes(llama8b, dataclasses.replace(work, loss_implementation="chunked"), 2)
+    chunked = activation_bytes(llama8b, dataclasses.replace(work, loss_implementation="chunked"), 2)
     assert chunked["logits"] == 4 * 128256 * 1024 + 2 * h * tokens
     assert chunked["logits"] <= acts["logits"] / 8
 
 
 # ------------------------------------------------------------------------------------------------ command line
 def test_size_parsing():
-    assert memory.parse_size("80GB") == 80 * 10**9
-    assert memory.parse_size("141GiB") == 141 * 2**30
-    assert memory.parse_size("24e9") == 24 * 10**9
-    assert memory.parse_size(" 1.5 tb ") == 1.5e12
-    assert memory.parse_size("40960MiB") == 40 * 2**30
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("141GiB") == 141 * 2**30
+    assert parse_size("24e9") == 24 * 10**9
+    assert parse_size(" 1.5 tb ") == 1.5e12
+    assert parse_size("40960MiB") == 40 * 2**30
     for bad in ("eighty", "80XB", "-8GB", "", "80"):  # "80" would be 80 bytes: refused, with a hint
         with pytest.raises(ConfigError):
-            memory.parse_size(bad)
-    assert memory.parse_reserve("10%", 100 * 2**30) == 10 * 2**30
-    assert memory.parse_reserve("0", 100) == 0
+            parse_size(bad)
+    assert parse_reserve("10%", 100 * 2**30) == 10 * 2**30
+    assert parse_reserve("0", 100) == 0
     with pytest.raises(ConfigError):
-        memory.parse_reserve("150%", 100 * 2**30)
+        parse_reserve("150%", 100 * 2**30)
 
 
 def test_cli_json_fields_and_fit(tiny_model_config, capsys):
@@ -265,41 +272,40 @@ def test_cli_hands_wiring_matches_cli_module(tiny_model_config, capsys):
     import argparse
 
     parser = argparse.ArgumentParser()
-    memory.add_estimate_arguments(parser)
+    add_estimate_arguments(parser)
     args = parser.parse_args(["--model", str(tiny_model_config), "--accelerate-config", str(FSDP_CPU_CONFIG),
                               "--num-processes", "4", "--json"])
-    assert memory.run_estimate(args) == 0
+    assert run_estimate(args) == 0
     assert json.loads(capsys.readouterr().out)["topology"]["shard_size"] == 4
 
 
 def test_tied_embeddings_are_one_tail_unit_counted_once():
     """demo/tiny_llama.json ties embeddings: accelerate puts embedding, final norm and lm_head in one tail unit, and
     the shared weight is counted once (as model.parameters() does)."""
-    info = memory.load_model_info(str(REPO / "demo" / "tiny_llama.json"))
+    info = load_model_info(str(REPO / "demo" / "tiny_llama.json"))
     assert info.tied_embeddings
-    units = memory.plan_units(info, memory.Topology(world_size=2, shard_size=2))
+    units = plan_units(info, LaunchLayout(world_size=2, shard_size=2))
     assert [u.kind for u in units] == ["layer", "layer", "layer", "tail"]
     assert "model.embed_tokens" in units[-1].name and sum(u.numel for u in units) == info.num_params == 505_600
 
 
 def test_packed_rows_are_as_wide_as_packing_row_length():
-    assert memory.workload_from_recipe({"max_length": 4096}).max_length == 4096
+    sft = REPO / "recipes" / "sft.py"  # the workload is what the recipe's config class says its rows are
+    assert workload_for(recipe_config({"max_length": 4096}, script=sft)).row_length == 4096
     packed = {"max_length": 4096, "packing": True, "packing_row_length": 1024, "per_device_train_batch_size": 2}
-    assert memory.workload_from_recipe(packed).tokens == 2048
+    assert workload_for(recipe_config(packed, script=sft)).tokens == 2048
     unpacked = dict(packed, packing=False)  # packing_row_length only shapes packed rows
-    assert memory.workload_from_recipe(unpacked).tokens == 8192
+    assert workload_for(recipe_config(unpacked, script=sft)).tokens == 8192
 
 
 def test_a_reference_model_copy_is_counted_for_the_mode_the_recipe_config_chooses(capsys, tmp_path, monkeypatch):
     """A recipe whose config class has TRL's precompute_ref_log_probs keeps a reference model: a frozen copy at the
     compute dtype, sharded like the policy, unless its values are precomputed or it is the policy without adapters."""
-    from fsdp_recipes.tools.catalog import config_class_fields
-
-    dpo, sft = config_class_fields(REPO / "recipes" / "dpo.py"), config_class_fields(REPO / "recipes" / "sft.py")
-    assert memory.frozen_copies_from_recipe({}, dpo) == 1
-    assert memory.frozen_copies_from_recipe({"precompute_ref_log_probs": True}, dpo) == 0
-    assert memory.frozen_copies_from_recipe({"use_peft": True}, dpo) == 0
-    assert memory.frozen_copies_from_recipe({}, sft) == 0
+    dpo, sft = config_class(REPO / "recipes" / "dpo.py"), config_class(REPO / "recipes" / "sft.py")
+    assert dpo().frozen_model_copies() == 1
+    assert dpo(precompute_ref_log_probs=True).frozen_model_copies() == 0
+    assert dpo(use_peft=True).frozen_model_copies() == 0
+    assert sft().frozen_model_copies() == 0
 
     shipped = REPO / "recipes" / "configs" / "dpo" / "llama-3.1-8b_ultrafeedback.yaml"  # its comment launches dpo.py
     accelerate_config = REPO / "accelerate_configs" / "fsdp_8gpu.yaml"

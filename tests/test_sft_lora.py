@@ -16,7 +16,8 @@ from fixtures.sft import STEPS, run_sft
 from helpers.launch import alongside
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 from fsdp_recipes.models import adapters
-from fsdp_recipes.tools import memory
+from fsdp_recipes.tools.estimator.shapes import model_info_from_config
+from fsdp_recipes.tools.estimator.workload import Adapters
 from fsdp_recipes.common.errors import ConfigError
 
 RESUMED_FROM = 3
@@ -254,8 +255,8 @@ def test_the_estimator_counts_the_adapters_peft_creates(tiny_model_config, targe
     from fsdp_recipes.models.modeling import meta_model
 
     model_config = AutoConfig.from_pretrained(tiny_model_config)
-    info = memory.model_info_from_config(model_config)
-    predicted = sum(p.numel for p in memory.Adapters(rank=4, target_modules=targets, dora=dora).adapter_params(info))
+    info = model_info_from_config(model_config)
+    predicted = sum(p.numel for p in Adapters(rank=4, target_modules=targets, dora=dora).adapter_params(info))
     model = get_peft_model(meta_model(model_config), LoraConfig(r=4, target_modules=list(targets) if targets else "all-linear",
                                                                 use_dora=dora))
     assert predicted == sum(p.numel() for p in model.parameters() if p.requires_grad)

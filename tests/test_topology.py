@@ -14,6 +14,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from helpers.data import write_tiny_model_config
 from fsdp_recipes.tools import cli
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.launch_checks import (
     ERROR,
     WARNING,
@@ -88,7 +89,9 @@ def test_each_file_starts_with_its_launch_command_and_round_trips_through_accele
     assert f"accelerate launch --config_file accelerate_configs/{name}" in header
     assert BY_FILE[name].purpose in header
     loaded = load_config_from_file(str(path))  # accelerate's loader: raises on unknown top-level keys
-    assert loaded.to_dict() == cluster_config(BY_FILE[name]).to_dict()
+    assert loaded.to_dict() == cluster_config(BY_FILE[name].layout()).to_dict()
+    # and the one reader of Accelerate configs reads back the layout the entry produced
+    assert LaunchLayout.from_file(path) == BY_FILE[name].layout()
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_ENVIRONMENT))

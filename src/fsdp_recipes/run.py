@@ -39,7 +39,7 @@ from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.publish.hub import push_folder_to_hub, require_hub_token
 from fsdp_recipes.train.losses import loss_implementation_problem
-from fsdp_recipes.tools.memory import estimate_for_run
+from fsdp_recipes.tools.estimator.live import estimate_for_run
 from fsdp_recipes.train.metrics import held_state_bytes
 from fsdp_recipes.train.metrics import MetricsLog, StepLogger, device_name, numeric_fields, peak_flops_per_device
 from fsdp_recipes.common.tables import format_table

@@ -73,6 +73,24 @@ def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
     return f"unknown key {key!r} in {where}{hint}"
 
 
+def typed_values(cls, values: dict[str, Any], *, where: str, unknown_keys_are_errors: bool = True
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """(each value converted to its field's type, the problems found): values of the wrong type, and keys that are no
+    field of `cls` unless told otherwise."""
+    kinds = _field_kinds(cls)
+    problems, known = [], {}
+    for key, value in values.items():
+        if key not in kinds:
+            if unknown_keys_are_errors:
+                problems.append(_unknown_key_message(str(key), list(kinds), where))
+            continue
+        try:
+            known[key] = _coerce(value, *kinds[key])
+        except ValueError as error:
+            problems.append(f"{key} in {where}: {error}")
+    return known, problems
+
+
 def parse_config(cls, argv: list[str] | None = None):
     """`--config FILE` plus `--field value` overrides -> a validated `cls` instance, or ConfigError listing all
     problems. Command-line values win over the file."""
@@ -83,15 +101,7 @@ def parse_config(cls, argv: list[str] | None = None):
     where = f"config file {known.config!r}"
 
     kinds = _field_kinds(cls)
-    problems, defaults = [], {}
-    for key, value in file_values.items():
-        if key not in kinds:
-            problems.append(_unknown_key_message(key, list(kinds), where))
-            continue
-        try:
-            defaults[key] = _coerce(value, *kinds[key])
-        except ValueError as err:
-            problems.append(f"{key} in {where}: {err}")
+    defaults, problems = typed_values(cls, file_values, where=where)
 
     rest, null_overrides = _take_null_overrides(rest, kinds)
     parser = HfArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps

@@ -22,11 +22,9 @@ from unittest import mock
 
 
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
 ERROR, WARNING = "error", "warning"
-FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
 # Keys the launcher exports although FSDP2's plugin never reads them (or drops them with a warning).
 FSDP2_IGNORED = {
     "fsdp_sharding_strategy": "FSDP2 has no sharding strategy; use fsdp_reshard_after_forward: true (FULL_SHARD) or "
@@ -74,7 +72,7 @@ def lint_config_dict(raw: dict) -> list[Finding]:
     for key in sorted(set(raw) - top_level):
         findings.append(Finding(ERROR, key, f"accelerate refuses unknown top-level keys; {_closest(key, top_level)}"))
 
-    fsdp = raw.get("fsdp_config") or {}
+    fsdp = fsdp_settings(raw)
     distributed_type = str(raw.get("distributed_type", ""))
     if distributed_type == "FSDP":
         findings += _lint_fsdp_keys(fsdp)
@@ -88,10 +86,9 @@ def lint_config_dict(raw: dict) -> list[Finding]:
     return findings
 
 
-def _lint_fsdp_keys(fsdp: dict) -> list[Finding]:
+def _lint_fsdp_keys(keys: dict) -> list[Finding]:
+    """`keys`: the fsdp_config block under the launcher's names (`fsdp_settings`)."""
     valid = _launcher_keys("fsdp_")
-    # The launcher prefixes keys that lack "fsdp_", so `version: 2` works; normalise the same way.
-    keys = {key if key.startswith("fsdp_") else f"fsdp_{key}": value for key, value in fsdp.items()}
     hints = {
         "fsdp_mixed_precision": "mixed precision is the top-level mixed_precision key, not an fsdp_config key",
         "fsdp_backward_prefetch_policy": "did you mean 'fsdp_backward_prefetch'?",
@@ -167,7 +164,7 @@ def _lint_parallelism_keys(parallelism: dict, fsdp: dict, distributed_type: str)
         hint = (f"the keys need the prefix: parallelism_config_{key}" if f"parallelism_config_{key}" in valid
                 else _closest(key, valid))
         findings.append(Finding(ERROR, f"parallelism_config.{key}", f"unknown key: the launcher ignores it; {hint}"))
-    version = str(fsdp.get("fsdp_version", fsdp.get("version", "1")))
+    version = str(fsdp.get("fsdp_version", "1"))
     if distributed_type != "FSDP" or version != "2":
         findings.append(Finding(
             ERROR, "parallelism_config",

@@ -2,17 +2,13 @@
 
 `fsdp-recipes ls` shows every recipe (`recipes/<name>.py`, with the first line of its docstring) and every config of it
 (`recipes/configs/<name>/*.yaml`): the model, the method, the Accelerate config it is meant for and the estimated memory
-per GPU (fsdp_recipes.tools.memory). `fsdp-recipes cp` copies a recipe or a config, with what it needs, for editing.
+per GPU (fsdp_recipes.tools.estimator). `fsdp-recipes cp` copies a recipe or a config, with what it needs, for editing.
 
-What a config is meant for is read from its opening comment, which every config has: the command that launches it,
-
-    #   accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/sft.py \\
-    #       --config recipes/configs/sft/<name>.yaml
-
-parsed with accelerate's own launch parser, so that launcher flags written there (`--num_processes 1`,
-`--fsdp_transformer_layer_cls_to_wrap ...`) count as they would at launch; and optionally a line `# GPU memory: 24GB`,
-the memory per GPU the config must fit (80GB otherwise). Shapes of Hub models come from
-`tests/data/hub_configs/<hub id>/config.json`, so estimates need no network.
+What a config is meant for is read from its opening comment, which every config has: the command that launches it
+(fsdp_recipes.tools.config_comments), and optionally a line `# GPU memory: 24GB`, the memory per GPU the config must
+fit (80GB otherwise). A config is estimated as its recipe reads it: with the config class the recipe script defines.
+Shapes of Hub models come from the estimator's own `model_shapes/<hub id>/config.json` (fsdp_recipes.tools.estimator,
+package data), so estimates need no network.
 
 In a checkout, the folders are read in place; an installed wheel carries copies of them under fsdp_recipes/bundled/
 (setup.py puts them there), at the same relative paths.
@@ -21,12 +17,10 @@ In a checkout, the folders are read in place; an installed wheel carries copies 
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import difflib
 import filecmp
 import functools
-import io
 import shlex
 import shutil
 import tempfile
@@ -34,11 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from accelerate.commands.config.config_args import ClusterConfig
 
 from fsdp_recipes.common.errors import ConfigError, UserError
-
-DEFAULT_GPU_MEMORY = "80GB"
-HUB_CONFIGS = Path("tests/data/hub_configs")  # <hub id>/config.json: model shapes, relative to the root
+from fsdp_recipes.common.sizes import parse_size, short_size
+from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout, fsdp_settings, read_accelerate_yaml
+from fsdp_recipes.distributed.launch_checks import ERROR
+from fsdp_recipes.tools import topology as topology_lib
+from fsdp_recipes.tools.config_comments import LaunchCommand, opening_comment, parse_launch_command
+from fsdp_recipes.tools.estimator import MODEL_SHAPES
+from fsdp_recipes.tools.estimator.arguments import DEFAULT_GPU_MEMORY
 
 
 def source_root() -> Path:
@@ -61,21 +61,6 @@ class Recipe:
     name: str
     path: Path
     summary: str  # the first line of the module docstring
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchCommand:
-    """The `accelerate launch` line of a config's opening comment."""
-
-    accelerate_config: str | None  # as written, relative to the root
-    overrides: dict[str, Any]  # launcher flags given explicitly (accelerate's argument names): they win over the YAML
-    script: str
-    script_args: list[str]
-
-    @property
-    def recipe_config(self) -> str | None:
-        args = self.script_args
-        return next((args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--config"), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,68 +96,6 @@ def read_summary(path: Path) -> str:
     return docstring.strip().splitlines()[0] if docstring else "(no docstring)"
 
 
-def opening_comment(text: str) -> list[str]:
-    """The comment lines before the first setting, without their '#'."""
-    lines = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            lines.append(line[1:])
-        elif line.strip():
-            break
-    return lines
-
-
-def parse_launch_command(comment: list[str], *, where: str) -> LaunchCommand | None:
-    start = next((i for i, line in enumerate(comment) if line.strip().startswith("accelerate launch")), None)
-    if start is None:
-        return None
-    parts = []
-    for line in comment[start:]:
-        parts.append(line.strip().removesuffix("\\"))
-        if not line.rstrip().endswith("\\"):
-            break
-    # Shell variables ($NODE_RANK) stand for values given at launch; any number parses where one is expected.
-    tokens = ["0" if token.startswith("$") else token for token in shlex.split(" ".join(parts))]
-    from accelerate.commands.launch import launch_command_parser
-
-    parser = launch_command_parser()
-    try:
-        with contextlib.redirect_stderr(io.StringIO()) as stderr:
-            args = parser.parse_args(tokens[2:])
-    except SystemExit:
-        raise ConfigError(f"{where}: the launch command in its opening comment is not one accelerate launch "
-                          f"accepts ({stderr.getvalue().strip().splitlines()[-1]})") from None
-    written = {token.split("=")[0] for token in tokens[2:tokens.index(args.training_script)]}
-    overrides = {action.dest: getattr(args, action.dest) for action in parser._actions
-                 if written & set(action.option_strings) and action.dest != "config_file"}
-    return LaunchCommand(args.config_file, overrides, args.training_script, list(args.training_script_args))
-
-
-def config_class_fields(script: Path) -> frozenset[str]:
-    """The field names of the config classes (`class ...Config(...)`) a recipe script defines, read without importing
-    it, with the shared TrainingConfig's."""
-    from fsdp_recipes.train import config as config_lib
-
-    fields = {field.name for field in dataclasses.fields(config_lib.TrainingConfig)}
-    for node in ast.walk(ast.parse(script.read_text())):
-        if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
-            fields |= {item.target.id for item in node.body
-                       if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
-    return frozenset(fields)
-
-
-def recipe_config_fields(path: Path) -> frozenset[str]:
-    """`config_class_fields` of the recipe a config file's opening comment launches (its script found from the
-    working directory or a folder above the config); empty if there is no such comment or script."""
-    launch = parse_launch_command(opening_comment(path.read_text()), where=str(path))
-    if launch is None:
-        return frozenset()
-    for folder in (Path.cwd(), *path.resolve().parents):
-        if (folder / launch.script).is_file():
-            return config_class_fields(folder / launch.script)
-    return frozenset()
-
-
 def gpu_memory_line(comment: list[str]) -> str:
     for line in comment:
         if line.strip().lower().startswith("gpu memory:"):
@@ -182,10 +105,11 @@ def gpu_memory_line(comment: list[str]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def model_info(config_file: Path):
-    """fsdp_recipes.tools.memory's shapes of a model config.json, built once per process (a weightless model per call)."""
-    from fsdp_recipes.tools import memory
+    """The estimator's shapes of a model config.json, built once per process (a weightless model per call)."""
+    # Imported here, not above: the estimator imports torch, transformers and peft (seconds), which `cp` never needs.
+    from fsdp_recipes.tools.estimator.shapes import load_model_info
 
-    return memory.load_model_info(str(config_file))
+    return load_model_info(str(config_file))
 
 
 class Catalog:
@@ -193,6 +117,10 @@ class Catalog:
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else source_root()
+
+    def shown(self, path: Path) -> Path:
+        """`path` as messages show it: relative to the root when it is under it."""
+        return path.relative_to(self.root) if path.is_relative_to(self.root) else path
 
     def recipes(self) -> list[Recipe]:
         return [Recipe(path.stem, path, read_summary(path)) for path in sorted((self.root / "recipes").glob("*.py"))
@@ -243,8 +171,6 @@ class Catalog:
     def accelerate_settings(self, config: RecipeConfig) -> dict[str, Any]:
         """The Accelerate YAML the launch command names, with the command's launcher flags applied over it (as
         `accelerate launch` applies them)."""
-        from accelerate.commands.config.config_args import ClusterConfig
-
         launch = config.launch
         if launch is None or launch.accelerate_config is None:
             raise ConfigError(f"{config.key}: its opening comment has no `accelerate launch --config_file ...` line")
@@ -252,9 +178,8 @@ class Catalog:
         if not path.is_file():
             raise ConfigError(f"{config.key}: its launch command names {launch.accelerate_config}, which does not "
                               "exist")
-        raw = yaml.safe_load(path.read_text()) or {}
-        fsdp = {key if key.startswith("fsdp_") else f"fsdp_{key}": value
-                for key, value in (raw.get("fsdp_config") or {}).items()}
+        raw = read_accelerate_yaml(path)
+        fsdp = fsdp_settings(raw)
         top_level = {f.name for f in dataclasses.fields(ClusterConfig)}
         for key, value in launch.overrides.items():
             if key.startswith("fsdp_"):
@@ -271,36 +196,33 @@ class Catalog:
             path = Path(config.values["model_config"])
             path = path if path.is_absolute() else self.root / path
         elif config.values.get("model_name_or_path"):
-            path = self.root / HUB_CONFIGS / str(config.values["model_name_or_path"]) / "config.json"
+            path = MODEL_SHAPES / str(config.values["model_name_or_path"]) / "config.json"
         else:
             return None
         return path if path.is_file() else None
 
     def estimate(self, config: RecipeConfig):
-        """fsdp_recipes.tools.memory's estimate for the config on the topology it is meant for. Raises ConfigError."""
-        from fsdp_recipes.tools import memory
+        """The estimate for the config on the launch it is meant for, read with its recipe's config class. Raises
+        ConfigError."""
+        # Imported here, not above: the estimator imports torch, transformers and peft (seconds), which `cp` never needs.
+        from fsdp_recipes.tools.estimator.formulas import estimate_for_recipe
+        from fsdp_recipes.tools.estimator.recipe import recipe_config
 
         model = self.model_file(config)
         if model is None:
-            raise ConfigError(f"no local config.json for model {config.model!r}: add {HUB_CONFIGS / str(config.model)}"
-                              "/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
-        where = f"{config.key}'s Accelerate config"
-        topology = memory.for_recipe(memory.topology_from_dict(self.accelerate_settings(config), where=where),
-                                     config.values)
-        workload = memory.workload_from_recipe(config.values)
-        adapters = memory.adapters_from_recipe(config.values, topology.compute_bytes)
-        gpu_memory = memory.parse_size(config.gpu_memory)
-        recipe = next((recipe for recipe in self.recipes() if recipe.name == config.recipe), None)
-        fields = config_class_fields(recipe.path) if recipe else frozenset()
-        return memory.estimate(model_info(model), topology, workload, gpu_memory=gpu_memory,
-                               model_name=str(config.model), adapters=adapters,
-                               frozen_copies=memory.frozen_copies_from_recipe(config.values, fields))
+            raise ConfigError(f"no local config.json for model {config.model!r}: add {self.shown(MODEL_SHAPES)}/"
+                              f"{config.model}/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
+        layout = LaunchLayout.from_mapping(self.accelerate_settings(config), where=f"{config.key}'s Accelerate config")
+        script = next((recipe.path for recipe in self.recipes() if recipe.name == config.recipe), None)
+        recipe = recipe_config(config.values, script=script, where=config.key)
+        return estimate_for_recipe(model_info(model), layout, recipe, gpu_memory=parse_size(config.gpu_memory),
+                                   model_name=str(config.model))
 
     def problems(self, config: RecipeConfig) -> list[str]:
         """Why the config would not run as its opening comment says: the command names another recipe or config,
         the Accelerate config (with the command's flags) fails the linter, the model lacks the wrap classes, or the
         estimate exceeds the GPU memory. Empty if none."""
-        from fsdp_recipes.distributed.launch_checks import ERROR
+        # Imported here, not above: the linter imports torch and transformers (seconds), which `cp` never needs.
         from fsdp_recipes.tools.linter import lint_config_file
 
         launch = config.launch
@@ -320,7 +242,8 @@ class Catalog:
             return found + [str(error)]
         model = self.model_file(config)
         if model is None:
-            return found + [f"no local config.json for model {config.model!r} (add {HUB_CONFIGS}/<hub id>/config.json)"]
+            return found + [f"no local config.json for model {config.model!r} (add {self.shown(MODEL_SHAPES)}/<hub id>/"
+                            "config.json)"]
         with tempfile.TemporaryDirectory() as folder:
             effective = Path(folder) / "accelerate.yaml"
             effective.write_text(yaml.safe_dump(settings))
@@ -439,10 +362,6 @@ class Catalog:
         return lines
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def _flags(overrides: dict[str, Any]) -> list[str]:
     return [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
 
@@ -450,8 +369,6 @@ def _flags(overrides: dict[str, Any]) -> list[str]:
 # --- fsdp-recipes ls ------------------------------------------------------------------------------------------------
 def listing(catalog: Catalog, text: str | None = None) -> list[str]:
     """The lines `fsdp-recipes ls` prints; `text` keeps only recipes and configs whose names contain it."""
-    from fsdp_recipes.tools import topology as topology_lib
-
     devices = {}
     topologies_file = catalog.root / "accelerate_configs" / "topologies.yaml"
     if topologies_file.is_file():
@@ -477,26 +394,24 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
                 notes.append(f"{config.key}: {error}")
                 rows.append((config.key, str(config.model), config.method, accelerate_config, "?", "? (see below)"))
                 continue
-            topology = estimate.topology
+            layout = estimate.layout
             on_cpu = devices.get(Path(launch.accelerate_config).name) == "cpu"
-            processes = f"{topology.world_size} CPU" if on_cpu else f"{topology.world_size} x {config.gpu_memory}"
-            if topology.num_machines > 1:
-                processes += f" ({topology.num_machines} nodes)"
-            memory = _size(estimate.total)
+            processes = f"{layout.world_size} CPU" if on_cpu else f"{layout.world_size} x {config.gpu_memory}"
+            if layout.num_machines > 1:
+                processes += f" ({layout.num_machines} nodes)"
+            memory = short_size(estimate.total)
             if not on_cpu:
                 memory += " fits" if estimate.fits else f" > {estimate.usable / 2**30:.1f} GiB usable!"
             if estimate.host_state:
-                memory += f" + {_size(sum(estimate.host_state.values()))} host RAM"
+                memory += f" + {short_size(sum(estimate.host_state.values()))} host RAM"
             rows.append((config.key, str(config.model), config.method, accelerate_config, processes, memory))
         if configs:
-            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-            lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
-                      for row in rows]
+            lines += format_table(rows).splitlines()
     if not lines:
         return [f"no recipe or config name contains {text!r}"]
     lines += ["", "Estimates: parameters, gradients, AdamW state, activations of one micro-batch and FSDP buffers on the "
-              "most loaded GPU, 10% kept free (docs/memory-estimator.md); a second model (a DPO reference) is not "
-              "counted.", "Copy one to adapt it: fsdp-recipes cp RECIPE_OR_CONFIG FOLDER"]
+              "most loaded GPU, 10% kept free (docs/memory-estimator.md), with the frozen model copy a recipe keeps "
+              "(a DPO reference).", "Copy one to adapt it: fsdp-recipes cp RECIPE_OR_CONFIG FOLDER"]
     if notes:
         lines += ["", "Not estimated:"] + [f"  {note}" for note in notes]
     return lines[1:]

@@ -1,6 +1,7 @@
 """The `fsdp-recipes` command. Each subcommand is one function decorated with `@subcommand`: it receives its own
 argparse parser to fill and returns the function that runs it (which returns the exit status). Adding a
-subcommand is adding one such function to this file."""
+subcommand is adding one such function to this file. Every parser is built at start-up, so the module a subcommand
+runs is imported by its runner: most of them import torch, transformers or peft (seconds) that the others never need."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from fsdp_recipes.common.errors import ConfigError, UserError
+from fsdp_recipes.common.sizes import parse_size
+from fsdp_recipes.tools.estimator.arguments import add_estimate_arguments
 
 Runner = Callable[[argparse.Namespace], int]
 _SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], Runner]]] = []
@@ -78,10 +83,14 @@ def validate_config_command(parser: argparse.ArgumentParser) -> Runner:
 
 @subcommand("estimate", help="memory per GPU for a model under an Accelerate config, before launching")
 def estimate_command(parser: argparse.ArgumentParser) -> Runner:
-    from fsdp_recipes.tools.memory import add_estimate_arguments, run_estimate
-
     add_estimate_arguments(parser)
-    return run_estimate
+
+    def run(args: argparse.Namespace) -> int:
+        from fsdp_recipes.tools.estimator.command import run_estimate
+
+        return run_estimate(args)
+
+    return run
 
 
 @subcommand("export", help="turn a training checkpoint into a Hugging Face model folder, on one CPU process")
@@ -159,15 +168,10 @@ def from_deepspeed_command(parser: argparse.ArgumentParser) -> Runner:
 
 
 def parse_bytes(text: str) -> int:
-    """'5GB', '500MB', '141GiB' or a plain number of bytes."""
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    cleaned = text.strip().upper().replace(" ", "")
-    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
-        if cleaned.endswith(unit):
-            return int(float(cleaned[: -len(unit)]) * factor)
+    """'5GB', '500MB', '141GiB' or a plain number of bytes (fsdp_recipes.common.sizes reads it)."""
     try:
-        return int(float(cleaned))
-    except ValueError:
+        return parse_size(text, minimum=1)
+    except ConfigError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 5GB, 500MB, 141GiB") from None
 
 
@@ -181,8 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fsdp_recipes.common.errors import UserError
-
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -17,8 +17,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from fsdp_recipes.common.errors import ConfigError, UserError
-from fsdp_recipes.tools.topology import Topology, render_config
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.tools.topology import describe_hardware, launch_lines, render_body
 
 AUTO = "auto"
 
@@ -126,7 +129,7 @@ NOT_CARRIED_SECTIONS = {
 
 @dataclasses.dataclass
 class Translation:
-    topology: Topology
+    layout: LaunchLayout  # the launch the Accelerate config asks for
     recipe_fields: dict[str, Any]  # recipe config field -> value
     mapped: list[str]  # "DeepSpeed key value -> FSDP / recipe setting"
     approximated: list[str]  # mapped to the nearest behaviour, the difference said
@@ -413,12 +416,16 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
             not_carried.append(f"{path}: not a setting this translation knows; nothing was carried over for it")
     if problems:
         raise ConfigError(problems)
-    topology = Topology(
-        file="from-deepspeed.yaml", purpose="Translated from a DeepSpeed config.", when="-",
-        nodes=num_machines, processes_per_node=num_processes // num_machines, sharding=sharding,
-        hsdp_replicate=replicate, mixed_precision=precision, cpu_offload=offload,
-    )
-    return Translation(topology, fields, mapped, approximated, not_carried, auto)
+    if sharding == "NO_SHARD":
+        layout = LaunchLayout.data_parallel(num_processes, num_machines, precision)
+    else:
+        layout = LaunchLayout(
+            world_size=num_processes, num_machines=num_machines, distributed_type="FSDP", fsdp_version=2,
+            reshard_after_forward=sharding != "SHARD_GRAD_OP",
+            shard_size=num_processes // replicate if replicate else num_processes, cpu_offload=offload,
+            mixed_precision=precision, wrap_policy="TRANSFORMER_BASED_WRAP",
+        )
+    return Translation(layout, fields, mapped, approximated, not_carried, auto)
 
 
 def _translate_scheduler(ds: _Reader, fields: dict, mapped: list, approximated: list, not_carried: list,
@@ -471,16 +478,15 @@ def _translate_scheduler(ds: _Reader, fields: dict, mapped: list, approximated: 
 def render(translation: Translation, *, output: Path, source: Path) -> str:
     """The Accelerate YAML: a header saying where it comes from, how to launch it, the recipe fields and everything
     not carried over; then the body the shipped configs' generator writes for the topology."""
-    topology = translation.topology
-    body = [line for line in render_config(topology).splitlines() if not line.startswith("#")]
-    launch = topology.launch_command()
-    nodes = f" (on every node, NODE_RANK 0..{topology.nodes - 1})" if topology.nodes > 1 else ""
+    layout = translation.layout
+    launch = launch_lines(layout, str(output))
+    nodes = f" (on every node, NODE_RANK 0..{layout.num_machines - 1})" if layout.num_machines > 1 else ""
     header = [
         f"# FSDP2 equivalent of the DeepSpeed config {source.name}, written by `fsdp-recipes from-deepspeed` "
         "(docs/from-deepspeed.md).",
-        f"# {topology.describe()}.",
+        f"# {describe_hardware(layout)}.",
         f"# Launch{nodes}:",
-        f"#   accelerate launch --config_file {output} \\",
+        f"#   {launch[0]} \\",
         *[f"#       {line} \\" for line in launch[1:-1]],
         f"#       {launch[-1]}",
     ]
@@ -493,12 +499,10 @@ def render(translation: Translation, *, output: Path, source: Path) -> str:
             header.append(f"# {title}:")
             header += [f"#   - {item}" for item in items]
     header.append(f"# Check it against your model: fsdp-recipes validate-config {output} --model MODEL")
-    return "\n".join(header + body) + "\n"
+    return "\n".join(header + render_body(layout)) + "\n"
 
 
 def recipe_fields_yaml(fields: dict[str, Any]) -> str:
-    import yaml
-
     return yaml.safe_dump(fields, sort_keys=False, default_flow_style=False).strip()
 
 
@@ -522,13 +526,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.output} exists: pass --force to overwrite it, or choose another -o")
     translation = translate(load_deepspeed_config(args.ds_config), num_processes=args.num_processes,
                             num_machines=args.num_machines)
-    if translation.topology.world_size % translation.topology.nodes:
-        raise ConfigError(f"{translation.topology.world_size} processes do not split evenly over "
-                          f"{translation.topology.nodes} machines")
+    layout = translation.layout
+    if layout.world_size % layout.num_machines:
+        raise ConfigError(f"{layout.world_size} processes do not split evenly over {layout.num_machines} machines")
     text = render(translation, output=args.output, source=args.ds_config)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
-    print(f"wrote {args.output}: {translation.topology.describe()}")
+    print(f"wrote {args.output}: {describe_hardware(layout)}")
     for title, items in (("mapped", translation.mapped), ("approximated", translation.approximated),
                          ("'auto' values", translation.auto), ("not carried over", translation.not_carried)):
         if items:

@@ -6,9 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import AutoModelForCausalLM
 
+from fsdp_recipes.distributed.accelerate_config import (
+    UnreadableAccelerateConfig,
+    fsdp_settings,
+    read_accelerate_yaml,
+    wrap_class_names,
+)
 from fsdp_recipes.distributed.launch_checks import (
     ERROR,
     WARNING,
@@ -23,7 +28,7 @@ from fsdp_recipes.models.modeling import load_model_config
 # --- the model ---------------------------------------------------------------------------------------------------
 def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> list[Finding]:
     """Wrap classes and tied embeddings against a weightless copy of `model` (Hub id, folder, or config.json)."""
-    fsdp = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in (raw.get("fsdp_config") or {}).items()}
+    fsdp = fsdp_settings(raw)
     if str(raw.get("distributed_type")) != "FSDP":
         return []
     is_config_file = Path(model).is_file()
@@ -34,8 +39,7 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
     present = {type(module).__name__ for module in instance.modules()}
     no_split = list(getattr(instance, "_no_split_modules", None) or [])
     policy = str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()
-    named = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-    requested = [name.strip() for name in str(named).split(",") if name.strip()] if named else []
+    requested = list(wrap_class_names(fsdp.get("fsdp_transformer_layer_cls_to_wrap")) or [])
     findings = []
     if policy == "TRANSFORMER_BASED_WRAP":
         missing = [name for name in requested if name not in present]
@@ -87,11 +91,9 @@ def _tied_embedding_findings(model, policy: str, requested: list[str]) -> list[F
 # --- all of it ---------------------------------------------------------------------------------------------------
 def lint_config_file(path: str | Path, *, model: str | None = None, trust_remote_code: bool = False) -> list[Finding]:
     try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as error:
-        return [Finding(ERROR, str(path), f"cannot be read as YAML: {error}")]
-    if not isinstance(raw, dict):
-        return [Finding(ERROR, str(path), "is not a YAML mapping of Accelerate settings")]
+        raw = read_accelerate_yaml(path)
+    except UnreadableAccelerateConfig as error:
+        return [Finding(ERROR, error.path, error.reason)]
     findings = lint_config_dict(raw)
     if not any(f.severity == ERROR for f in findings):  # the launcher's own code would trip over those first
         try:

@@ -372,6 +372,12 @@ class TrainingConfig(RunConfig):
         """Fields the checkpoint's tensors depend on (LoRA's shapes): no resume with other values, allowed or not."""
         return ADAPTER_SHAPE_FIELDS
 
+    def memory_saving_alternatives(self) -> list[tuple[str, dict[str, Any]]]:
+        """Changes to this config that save memory the shared layer cannot know of, as (description, {field: value})
+        pairs; the description reads "what it saves: what it costs". The estimator suggests each (with its predicted
+        total) when a launch does not fit, on top of the changes every recipe has (LoRA, a smaller micro-batch)."""
+        return []
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if (self.model_name_or_path is None) == (self.model_config is None):

@@ -1,0 +1,266 @@
+"""The bytes of a training step on the most loaded rank: the FSDP units accelerate's preparation creates from a model,
+the parameters, gradients and AdamW state each rank holds of them, the activations of one micro-batch, FSDP's
+unsharded buffers, and their sum against the GPU's memory (`Estimate`). Formulas: docs/memory-estimator.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.tools.estimator.shapes import ModelInfo, Param
+from fsdp_recipes.tools.estimator.workload import Adapters, Workload, adapters_for, layout_for_recipe, workload_for
+from fsdp_recipes.train.config import TrainingConfig
+
+FP32 = 4
+
+
+@dataclass
+class Unit:
+    """One FSDP parameter group: gathered and freed together."""
+
+    name: str
+    kind: str  # layer, embedding, tail, root, module
+    params: list[Param]
+    reshard_after_forward: bool = True
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
+    """The FSDP units accelerate's preparation creates (accelerate 1.15): one per wrapped module (bottom-up); for FSDP2
+    also the input embedding (own unit unless tied) and a tail unit [final norm, output embedding] that is not resharded
+    after forward; and the root with whatever is left (not resharded after forward either). In execution order."""
+    reshard = layout.reshard_after_forward
+    assigned: set[str] = set()
+    units: list[Unit] = []
+
+    def subtree(path: str) -> list[Param]:
+        prefix = path + "." if path else ""
+        found = []
+        for module_path, own in info.module_params.items():
+            if module_path == path or module_path.startswith(prefix):
+                found += [p for p in own if p.name not in assigned]
+        return found
+
+    def take(name: str, kind: str, paths: list[str], reshard_after_forward: bool) -> None:
+        params = [p for path in paths for p in subtree(path)]
+        if params:
+            assigned.update(p.name for p in params)
+            units.append(Unit(name, kind, params, reshard_after_forward))
+
+    if layout.is_fsdp and layout.wrap_policy == "TRANSFORMER_BASED_WRAP":
+        classes = set(layout.wrap_classes or info.no_split_modules)
+        missing = classes - set(info.module_class.values())
+        if missing:
+            raise ConfigError(
+                f"fsdp_transformer_layer_cls_to_wrap names {', '.join(sorted(missing))}, which this "
+                f"{info.model_type} model does not contain (it has {', '.join(info.no_split_modules) or 'no _no_split_modules'})"
+            )
+        for path, cls in info.module_class.items():
+            if cls in classes and path:
+                take(path, "layer", [path], reshard)
+    elif layout.is_fsdp and layout.wrap_policy == "SIZE_BASED_WRAP":
+        for path in sorted(info.module_class, key=lambda p: -p.count(".")):  # bottom-up
+            if path and sum(p.numel for p in subtree(path)) > layout.min_num_params:
+                take(path, "module", [path], reshard)
+    if layout.is_fsdp and layout.fsdp_version == 2:
+        layer_units = units
+        units = []
+        if not info.tied_embeddings and info.embedding_path is not None:
+            take(info.embedding_path, "embedding", [info.embedding_path], reshard)
+        units += layer_units
+        tail = [p for p in (info.final_norm_path, info.embedding_path if info.tied_embeddings else None,
+                            info.output_path) if p is not None]
+        take("tail (" + ", ".join(tail) + ")", "tail", tail, False)
+    rest = [p for p in info.params if p.name not in assigned]
+    if rest:
+        # The root is not resharded after forward (FSDP1 and FSDP2 keep it for the backward that follows at once).
+        units.append(Unit("root", "root", rest, False))
+    return units
+
+
+def state_bytes_on_rank(units: list[Unit], layout: LaunchLayout, rank: int = 0, *, trainable: bool = True) -> dict[str, int]:
+    """Bytes of parameters, gradients and AdamW state that `rank` holds (before offload moves them to the host).
+
+    FSDP2 (per parameter, along dim 0): parameter and gradient storage is padded to ceil(rows / S) rows on every rank
+    (that is how FSDP2 allocates them); AdamW's exp_avg / exp_avg_sq are made from the unpadded local shard. FSDP1: a
+    flat parameter per unit, padded to a multiple of S. Unsharded: everything whole. Parameters, gradients and AdamW
+    state are fp32 (the recipe loads fp32 weights; under mixed precision they are the master weights), plus AdamW's
+    4-byte `step` per parameter tensor."""
+    shards = layout.shard_size if layout.is_fsdp else 1
+    shard_rank = rank % shards
+    params = grads = optim = 0
+    count = 0
+    for unit in units:
+        count += len(unit.params)
+        if shards == 1:
+            padded = local = unit.numel
+        elif layout.fsdp_version == 2:
+            padded = sum(p.padded_rows(shards) * p.row_numel for p in unit.params)
+            local = sum(p.rows_on(shard_rank, shards) * p.row_numel for p in unit.params)
+        else:
+            padded = -(-unit.numel // shards)
+            local = max(0, min(padded, unit.numel - shard_rank * padded))
+        params += FP32 * padded
+        if trainable:
+            grads += FP32 * padded
+            optim += 2 * FP32 * local
+    if trainable:
+        optim += FP32 * count
+    return {"parameters": params, "gradients": grads, "optimizer_state": optim}
+
+
+def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], layout: LaunchLayout, adapters: Adapters,
+                                rank: int = 0) -> dict[str, int]:
+    """`state_bytes_on_rank` for LoRA: every base parameter at `frozen_bytes`, padded as FSDP2 pads it, with no
+    gradient or optimizer state; every adapter matrix is a parameter of its own, sharded along dim 0 like any other
+    (padded fp32 storage for it and its gradient, unpadded AdamW state, a 4-byte step)."""
+    frozen = state_bytes_on_rank(units, layout, rank, trainable=False)["parameters"] * adapters.frozen_bytes // FP32
+    adapter_unit = Unit("adapters", "layer", adapters.adapter_params(info))
+    trained = state_bytes_on_rank([adapter_unit], layout, rank)
+    return {"parameters": frozen + trained["parameters"], "gradients": trained["gradients"],
+            "optimizer_state": trained["optimizer_state"]}
+
+
+def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) -> dict[str, int]:
+    """Activations of one micro-batch kept for backward (bytes), decoder-only transformer (Llama-style: RMSNorm, GQA,
+    gated MLP, no dropout). Per layer and token: c*(2h + 3q + 2kv + 4i) + 4*2h + 4*heads (+ c*heads*s + 4*heads*s for eager)."""
+    c, h, i = compute_bytes, info.hidden_size, info.intermediate_size
+    kv = info.num_kv_heads * info.head_dim
+    q = info.num_heads * info.head_dim
+    s, tokens = workload.row_length, workload.tokens
+    per_token_layer = c * (2 * h + 3 * q + 2 * kv + 4 * i) + FP32 * 2 * h + FP32 * info.num_heads
+    if workload.attn_implementation == "eager":
+        per_token_layer += (c + FP32) * info.num_heads * s  # softmax in fp32 and its cast, a*s per token
+    layer = per_token_layer * tokens
+    # final norm (fp32 input + output), rotary cos/sin shared by all layers, ids/positions/targets (int64)
+    other = (FP32 * h + c * h + 2 * c * info.head_dim + 3 * 8) * tokens
+    if workload.loss_implementation == "full_logits":
+        # fp32 logits, cross-entropy's fp32 log-probabilities and, in backward, their gradient (measured: 5.81 GiB
+        # against 5.87 predicted, benchmarks/chunked_loss_memory.py)
+        logits = 3 * FP32 * info.vocab_size * tokens
+    else:  # one chunk's fp32 logits (one reused buffer), plus the hidden states of the tokens that carry loss
+        logits = FP32 * info.vocab_size * min(workload.loss_chunk_size, tokens) + c * h * tokens
+    checkpoint = c * h * tokens  # each layer's input, kept when its activations are recomputed
+    without = info.num_layers * layer + other + logits
+    with_ac = info.num_layers * checkpoint + max(layer, other + logits)
+    return {"per_layer": layer, "logits": logits, "without_checkpointing": without, "with_checkpointing": with_ac}
+
+
+def buffer_bytes(info: ModelInfo, units: list[Unit], layout: LaunchLayout, *, trainable_fraction: float = 1.0) -> dict[str, int]:
+    """Unsharded copies: all-gathered parameters in the compute dtype and unsharded gradients before reduce-scatter
+    (FSDP); gradient buckets and autocast weight copies (DDP / single process)."""
+    c = layout.compute_bytes
+    if not layout.is_fsdp or (layout.shard_size == 1 and layout.world_size > 1):  # DDP, one process, NO_SHARD
+        total = sum(u.numel for u in units) if units else info.num_params
+        matrices = sum(p.numel for p in info.params if len(p.shape) >= 2 and not p.name.endswith("embed_tokens.weight"))
+        # autocast keeps a compute-dtype copy of each trainable fp32 matrix; a frozen LoRA base is loaded in that dtype
+        autocast = c * matrices if layout.mixed_precision != "no" and trainable_fraction > 0 else 0
+        buckets = FP32 * total * trainable_fraction if layout.distributed_type == "MULTI_GPU" else 0
+        return {"all_gather": int(autocast), "reduce_scatter": int(buckets), "held": 0, "in_flight": int(autocast)}
+    held = sum(u.numel for u in units if not u.reshard_after_forward)
+    moving = [u.numel for u in units if u.reshard_after_forward]
+    if layout.prefetch and len(moving) > 1:
+        in_flight = max(a + b for a, b in zip(moving, moving[1:]))
+    else:
+        in_flight = max(moving, default=0)
+    largest = max((u.numel for u in units), default=0)
+    return {
+        "all_gather": c * (held + in_flight),
+        "reduce_scatter": int(c * largest * trainable_fraction),
+        "held": c * held,
+        "in_flight": c * in_flight,
+    }
+
+
+@dataclass
+class Estimate:
+    model: str
+    layout: LaunchLayout
+    workload: Workload
+    num_params: int
+    units: list[Unit]
+    state: dict[str, int]
+    activations: dict[str, int]
+    buffers: dict[str, int]
+    gpu_memory: int
+    reserve: int = 0
+    trainable_params: int | None = None  # LoRA: only the adapters
+    host_state: dict[str, int] = field(default_factory=dict)
+    adapters: Adapters | None = None
+    frozen_copies: int = 0
+
+    @property
+    def activations_used(self) -> int:
+        key = "with_checkpointing" if self.layout.activation_checkpointing else "without_checkpointing"
+        return self.activations[key]
+
+    @property
+    def device_state(self) -> int:
+        return 0 if self.layout.cpu_offload else sum(self.state.values())
+
+    @property
+    def total(self) -> int:
+        return self.device_state + self.activations_used + self.buffers["all_gather"] + self.buffers["reduce_scatter"]
+
+    @property
+    def usable(self) -> int:
+        return self.gpu_memory - self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    def per_gpu(self) -> dict[str, int]:
+        on_device = not self.layout.cpu_offload
+        return {
+            "parameters": self.state["parameters"] if on_device else 0,
+            "gradients": self.state["gradients"] if on_device else 0,
+            "optimizer_state": self.state["optimizer_state"] if on_device else 0,
+            "reference_model": self.state.get("reference_model", 0) if on_device else 0,
+            "activations": self.activations_used,
+            "activations_without_checkpointing": self.activations["without_checkpointing"],
+            "activations_with_checkpointing": self.activations["with_checkpointing"],
+            "logits": self.activations["logits"],
+            "all_gather_buffers": self.buffers["all_gather"],
+            "reduce_scatter_buffers": self.buffers["reduce_scatter"],
+            "total": self.total,
+        }
+
+
+def estimate(info: ModelInfo, layout: LaunchLayout, workload: Workload, *, gpu_memory: int = 80 * 10**9,
+             reserve: int | None = None, model_name: str = "", adapters: Adapters | None = None,
+             frozen_copies: int = 0) -> Estimate:
+    """`frozen_copies`: whole frozen copies of the model sharded like it, at the compute dtype (preference tuning's
+    reference model)."""
+    units = plan_units(info, layout)
+    compute = layout.compute_bytes
+    if adapters is None:
+        state = state_bytes_on_rank(units, layout, 0)
+        buffers = buffer_bytes(info, units, layout)
+        trainable = None
+    else:
+        state = adapter_state_bytes_on_rank(info, units, layout, adapters, 0)
+        trainable = sum(p.numel for p in adapters.adapter_params(info))
+        buffers = buffer_bytes(info, units, layout, trainable_fraction=0.0)
+        buffers["reduce_scatter"] = FP32 * trainable
+    if frozen_copies:
+        copy = state_bytes_on_rank(units, layout, 0, trainable=False)["parameters"] * compute // FP32
+        state["reference_model"] = frozen_copies * copy  # its gathered units are in flight when the policy's are not
+    activations = activation_bytes(info, workload, compute)
+    host = dict(state) if layout.cpu_offload else {}
+    reserve = gpu_memory // 10 if reserve is None else reserve
+    return Estimate(model_name, layout, workload, info.num_params, units, state, activations, buffers, gpu_memory,
+                    reserve, trainable, host, adapters, frozen_copies)
+
+
+def estimate_for_recipe(info: ModelInfo, layout: LaunchLayout, recipe: TrainingConfig, *, gpu_memory: int = 80 * 10**9,
+                        reserve: int | None = None, model_name: str = "") -> Estimate:
+    """The estimate for a recipe config on a launch: its micro-batch, its adapters, its frozen model copies, and the
+    activation checkpointing it adds to the launch, all asked of the config."""
+    layout = layout_for_recipe(layout, recipe)
+    return estimate(info, layout, workload_for(recipe), gpu_memory=gpu_memory, reserve=reserve, model_name=model_name,
+                    adapters=adapters_for(recipe, layout.compute_bytes), frozen_copies=recipe.frozen_model_copies())

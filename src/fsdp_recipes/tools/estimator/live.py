@@ -1,0 +1,43 @@
+"""The estimate for the launch in progress: what a running recipe writes to its run summary beside the bytes it
+measures (fsdp_recipes.run imports `estimate_for_run`; the one import of the tools by the layers below them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.tools.estimator.formulas import (
+    adapter_state_bytes_on_rank,
+    estimate_for_recipe,
+    plan_units,
+    state_bytes_on_rank,
+)
+from fsdp_recipes.tools.estimator.shapes import model_info_from_config
+from fsdp_recipes.tools.estimator.workload import layout_for_recipe
+from fsdp_recipes.train.config import TrainingConfig
+
+
+def estimate_for_run(accelerator, model_config, recipe_config: TrainingConfig, *,
+                     gpu_memory: int | None = None) -> dict[str, Any]:
+    """The estimate for the launch in progress, for the run summary beside the measured peak memory. Cheap (a meta
+    model, no weights) and no collectives: call it on any rank. Bytes are for the most loaded rank; `rank_state_bytes`
+    is the state this very rank should hold (parameters, gradients, AdamW state)."""
+    info = model_info_from_config(model_config, trust_remote_code=bool(recipe_config.trust_remote_code))
+    layout = layout_for_recipe(LaunchLayout.from_accelerator(accelerator), recipe_config)
+    est = estimate_for_recipe(info, layout, recipe_config, gpu_memory=gpu_memory or 80 * 10**9)
+    units = plan_units(info, layout)
+
+    def on_rank(rank: int) -> dict[str, int]:
+        if est.adapters is None:
+            return state_bytes_on_rank(units, layout, rank)
+        return adapter_state_bytes_on_rank(info, units, layout, est.adapters, rank)
+
+    return {
+        "predicted_per_gpu_bytes": est.per_gpu(),
+        "predicted_host_bytes_per_gpu": est.host_state,
+        "rank_state_bytes": on_rank(accelerator.process_index),
+        "rank_state_bytes_per_rank": [on_rank(rank) for rank in range(accelerator.num_processes)],
+        "trainable_parameters": est.trainable_params if est.adapters is not None else info.num_params,
+        "sharding": layout.sharding,
+        "tokens_per_micro_batch": est.workload.tokens,
+    }
