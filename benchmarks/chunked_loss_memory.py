@@ -31,9 +31,15 @@ def child(mode: str, args) -> dict:
 
     torch.manual_seed(0)
     device = torch.device(args.device)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=args.tokens)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.tokens,
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     loss = TokenLoss(model, "full_logits" if mode == "no_logits" else mode, chunk_size=args.chunk)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -86,16 +92,19 @@ def main() -> None:
     passed = [a for a in sys.argv[1:] if a != "--json"]
     results = {}
     for mode in MODES:
-        out = subprocess.run([sys.executable, __file__, *passed, "--child", mode], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, *passed, "--child", mode], capture_output=True, text=True, check=True
+        )
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     base = results["no_logits"]["peak_bytes"]
     whole, chunked = results["full_logits"], results["chunked"]
     report = {
         "setup": f"{args.rows} x {args.tokens} tokens, vocabulary {args.vocab}, hidden {args.hidden}, {args.device}",
         "peak_gib": {mode: round(r["peak_bytes"] / 2**30, 3) for mode, r in results.items()},
-        "loss_share_gib": {"full_logits": round((whole["peak_bytes"] - base) / 2**30, 3),
-                           "chunked": round((chunked["peak_bytes"] - base) / 2**30, 3)},
+        "loss_share_gib": {
+            "full_logits": round((whole["peak_bytes"] - base) / 2**30, 3),
+            "chunked": round((chunked["peak_bytes"] - base) / 2**30, 3),
+        },
         "step_s": {mode: round(r["step_s"], 4) for mode, r in results.items()},
     }
     report["loss_share_ratio"] = round((chunked["peak_bytes"] - base) / max(whole["peak_bytes"] - base, 1), 4)
@@ -106,8 +115,10 @@ def main() -> None:
     print(report["setup"])
     for mode in MODES:
         print(f"  {mode:12s} peak {report['peak_gib'][mode]:7.3f} GiB   step {report['step_s'][mode] * 1e3:8.1f} ms")
-    print(f"memory of the loss: whole logits {report['loss_share_gib']['full_logits']:.3f} GiB, chunked "
-          f"{report['loss_share_gib']['chunked']:.3f} GiB ({report['loss_share_ratio']:.1%} of whole)")
+    print(
+        f"memory of the loss: whole logits {report['loss_share_gib']['full_logits']:.3f} GiB, chunked "
+        f"{report['loss_share_gib']['chunked']:.3f} GiB ({report['loss_share_ratio']:.1%} of whole)"
+    )
     print(f"chunked step time / whole-logits step time: {report['step_time_ratio']:.3f}")
 
 

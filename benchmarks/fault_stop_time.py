@@ -24,11 +24,25 @@ REPO = Path(__file__).resolve().parents[1]
 def one_trial(num_processes: int, workdir: Path) -> dict:
     output_dir = workdir / f"run-{time.time_ns()}"
     command = [
-        str(Path(sys.executable).with_name("accelerate")), "launch",
-        "--config_file", str(REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"), "--num_processes", str(num_processes),
-        str(REPO / "recipes" / "sft.py"), "--config", str(REPO / "recipes" / "configs" / "sft" / "demo_reverse.yaml"),
-        "--output_dir", str(output_dir), "--exact_match_eval_samples", "0", "--save_steps", "null",
-        "--report_to", "none", "--max_steps", "100",
+        str(Path(sys.executable).with_name("accelerate")),
+        "launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"),
+        "--num_processes",
+        str(num_processes),
+        str(REPO / "recipes" / "sft.py"),
+        "--config",
+        str(REPO / "recipes" / "configs" / "sft" / "demo_reverse.yaml"),
+        "--output_dir",
+        str(output_dir),
+        "--exact_match_eval_samples",
+        "0",
+        "--save_steps",
+        "null",
+        "--report_to",
+        "none",
+        "--max_steps",
+        "100",
     ]
     env = {**os.environ, "FSDP_RECIPES_FAULT": "kill-after-step:5@1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
@@ -44,8 +58,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         trials = [one_trial(args.num_processes, Path(workdir)) for _ in range(args.trials)]
-    print(json.dumps({"num_processes": args.num_processes, "trials": trials,
-                      "max_seconds_to_stop": max(t["seconds_to_stop"] for t in trials)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "num_processes": args.num_processes,
+                "trials": trials,
+                "max_seconds_to_stop": max(t["seconds_to_stop"] for t in trials),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "demo" / "assets"
 CPU_CONFIG = REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"
-MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-             max_position_embeddings=256, tie_word_embeddings=False)
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 LORA = dict(use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.0)
 RUNS = {
     "sft full": ("sft", {}),
@@ -53,8 +60,13 @@ def make_model(folder: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **MODEL)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **MODEL,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -63,18 +75,40 @@ def make_model(folder: Path) -> Path:
 
 def run(name: str, recipe: str, overrides: dict, model: Path, work: Path, args) -> dict:
     out = work / name.replace(" ", "_")
-    values = dict(model_name_or_path=str(model), output_dir=str(out), max_length=64, max_steps=args.steps,
-                  per_device_train_batch_size=8, learning_rate=1e-4, logging_steps=max(1, args.steps // 6),
-                  save_steps=None, eval_split_size=0, dataset_test_split=None, report_to="none", seed=0,
-                  dataset_name=str(DEMO / ("reverse" if recipe == "sft" else "reverse_preferences")))
+    values = dict(
+        model_name_or_path=str(model),
+        output_dir=str(out),
+        max_length=64,
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        learning_rate=1e-4,
+        logging_steps=max(1, args.steps // 6),
+        save_steps=None,
+        eval_split_size=0,
+        dataset_test_split=None,
+        report_to="none",
+        seed=0,
+        dataset_name=str(DEMO / ("reverse" if recipe == "sft" else "reverse_preferences")),
+    )
     if recipe == "sft":
         values["packing"] = False  # one example per row, as DPO's rows: the same work per token
     values.update(overrides)
     config = work / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump(values))
-    command = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(args.device_config),
-               "--num_processes", str(args.num_processes), str(REPO / "recipes" / f"{recipe}.py"), "--config", str(config)]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    command = [
+        str(Path(sys.executable).with_name("accelerate")),
+        "launch",
+        "--config_file",
+        str(args.device_config),
+        "--num_processes",
+        str(args.num_processes),
+        str(REPO / "recipes" / f"{recipe}.py"),
+        "--config",
+        str(config),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    )
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "run_summary.json").read_text())
@@ -88,11 +122,14 @@ def run(name: str, recipe: str, overrides: dict, model: Path, work: Path, args) 
         "rank0_state_mib": {key: round(value / 2**20, 2) for key, value in state.items()},
         "rank0_state_total_mib": round(sum(state.values()) / 2**20, 2),
         "estimated_reference_model_mib": round(
-            summary["memory_estimate"]["predicted_per_gpu_bytes"].get("reference_model", 0) / 2**20, 2),
-        "peak_memory_gib_max": max((max(r["peak_memory_gib_per_rank"]) for r in records if r.get("peak_memory_gib_per_rank")),
-                                   default=None),
+            summary["memory_estimate"]["predicted_per_gpu_bytes"].get("reference_model", 0) / 2**20, 2
+        ),
+        "peak_memory_gib_max": max(
+            (max(r["peak_memory_gib_per_rank"]) for r in records if r.get("peak_memory_gib_per_rank")), default=None
+        ),
         "tokens_per_second_per_device": round(sum(r["tokens_per_second_per_device"] for r in windows) / len(windows), 1)
-        if windows else None,
+        if windows
+        else None,
         "reference": summary.get("reference"),
     }
 
@@ -111,13 +148,17 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'run':<16} {'trainable':>11} {'rank-0 state MiB (params/grads/AdamW)':>40} {'ref. copy MiB':>13} "
-          f"{'peak GiB':>9} {'tokens/s/device':>16}")
+    print(
+        f"{'run':<16} {'trainable':>11} {'rank-0 state MiB (params/grads/AdamW)':>40} {'ref. copy MiB':>13} "
+        f"{'peak GiB':>9} {'tokens/s/device':>16}"
+    )
     for row in rows:
         state = row["rank0_state_mib"]
         parts = f"{state['parameters']:.2f} / {state['gradients']:.2f} / {state['optimizer_state']:.2f}"
-        print(f"{row['run']:<16} {row['trainable_parameters']:>11,} {parts:>40} {row['estimated_reference_model_mib']:>13.2f} "
-              f"{row['peak_memory_gib_max'] or 0:>9.3f} {row['tokens_per_second_per_device'] or 0:>16.1f}")
+        print(
+            f"{row['run']:<16} {row['trainable_parameters']:>11,} {parts:>40} {row['estimated_reference_model_mib']:>13.2f} "
+            f"{row['peak_memory_gib_max'] or 0:>9.3f} {row['tokens_per_second_per_device'] or 0:>16.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,15 @@ LABELS = {
 
 # ~0.83M parameters: demo/tiny_llama.json's width with 5 layers, and positions for the longest example.
 MODEL = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4,
-    head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
 )
 
 MODES = {
@@ -98,10 +105,14 @@ def synthetic_chat(examples: int, *, median: int, sigma: float, longest: int, se
         total = min(longest, max(16, round(rng.lognormvariate(math.log(median), sigma))))
         chars = total - 5
         prompt = max(2, round(chars * rng.uniform(0.2, 0.6)))
-        records.append({"messages": [
-            {"role": "user", "content": text(prompt)},
-            {"role": "assistant", "content": text(chars - prompt)},
-        ]})
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": text(prompt)},
+                    {"role": "assistant", "content": text(chars - prompt)},
+                ]
+            }
+        )
     return records
 
 
@@ -112,8 +123,12 @@ def tokenize(records: list[dict], tokenizer, max_length: int):
     from fsdp_recipes.data.chat import tokenize_dataset
 
     tokens, stats = tokenize_dataset(
-        Dataset.from_list(records), tokenizer, assistant_only_loss=True, completion_only_loss=True,
-        max_length=max_length, name="benchmark",
+        Dataset.from_list(records),
+        tokenizer,
+        assistant_only_loss=True,
+        completion_only_loss=True,
+        max_length=max_length,
+        name="benchmark",
     )
     if stats["truncated"] or stats["dropped_without_loss_tokens"]:
         raise SystemExit(f"benchmark data must not be truncated or dropped: {stats}")
@@ -127,8 +142,11 @@ def model_config(tokenizer):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **MODEL,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **MODEL,
     )
 
 
@@ -158,8 +176,12 @@ def run_bare(rows, *, rows_per_step: int, pad_token_id: int, config, settings, g
         batches = length_grouped_batches([len(ids) for ids in rows["input_ids"]], rows_per_step, seed=settings.seed)
         loader = torch.utils.data.DataLoader(rows, batch_sampler=batches, collate_fn=RowCollator(pad_token_id))
     else:  # the recipe's default sampling (train_sampling_strategy: group_by_length), for the same batches as (b)
-        sampler = LengthGroupedSampler([len(ids) for ids in rows["input_ids"]], group_size=rows_per_step, seed=settings.seed)
-        loader = torch.utils.data.DataLoader(rows, batch_size=rows_per_step, sampler=sampler, collate_fn=RowCollator(pad_token_id))
+        sampler = LengthGroupedSampler(
+            [len(ids) for ids in rows["input_ids"]], group_size=rows_per_step, seed=settings.seed
+        )
+        loader = torch.utils.data.DataLoader(
+            rows, batch_size=rows_per_step, sampler=sampler, collate_fn=RowCollator(pad_token_id)
+        )
     real = slots = steps = 0
     step_times = []
     start = time.perf_counter()
@@ -167,7 +189,9 @@ def run_bare(rows, *, rows_per_step: int, pad_token_id: int, config, settings, g
         step_start = time.perf_counter()
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         targets = batch["targets"]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         (loss / (targets != IGNORE_INDEX).sum().clamp(min=1)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -187,7 +211,9 @@ def warm_up(config, settings) -> None:
     model = build_model(config, settings.seed, settings.attn_implementation)
     for length in (32, 128, 64):
         ids = torch.randint(3, config.vocab_size, (4, length))
-        model(input_ids=ids, position_ids=torch.arange(length).expand(4, length), use_cache=False).logits.sum().backward()
+        model(
+            input_ids=ids, position_ids=torch.arange(length).expand(4, length), use_cache=False
+        ).logits.sum().backward()
 
 
 def length_grouped_batches(lengths: list[int], batch_size: int, *, seed: int, megabatch: int = 50) -> list[list[int]]:
@@ -238,20 +264,35 @@ def load_sft_recipe():
     return module
 
 
-def run_recipe(work: Path, data_file: Path, *, rows_per_step: int, steps: int, expected_tokens: int, settings, tag: str = "") -> dict:
+def run_recipe(
+    work: Path, data_file: Path, *, rows_per_step: int, steps: int, expected_tokens: int, settings, tag: str = ""
+) -> dict:
     import yaml
 
     known = {field.name for field in dataclasses.fields(load_sft_recipe().SFTConfig)}
     output_dir = work / f"recipe_output{tag}"
     values = dict(
-        model_config=str(work / "model" / "config.json"), tokenizer_name_or_path=str(TOKENIZER),
-        dataset_name=str(data_file), dataset_test_split=None, eval_split_size=0.0,
-        max_length=settings.recipe_max_length, packing=settings.packing,
-        packing_row_length=settings.packing_row_length, train_sampling_strategy="group_by_length",
-        per_device_train_batch_size=rows_per_step, gradient_accumulation_steps=1,
-        num_train_epochs=1.0, max_steps=-1, learning_rate=settings.learning_rate, warmup_steps=0,
-        lr_scheduler_type="constant", logging_steps=steps + 1, save_steps=None, output_dir=str(output_dir),
-        seed=settings.seed, attn_implementation=settings.attn_implementation,
+        model_config=str(work / "model" / "config.json"),
+        tokenizer_name_or_path=str(TOKENIZER),
+        dataset_name=str(data_file),
+        dataset_test_split=None,
+        eval_split_size=0.0,
+        max_length=settings.recipe_max_length,
+        packing=settings.packing,
+        packing_row_length=settings.packing_row_length,
+        train_sampling_strategy="group_by_length",
+        per_device_train_batch_size=rows_per_step,
+        gradient_accumulation_steps=1,
+        num_train_epochs=1.0,
+        max_steps=-1,
+        learning_rate=settings.learning_rate,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        logging_steps=steps + 1,
+        save_steps=None,
+        output_dir=str(output_dir),
+        seed=settings.seed,
+        attn_implementation=settings.attn_implementation,
     )
     optional = dict(report_to="none", exact_match_eval_samples=0)  # fields that some versions of the recipe have
     values.update({key: value for key, value in optional.items() if key in known})
@@ -259,8 +300,17 @@ def run_recipe(work: Path, data_file: Path, *, rows_per_step: int, steps: int, e
     config_file.write_text(yaml.safe_dump(values))
     launcher = Path(sys.executable).with_name("accelerate")
     if settings.recipe_launch == "accelerate":
-        command = [str(launcher), "launch", "--config_file", str(ACCELERATE_CONFIG), "--num_processes", "1",
-                   str(SFT), "--config", str(config_file)]
+        command = [
+            str(launcher),
+            "launch",
+            "--config_file",
+            str(ACCELERATE_CONFIG),
+            "--num_processes",
+            "1",
+            str(SFT),
+            "--config",
+            str(config_file),
+        ]
     else:
         command = [sys.executable, str(SFT), "--config", str(config_file)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -268,7 +318,9 @@ def run_recipe(work: Path, data_file: Path, *, rows_per_step: int, steps: int, e
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     process_s = time.perf_counter() - started
     if result.returncode != 0:
-        raise RuntimeError(f"recipe failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise RuntimeError(
+            f"recipe failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "tokens_per_second" in r]
     if train[-1]["step"] != steps:
@@ -277,13 +329,22 @@ def run_recipe(work: Path, data_file: Path, *, rows_per_step: int, steps: int, e
     if isinstance(train[-1].get("train_tokens"), (int, float)):  # cumulative real tokens, if the recipe logs them
         tokens = train[-1]["train_tokens"]
     else:  # per-window real tokens, if logged; else the epoch's tokens (the recipe ran exactly one epoch of these rows)
-        tokens = sum(r["real_tokens"] for r in train if isinstance(r.get("real_tokens"), (int, float))) or expected_tokens
+        tokens = (
+            sum(r["real_tokens"] for r in train if isinstance(r.get("real_tokens"), (int, float))) or expected_tokens
+        )
     padding = next((train[-1][k] for k in ("padding_fraction",) if isinstance(train[-1].get(k), (int, float))), None)
     if padding is None:
         real_fraction = train[-1].get("real_token_fraction") or train[-1].get("batch_fill")
         padding = 1.0 - real_fraction if isinstance(real_fraction, (int, float)) else None
-    return dict(wall_s=wall, steps=steps, real_tokens=int(tokens), padding_fraction=padding, timing_source=source,
-                process_s=process_s, command=" ".join(Path(c).name if c == str(launcher) else c for c in command))
+    return dict(
+        wall_s=wall,
+        steps=steps,
+        real_tokens=int(tokens),
+        padding_fraction=padding,
+        timing_source=source,
+        process_s=process_s,
+        command=" ".join(Path(c).name if c == str(launcher) else c for c in command),
+    )
 
 
 # --- (c), (d) transformers.Trainer -------------------------------------------------------------------------------------
@@ -295,12 +356,17 @@ def run_trainer(tokens, tokenizer, *, config, settings, grouped: bool, work: Pat
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
     input_ids = tokens["input_ids"]
-    features = Dataset.from_dict({
-        "input_ids": input_ids,
-        "attention_mask": [[1] * len(ids) for ids in input_ids],
-        "labels": [[t if keep else IGNORE_INDEX for t, keep in zip(ids, mask)] for ids, mask in zip(input_ids, tokens["loss_mask"])],
-        "length": [len(ids) for ids in input_ids],  # precomputed, as a careful user gives LengthGroupedSampler
-    })
+    features = Dataset.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": [[1] * len(ids) for ids in input_ids],
+            "labels": [
+                [t if keep else IGNORE_INDEX for t, keep in zip(ids, mask)]
+                for ids, mask in zip(input_ids, tokens["loss_mask"])
+            ],
+            "length": [len(ids) for ids in input_ids],  # precomputed, as a careful user gives LengthGroupedSampler
+        }
+    )
     padder = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
     seen = {"real": 0, "slots": 0}
 
@@ -328,11 +394,24 @@ def run_trainer(tokens, tokenizer, *, config, settings, grouped: bool, work: Pat
             self.end = time.perf_counter()
 
     args = TrainingArguments(
-        output_dir=str(work / ("trainer_grouped" if grouped else "trainer")), per_device_train_batch_size=settings.batch_examples,
-        num_train_epochs=1, learning_rate=settings.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-        optim="adamw_torch", logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
-        disable_tqdm=True, seed=settings.seed, data_seed=settings.seed, use_cpu=True, dataloader_num_workers=0,
-        remove_unused_columns=False, train_sampling_strategy="group_by_length" if grouped else "random",
+        output_dir=str(work / ("trainer_grouped" if grouped else "trainer")),
+        per_device_train_batch_size=settings.batch_examples,
+        num_train_epochs=1,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        train_sampling_strategy="group_by_length" if grouped else "random",
     )
     clock = Clock()
     model = build_model(config, settings.seed, settings.attn_implementation)
@@ -341,8 +420,14 @@ def run_trainer(tokens, tokenizer, *, config, settings, grouped: bool, work: Pat
         output = trainer.train()
     del trainer, model
     torch.set_grad_enabled(True)
-    return dict(wall_s=clock.end - clock.begin, steps=output.global_step, real_tokens=seen["real"], slots=seen["slots"],
-                median_step_s=_median(clock.step_times), train_runtime_s=output.metrics.get("train_runtime"))
+    return dict(
+        wall_s=clock.end - clock.begin,
+        steps=output.global_step,
+        real_tokens=seen["real"],
+        slots=seen["slots"],
+        median_step_s=_median(clock.step_times),
+        train_runtime_s=output.metrics.get("train_runtime"),
+    )
 
 
 # --- report -------------------------------------------------------------------------------------------------------------
@@ -391,7 +476,10 @@ def table(report: dict) -> str:
             f"{_ratio(r, 'tokens_per_s_vs_trainer')} | {_ratio(r, 'tokens_per_s_vs_trainer_grouped')} |"
         )
     if "recipe" in results:
-        lines += ["", f"(b) loop time from: {results['recipe']['timing_source']}; command: {results['recipe']['command']}"]
+        lines += [
+            "",
+            f"(b) loop time from: {results['recipe']['timing_source']}; command: {results['recipe']['command']}",
+        ]
     return "\n".join(lines)
 
 
@@ -403,26 +491,62 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="tiny data: a smoke run of every variant (< 1 min)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}"
+    )
     parser.add_argument("--examples", type=int, help="number of examples (default: 2000 full, 96 small)")
-    parser.add_argument("--batch-examples", type=int, default=16, help="examples per optimizer step for (c), (d) and unpacked (a), (b)")
-    parser.add_argument("--packing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="the recipe's packing (true/false)")
-    parser.add_argument("--recipe-max-length", type=int, help="the recipe's max_length (truncation and packed row length); default: no truncation")
-    parser.add_argument("--rows-per-step", type=int, help="rows per step for (a) and (b); default: ~the real tokens of --batch-examples examples")
-    parser.add_argument("--packing-row-length", type=int, default=256,
-                        help="the recipe's packing_row_length for (a) and (b): tokens per packed row (longer examples get a row of their own)")
-    parser.add_argument("--recipe-launch", choices=("accelerate", "python"), default="python",
-                        help="accelerate: `accelerate launch --num_processes 1` with the CPU FSDP2 config; python: plain `python recipes/sft.py` (no FSDP)")
-    parser.add_argument("--proposal-row-length", type=int, default=256,
-                        help="(e): pack into rows of at most this many tokens (longer examples get a row of their own, untruncated)")
+    parser.add_argument(
+        "--batch-examples", type=int, default=16, help="examples per optimizer step for (c), (d) and unpacked (a), (b)"
+    )
+    parser.add_argument(
+        "--packing",
+        type=lambda s: s.lower() in ("1", "true", "yes"),
+        default=True,
+        help="the recipe's packing (true/false)",
+    )
+    parser.add_argument(
+        "--recipe-max-length",
+        type=int,
+        help="the recipe's max_length (truncation and packed row length); default: no truncation",
+    )
+    parser.add_argument(
+        "--rows-per-step",
+        type=int,
+        help="rows per step for (a) and (b); default: ~the real tokens of --batch-examples examples",
+    )
+    parser.add_argument(
+        "--packing-row-length",
+        type=int,
+        default=256,
+        help="the recipe's packing_row_length for (a) and (b): tokens per packed row (longer examples get a row of their own)",
+    )
+    parser.add_argument(
+        "--recipe-launch",
+        choices=("accelerate", "python"),
+        default="python",
+        help="accelerate: `accelerate launch --num_processes 1` with the CPU FSDP2 config; python: plain `python recipes/sft.py` (no FSDP)",
+    )
+    parser.add_argument(
+        "--proposal-row-length",
+        type=int,
+        default=256,
+        help="(e): pack into rows of at most this many tokens (longer examples get a row of their own, untruncated)",
+    )
     parser.add_argument("--attn-implementation", default="sdpa")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run every variant N times, interleaved, and report the fastest run of each (the machine may be shared)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every variant N times, interleaved, and report the fastest run of each (the machine may be shared)",
+    )
     parser.add_argument("--workdir", help="keep the data, configs and outputs here (default: a temporary folder)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run (a), (c), (d), (e) in this process (default: each run in a fresh child process, as (b) is; --small implies this)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run (a), (c), (d), (e) in this process (default: each run in a fresh child process, as (b) is; --small implies this)",
+    )
     parser.add_argument("--child", choices=[v for v in VARIANTS if v != "recipe"], help=argparse.SUPPRESS)
     settings = parser.parse_args(argv)
     settings.in_process = settings.in_process or settings.small  # the smoke run is about coverage, not timing
@@ -441,7 +565,9 @@ def main(argv=None) -> dict:
     from fsdp_recipes.data.rows import build_rows
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    records = synthetic_chat(mode["examples"], median=mode["median"], sigma=mode["sigma"], longest=mode["longest"], seed=settings.seed)
+    records = synthetic_chat(
+        mode["examples"], median=mode["median"], sigma=mode["sigma"], longest=mode["longest"], seed=settings.seed
+    )
     tokens = tokenize(records, tokenizer, mode["max_length"])
     lengths = sorted(len(ids) for ids in tokens["input_ids"])
     epoch_tokens = sum(lengths)
@@ -449,36 +575,73 @@ def main(argv=None) -> dict:
 
     # The recipe's rows (and so (a)'s): built exactly as recipes/sft.py builds them.
     if settings.recipe_max_length < lengths[-1]:
-        log(f"note: --recipe-max-length {settings.recipe_max_length} truncates the {sum(l > settings.recipe_max_length for l in lengths)} "
-            f"longest examples, so (a) and (b) see fewer real tokens than (c) and (d)")
-    recipe_tokens = tokens if settings.recipe_max_length >= lengths[-1] else tokenize(records, tokenizer, settings.recipe_max_length)
+        log(
+            f"note: --recipe-max-length {settings.recipe_max_length} truncates the {sum(l > settings.recipe_max_length for l in lengths)} "
+            f"longest examples, so (a) and (b) see fewer real tokens than (c) and (d)"
+        )
+    recipe_tokens = (
+        tokens
+        if settings.recipe_max_length >= lengths[-1]
+        else tokenize(records, tokenizer, settings.recipe_max_length)
+    )
     row_length = settings.packing_row_length or settings.recipe_max_length
-    rows = build_rows(recipe_tokens, max_length=row_length if settings.packing else settings.recipe_max_length,
-                      packing=settings.packing)
+    rows = build_rows(
+        recipe_tokens,
+        max_length=row_length if settings.packing else settings.recipe_max_length,
+        packing=settings.packing,
+    )
     row_lengths = [len(r) for r in rows["input_ids"]]
     rows_tokens = sum(row_lengths)
     if settings.rows_per_step is None:
         per_step = settings.batch_examples * epoch_tokens / len(lengths)
-        settings.rows_per_step = max(1, round(per_step / (rows_tokens / len(rows)))) if settings.packing else settings.batch_examples
+        settings.rows_per_step = (
+            max(1, round(per_step / (rows_tokens / len(rows)))) if settings.packing else settings.batch_examples
+        )
     recipe_steps = math.ceil(len(rows) / settings.rows_per_step)
     # (e): the change proposed for the recipe, measured in the bare loop (build_rows packs but never truncates).
     proposal_rows = build_rows(tokens, max_length=settings.proposal_row_length, packing=True)
-    proposal_rows_per_step = max(1, round(settings.batch_examples * epoch_tokens / len(lengths) / (epoch_tokens / len(proposal_rows))))
+    proposal_rows_per_step = max(
+        1, round(settings.batch_examples * epoch_tokens / len(lengths) / (epoch_tokens / len(proposal_rows)))
+    )
 
     report = {
         "mode": "small" if settings.small else "full",
-        "data": {"examples": len(lengths), "real_tokens": epoch_tokens, "median_length": lengths[len(lengths) // 2],
-                 "mean_length": round(epoch_tokens / len(lengths), 1), "p99_length": lengths[int(0.99 * (len(lengths) - 1))],
-                 "max_length": lengths[-1], "distribution": f"lognormal(median {mode['median']}, sigma {mode['sigma']}), clipped to [16, {mode['longest']}]"},
+        "data": {
+            "examples": len(lengths),
+            "real_tokens": epoch_tokens,
+            "median_length": lengths[len(lengths) // 2],
+            "mean_length": round(epoch_tokens / len(lengths), 1),
+            "p99_length": lengths[int(0.99 * (len(lengths) - 1))],
+            "max_length": lengths[-1],
+            "distribution": f"lognormal(median {mode['median']}, sigma {mode['sigma']}), clipped to [16, {mode['longest']}]",
+        },
         "model": {"parameters": sum(p.numel() for p in build_model(config, 0, "sdpa").parameters()), **MODEL},
-        "recipe_rows": {"packing": settings.packing, "max_length": settings.recipe_max_length, "rows": len(rows),
-                        "mean_row_length": round(rows_tokens / len(rows), 1), "rows_per_step": settings.rows_per_step,
-                        "real_tokens_per_step": round(rows_tokens / recipe_steps, 1)},
-        "proposal_rows": {"row_length": settings.proposal_row_length, "rows": len(proposal_rows),
-                          "rows_per_step": proposal_rows_per_step, "longest_row": max(len(r) for r in proposal_rows["input_ids"])},
-        "trainer_batch": {"examples_per_step": settings.batch_examples, "real_tokens_per_step": round(epoch_tokens / math.ceil(len(lengths) / settings.batch_examples), 1)},
-        "machine": {"cpu_count": os.cpu_count(), "load_average_before": os.getloadavg(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "transformers": __import__("transformers").__version__, "accelerate": __import__("accelerate").__version__},
+        "recipe_rows": {
+            "packing": settings.packing,
+            "max_length": settings.recipe_max_length,
+            "rows": len(rows),
+            "mean_row_length": round(rows_tokens / len(rows), 1),
+            "rows_per_step": settings.rows_per_step,
+            "real_tokens_per_step": round(rows_tokens / recipe_steps, 1),
+        },
+        "proposal_rows": {
+            "row_length": settings.proposal_row_length,
+            "rows": len(proposal_rows),
+            "rows_per_step": proposal_rows_per_step,
+            "longest_row": max(len(r) for r in proposal_rows["input_ids"]),
+        },
+        "trainer_batch": {
+            "examples_per_step": settings.batch_examples,
+            "real_tokens_per_step": round(epoch_tokens / math.ceil(len(lengths) / settings.batch_examples), 1),
+        },
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "load_average_before": os.getloadavg(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "accelerate": __import__("accelerate").__version__,
+        },
         "settings": {k: v for k, v in vars(settings).items() if k not in ("json", "workdir")},
         "results": {},
     }
@@ -489,13 +652,34 @@ def main(argv=None) -> dict:
         config.to_json_file(work / "model" / "config.json")
         data_file = work / "train.jsonl"
         data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+
         def run_in_child(name: str) -> dict:
-            args = ["--examples", str(mode["examples"]), "--batch-examples", str(settings.batch_examples),
-                    "--packing", str(settings.packing), "--recipe-max-length", str(settings.recipe_max_length),
-                    "--packing-row-length", str(settings.packing_row_length),
-                    "--rows-per-step", str(settings.rows_per_step), "--proposal-row-length", str(settings.proposal_row_length),
-                    "--attn-implementation", settings.attn_implementation, "--learning-rate", str(settings.learning_rate),
-                    "--seed", str(settings.seed), "--workdir", str(work), "--child", name] + (["--small"] if settings.small else [])
+            args = [
+                "--examples",
+                str(mode["examples"]),
+                "--batch-examples",
+                str(settings.batch_examples),
+                "--packing",
+                str(settings.packing),
+                "--recipe-max-length",
+                str(settings.recipe_max_length),
+                "--packing-row-length",
+                str(settings.packing_row_length),
+                "--rows-per-step",
+                str(settings.rows_per_step),
+                "--proposal-row-length",
+                str(settings.proposal_row_length),
+                "--attn-implementation",
+                settings.attn_implementation,
+                "--learning-rate",
+                str(settings.learning_rate),
+                "--seed",
+                str(settings.seed),
+                "--workdir",
+                str(work),
+                "--child",
+                name,
+            ] + (["--small"] if settings.small else [])
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
             child = subprocess.run([sys.executable, __file__, *args], cwd=REPO, env=env, capture_output=True, text=True)
             if child.returncode != 0:
@@ -513,18 +697,44 @@ def main(argv=None) -> dict:
                 if name != "recipe" and not (settings.child or settings.in_process):
                     result = run_in_child(name)
                 elif name == "bare":
-                    result = run_bare(rows, rows_per_step=settings.rows_per_step, pad_token_id=tokenizer.pad_token_id, config=config, settings=settings)
+                    result = run_bare(
+                        rows,
+                        rows_per_step=settings.rows_per_step,
+                        pad_token_id=tokenizer.pad_token_id,
+                        config=config,
+                        settings=settings,
+                    )
                     result["batch"] = f"{settings.rows_per_step} rows"
                 elif name == "proposal":
-                    result = run_bare(proposal_rows, rows_per_step=proposal_rows_per_step, pad_token_id=tokenizer.pad_token_id,
-                                      config=config, settings=settings, grouped=True)
+                    result = run_bare(
+                        proposal_rows,
+                        rows_per_step=proposal_rows_per_step,
+                        pad_token_id=tokenizer.pad_token_id,
+                        config=config,
+                        settings=settings,
+                        grouped=True,
+                    )
                     result["batch"] = f"{proposal_rows_per_step} rows"
                 elif name == "recipe":
-                    result = run_recipe(work, data_file, rows_per_step=settings.rows_per_step, steps=recipe_steps,
-                                        expected_tokens=rows_tokens, settings=settings, tag=f"_{repeat}")
+                    result = run_recipe(
+                        work,
+                        data_file,
+                        rows_per_step=settings.rows_per_step,
+                        steps=recipe_steps,
+                        expected_tokens=rows_tokens,
+                        settings=settings,
+                        tag=f"_{repeat}",
+                    )
                     result["batch"] = f"{settings.rows_per_step} rows"
                 else:
-                    result = run_trainer(tokens, tokenizer, config=config, settings=settings, grouped=name == "trainer_grouped", work=work)
+                    result = run_trainer(
+                        tokens,
+                        tokenizer,
+                        config=config,
+                        settings=settings,
+                        grouped=name == "trainer_grouped",
+                        work=work,
+                    )
                     result["batch"] = f"{settings.batch_examples} ex"
                 if settings.child:
                     print(json.dumps(finish(result)))
@@ -535,7 +745,11 @@ def main(argv=None) -> dict:
             best = dict(min(runs[name], key=lambda r: r["wall_s"]))
             best["all_wall_s"] = [round(r["wall_s"], 3) for r in runs[name]]
             report["results"][name] = best
-        if "recipe" in report["results"] and report["results"]["recipe"]["padding_fraction"] is None and "bare" in report["results"]:
+        if (
+            "recipe" in report["results"]
+            and report["results"]["recipe"]["padding_fraction"] is None
+            and "bare" in report["results"]
+        ):
             # Same rows, same rows per step, a different shuffle: (a)'s padding is the expected value.
             report["results"]["recipe"]["padding_fraction"] = report["results"]["bare"]["padding_fraction"]
             report["results"]["recipe"]["padding_source"] = "estimated from (a): same rows and rows per step"

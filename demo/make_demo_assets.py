@@ -58,12 +58,7 @@ DEFAULT_MAX_LEN = 8
 
 
 def make_example(s: str) -> dict:
-    return {
-        "messages": [
-            {"role": "user", "content": PROMPT_PREFIX + s},
-            {"role": "assistant", "content": s[::-1]},
-        ]
-    }
+    return {"messages": [{"role": "user", "content": PROMPT_PREFIX + s}, {"role": "assistant", "content": s[::-1]}]}
 
 
 def sample_strings(rng: random.Random, n: int, min_len: int, max_len: int, exclude: set[str]) -> list[str]:
@@ -130,7 +125,7 @@ def check_tokenizer(tok) -> None:
     ids_prompt = tok(prompt, add_special_tokens=False)["input_ids"]
     assert ids_full[: len(ids_prompt)] == ids_prompt
     assert ids_full[-1] == tok.eos_token_id
-    assert tok.decode(ids_full[len(ids_prompt):], skip_special_tokens=True) == "olleh"
+    assert tok.decode(ids_full[len(ids_prompt) :], skip_special_tokens=True) == "olleh"
     assert tok.unk_token_id not in ids_full
 
 

@@ -28,10 +28,10 @@ def mistake(answer: str, original: str, rng: random.Random) -> str:
         kind = rng.choice(["swap", "drop", "repeat", "unreversed"])
         if kind == "swap" and len(answer) > 1:
             i = rng.randrange(len(answer) - 1)
-            wrong = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
+            wrong = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :]
         elif kind == "drop" and len(answer) > 1:
             i = rng.randrange(len(answer))
-            wrong = answer[:i] + answer[i + 1:]
+            wrong = answer[:i] + answer[i + 1 :]
         elif kind == "repeat":
             i = rng.randrange(len(answer))
             wrong = answer[:i] + answer[i] + answer[i:]
@@ -48,11 +48,13 @@ def pairs(source: Path, seed: int) -> list[dict]:
     for line in source.read_text().splitlines():
         user, assistant = json.loads(line)["messages"]
         original = user["content"].removeprefix("reverse: ")
-        records.append({
-            "prompt": [user],
-            "chosen": [assistant],
-            "rejected": [{"role": "assistant", "content": mistake(assistant["content"], original, rng)}],
-        })
+        records.append(
+            {
+                "prompt": [user],
+                "chosen": [assistant],
+                "rejected": [{"role": "assistant", "content": mistake(assistant["content"], original, rng)}],
+            }
+        )
     return records
 
 

@@ -36,14 +36,18 @@ def story(rng: random.Random) -> str:
     animal, colour, place, thing = rng.choice(ANIMALS), rng.choice(COLOURS), rng.choice(PLACES), rng.choice(THINGS)
     sentences = [f"{rng.choice(TIMES)}, {name} had a {colour} {animal}."]
     for _ in range(rng.randint(2, 5)):
-        sentences.append(rng.choice([
-            f"The {animal} went to {place} with {friend}.",
-            f"{name} found {thing} near {place}.",
-            f"{friend} said, \"I like your {colour} {animal}.\"",
-            f"The {animal} was {rng.choice(FEELINGS)}, so {name} gave it {thing}.",
-            f"{name} and {friend} counted {rng.randint(2, 9)} {animal}s at {place}.",
-            f"It was {rng.choice(FEELINGS)} and sat by {place} until dark.",
-        ]))
+        sentences.append(
+            rng.choice(
+                [
+                    f"The {animal} went to {place} with {friend}.",
+                    f"{name} found {thing} near {place}.",
+                    f'{friend} said, "I like your {colour} {animal}."',
+                    f"The {animal} was {rng.choice(FEELINGS)}, so {name} gave it {thing}.",
+                    f"{name} and {friend} counted {rng.randint(2, 9)} {animal}s at {place}.",
+                    f"It was {rng.choice(FEELINGS)} and sat by {place} until dark.",
+                ]
+            )
+        )
     sentences.append(f"The end. {name} was {rng.choice(FEELINGS)}.")
     return " ".join(sentences)
 
@@ -63,7 +67,9 @@ def main() -> None:
     for shard in range(SHARDS):
         write_jsonl(args.out / f"train-{shard:05d}-of-{SHARDS:05d}.jsonl", train[shard::SHARDS])
     write_jsonl(args.out / "test.jsonl", stories[TRAIN_DOCUMENTS:])
-    print(f"wrote {TRAIN_DOCUMENTS} training stories in {SHARDS} shards and {TEST_DOCUMENTS} held-out ones to {args.out}")
+    print(
+        f"wrote {TRAIN_DOCUMENTS} training stories in {SHARDS} shards and {TEST_DOCUMENTS} held-out ones to {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import classification, files, rows
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import model_index
-from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import classifier, evaluation, loop
+from fsdp_recipes.train import config as config_lib
 
 
 @dataclasses.dataclass
@@ -50,12 +50,9 @@ class ClassifyConfig(config_lib.TrainingConfig):
         },
     )
     max_length: int = dataclasses.field(
-        default=512,
-        metadata={"help": "tokens per example (text and pair together); longer ones lose their end"},
+        default=512, metadata={"help": "tokens per example (text and pair together); longer ones lose their end"}
     )
-    text_column: str = dataclasses.field(
-        default="text", metadata={"help": "the column holding the text to classify"}
-    )
+    text_column: str = dataclasses.field(default="text", metadata={"help": "the column holding the text to classify"})
     text_pair_column: str | None = dataclasses.field(
         default=None,
         metadata={
@@ -63,8 +60,7 @@ class ClassifyConfig(config_lib.TrainingConfig):
         },
     )
     label_column: str = dataclasses.field(
-        default="label",
-        metadata={"help": "ClassLabel, integers or strings; the classes are those seen in training"},
+        default="label", metadata={"help": "ClassLabel, integers or strings; the classes are those seen in training"}
     )
     ignore_mismatched_sizes: bool = dataclasses.field(
         default=False,
@@ -99,7 +95,9 @@ class ClassifyConfig(config_lib.TrainingConfig):
             except ValueError:
                 weights = []
             if not weights or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-                problems.append(f"class_weights {self.class_weights!r} is not 'balanced' nor comma-separated weights >= 0")
+                problems.append(
+                    f"class_weights {self.class_weights!r} is not 'balanced' nor comma-separated weights >= 0"
+                )
         return problems
 
 
@@ -116,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
             raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
         )
         if eval_raw is None:
-            raise errors.DataError(f"the dataset has no {config.dataset_test_split!r} split and eval_split_size is 0: "
-                                   "classification needs held-out data for its metrics. Set one of them.")
+            raise errors.DataError(
+                f"the dataset has no {config.dataset_test_split!r} split and eval_split_size is 0: "
+                "classification needs held-out data for its metrics. Set one of them."
+            )
         columns = dict(text_column=config.text_column, text_pair_column=config.text_pair_column)
         classification.check_columns(train_raw, **columns, label_column=config.label_column, name="train")
         classification.check_columns(eval_raw, **columns, label_column=config.label_column, name="eval")
@@ -129,27 +129,46 @@ def main(argv: list[str] | None = None) -> None:
         train_rows, stats = classification.tokenize(train_raw, tokenizer, labels=train_labels, name="train", **options)
         eval_rows, _ = classification.tokenize(eval_raw, tokenizer, labels=eval_labels, name="eval", **options)
         weights = classification.class_weights(train_labels, len(names), config.class_weights)
-        split = config.dataset_test_split if config.dataset_test_split in raw else f"{config.dataset_train_split} (held out)"
+        split = (
+            config.dataset_test_split
+            if config.dataset_test_split in raw
+            else f"{config.dataset_train_split} (held out)"
+        )
         return names, train_rows, eval_rows, weights, split, stats
 
-    names, train_rows, eval_rows, weights, eval_split, train_stats = run.on_every_rank(prepare_data,
-                                                                                       main_process_first=True)
+    names, train_rows, eval_rows, weights, eval_split, train_stats = run.on_every_rank(
+        prepare_data, main_process_first=True
+    )
     if run.resumed:
         classifier.check_resumed_labels(run.checkpoint, names)
-    classifier.check_head_fits(run.model_config, names, ignore_mismatched_sizes=config.ignore_mismatched_sizes,
-                               source=config.model_name_or_path)
+    classifier.check_head_fits(
+        run.model_config,
+        names,
+        ignore_mismatched_sizes=config.ignore_mismatched_sizes,
+        source=config.model_name_or_path,
+    )
     classifier.configure(run.model_config, names, pad_token_id=tokenizer.pad_token_id)
     collator = classification.Collator(tokenizer.pad_token_id)
-    train_loader = rows.train_dataloader(train_rows, config, num_processes=accelerator.num_processes,
-                                         pad_token_id=tokenizer.pad_token_id, collate_fn=collator)
-    eval_loader = classification.eval_dataloader(eval_rows, batch_size=config.per_device_eval_batch_size,
-                                                 pad_token_id=tokenizer.pad_token_id)
+    train_loader = rows.train_dataloader(
+        train_rows,
+        config,
+        num_processes=accelerator.num_processes,
+        pad_token_id=tokenizer.pad_token_id,
+        collate_fn=collator,
+    )
+    eval_loader = classification.eval_dataloader(
+        eval_rows, batch_size=config.per_device_eval_batch_size, pad_token_id=tokenizer.pad_token_id
+    )
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = modeling.load_model(
-        run.model_config, model_name_or_path=config.model_name_or_path, task="sequence-classification",
-        revision=config.model_revision, attn_implementation=run.attn_implementation,
-        trust_remote_code=config.trust_remote_code, ignore_mismatched_sizes=config.ignore_mismatched_sizes,
+        run.model_config,
+        model_name_or_path=config.model_name_or_path,
+        task="sequence-classification",
+        revision=config.model_revision,
+        attn_implementation=run.attn_implementation,
+        trust_remote_code=config.trust_remote_code,
+        ignore_mismatched_sizes=config.ignore_mismatched_sizes,
         **adapters.loading_options(config, accelerator),
     )
     head = classifier.head_module_names(model)
@@ -158,15 +177,30 @@ def main(argv: list[str] | None = None) -> None:
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: LoRA adapters on a frozen base
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
-                                                 max_steps=config.max_steps, epochs=config.num_train_epochs)
+    total_steps = loop.total_optimizer_steps(
+        len(train_loader),
+        config.gradient_accumulation_steps,
+        max_steps=config.max_steps,
+        epochs=config.num_train_epochs,
+    )
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    evaluator = evaluation.MetricEvaluator(accelerator, model, eval_loader, predict=classifier.predict,
-                                           metrics=metrics, every=config.eval_steps)
+    evaluator = evaluation.MetricEvaluator(
+        accelerator, model, eval_loader, predict=classifier.predict, metrics=metrics, every=config.eval_steps
+    )
     batches, first_step = run.begin(
-        model, train_loader, scheduler, total_steps=total_steps, evaluator=evaluator,
-        summary=dict(train_rows=len(train_rows), eval_rows=len(eval_rows), labels=names, classifier_head=head,
-                     class_weights=weights.tolist() if weights is not None else None, data=train_stats),
+        model,
+        train_loader,
+        scheduler,
+        total_steps=total_steps,
+        evaluator=evaluator,
+        summary=dict(
+            train_rows=len(train_rows),
+            eval_rows=len(eval_rows),
+            labels=names,
+            classifier_head=head,
+            class_weights=weights.tolist() if weights is not None else None,
+            data=train_stats,
+        ),
     )
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
@@ -181,15 +215,23 @@ def main(argv: list[str] | None = None) -> None:
             loss = classifier.loss_sum(model, batch, weights)
             accelerator.backward(loss * scale)
             loss_sum += loss.item()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        )
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=weight_total,
-                             lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
+        run.metrics.log_step(
+            step,
+            epoch=batches.epoch,
+            loss_sum=loss_sum,
+            target_count=weight_total,
+            lr=scheduler.get_last_lr()[0],
+            grad_norm=grad_norm,
+        )
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()
@@ -197,8 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     # --- finish: held-out metrics (per class too), summary, export, card with model-index, Hub ---------------------------
     results = run.evaluation.final_results()
     results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], evaluator.gathered, names)
-    card_results = model_index.eval_results(results, task="text-classification", dataset=config.dataset_name,
-                                            dataset_config=config.dataset_config, split=eval_split)
+    card_results = model_index.eval_results(
+        results,
+        task="text-classification",
+        dataset=config.dataset_name,
+        dataset_config=config.dataset_config,
+        split=eval_split,
+    )
     run.finish(model, results=results, eval_results=card_results)
 
 

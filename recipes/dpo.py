@@ -33,7 +33,7 @@ from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import files, preference, rows
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, losses, loop, reference
+from fsdp_recipes.train import evaluation, loop, losses, reference
 
 
 @dataclasses.dataclass
@@ -55,20 +55,17 @@ class DPOConfig(config_lib.TrainingConfig):
         },
     )
     beta: float = dataclasses.field(
-        default=0.1,
-        metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"},
+        default=0.1, metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"}
     )
     loss_type: str = dataclasses.field(
         default="sigmoid",
         metadata={"help": "sigmoid (DPO), ipo (averages over tokens; resists overfitting), hinge (SLiC)"},
     )
     label_smoothing: float = dataclasses.field(
-        default=0.0,
-        metadata={"help": "sigmoid only: the chance a preference label is wrong (conservative DPO)"},
+        default=0.0, metadata={"help": "sigmoid only: the chance a preference label is wrong (conservative DPO)"}
     )
     max_prompt_length: int | None = dataclasses.field(
-        default=None,
-        metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"},
+        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
     )
     precompute_ref_log_probs: bool = dataclasses.field(
         default=False,
@@ -96,8 +93,12 @@ class DPOConfig(config_lib.TrainingConfig):
     def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
         if not self.frozen_model_copies():
             return []
-        return [("no reference model copy: one pass of the starting model over the data before training; no copy kept",
-                 {"precompute_ref_log_probs": True})]
+        return [
+            (
+                "no reference model copy: one pass of the starting model over the data before training; no copy kept",
+                {"precompute_ref_log_probs": True},
+            )
+        ]
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -125,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         train_raw, eval_raw = files.split_train_eval(
             raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
         )
-        options = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
-                       num_proc=config.dataset_num_proc)
+        options = dict(
+            max_length=config.max_length, max_prompt_length=config.max_prompt_length, num_proc=config.dataset_num_proc
+        )
         train_pairs, train_stats = preference.tokenize_pairs(train_raw, tokenizer, name="train", **options)
         eval_pairs = None
         if eval_raw is not None:
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     train_pairs, eval_pairs, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
     stored = None  # resuming with precomputed reference values: those the checkpoint holds, one for every pair
     if run.resumed and config.reference_mode() == "precomputed":
+
         def read_stored():
             tables = reference.read_tables(run.checkpoint)
             reference.check_tables(tables, {"train": train_pairs, "eval": eval_pairs}, run.checkpoint)
@@ -143,17 +146,28 @@ def main(argv: list[str] | None = None) -> None:
 
         stored = run.on_every_rank(read_stored)
     collate = preference.PairCollator(tokenizer.pad_token_id)
-    train_loader = rows.train_dataloader(train_pairs, config, num_processes=accelerator.num_processes,
-                                         pad_token_id=tokenizer.pad_token_id, collate_fn=collate, unit="pairs")
-    in_order = {name: torch.utils.data.DataLoader(pairs, batch_size=config.per_device_eval_batch_size,
-                                                  collate_fn=collate)
-                for name, pairs in (("train", train_pairs), ("eval", eval_pairs)) if pairs is not None}
+    train_loader = rows.train_dataloader(
+        train_pairs,
+        config,
+        num_processes=accelerator.num_processes,
+        pad_token_id=tokenizer.pad_token_id,
+        collate_fn=collate,
+        unit="pairs",
+    )
+    in_order = {
+        name: torch.utils.data.DataLoader(pairs, batch_size=config.per_device_eval_batch_size, collate_fn=collate)
+        for name, pairs in (("train", train_pairs), ("eval", eval_pairs))
+        if pairs is not None
+    }
 
     # --- the policy, and the reference it is compared with ---------------------------------------------------------------
     def load():
         return modeling.load_model(
-            run.model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
-            attn_implementation=run.attn_implementation, trust_remote_code=config.trust_remote_code,
+            run.model_config,
+            model_name_or_path=config.model_name_or_path,
+            revision=config.model_revision,
+            attn_implementation=run.attn_implementation,
+            trust_remote_code=config.trust_remote_code,
             **adapters.loading_options(config, accelerator),
         )
 
@@ -173,16 +187,23 @@ def main(argv: list[str] | None = None) -> None:
         copy = reference.shard_frozen_copy(accelerator, reference_copy)
         references = dict.fromkeys(in_order, reference.ReferenceLogProbs("model", copy=copy, copy_loss=copy_loss))
     elif reference_mode == "adapters":
-        references = dict.fromkeys(in_order, reference.ReferenceLogProbs("adapters", policy=model, token_loss=token_loss))
+        references = dict.fromkeys(
+            in_order, reference.ReferenceLogProbs("adapters", policy=model, token_loss=token_loss)
+        )
     else:  # the untrained policy's values, or (resuming) those it computed before its first step
         tables = stored or {
-            name: reference.precompute(accelerator, model, token_loss, loader) for name, loader in in_order.items()}
+            name: reference.precompute(accelerator, model, token_loss, loader) for name, loader in in_order.items()
+        }
         if accelerator.is_main_process and not run.resumed:
             reference.write_tables(config.output_dir, tables)
         references = {name: reference.ReferenceLogProbs("precomputed", table=table) for name, table in tables.items()}
 
-    total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
-                                                 max_steps=config.max_steps, epochs=config.num_train_epochs)
+    total_steps = loop.total_optimizer_steps(
+        len(train_loader),
+        config.gradient_accumulation_steps,
+        max_steps=config.max_steps,
+        epochs=config.num_train_epochs,
+    )
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
 
     def pair_losses(model, batch, reference_log_probs):
@@ -190,30 +211,53 @@ def main(argv: list[str] | None = None) -> None:
         reference_chosen, reference_rejected = reference_log_probs(batch).chunk(2)
         policy_chosen, policy_rejected = losses.sequence_log_probs(token_loss.token_losses(model, batch)).chunk(2)
         lengths = (batch["targets"] != losses.IGNORE_INDEX).sum(dim=1).chunk(2)
-        values = losses.dpo_losses(policy_chosen, policy_rejected, reference_chosen, reference_rejected,
-                                   beta=config.beta, loss_type=config.loss_type, label_smoothing=config.label_smoothing,
-                                   chosen_lengths=lengths[0], rejected_lengths=lengths[1])
+        values = losses.dpo_losses(
+            policy_chosen,
+            policy_rejected,
+            reference_chosen,
+            reference_rejected,
+            beta=config.beta,
+            loss_type=config.loss_type,
+            label_smoothing=config.label_smoothing,
+            chosen_lengths=lengths[0],
+            rejected_lengths=lengths[1],
+        )
         return (*values, policy_chosen, policy_rejected)
 
     def held_out(model, batch):
         pair_loss, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected = pair_losses(
-            model, batch, references["eval"])
-        return {"loss": pair_loss, "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
-                "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-                "rewards/margins": chosen_rewards - rejected_rewards, "logps/chosen": policy_chosen,
-                "logps/rejected": policy_rejected}
+            model, batch, references["eval"]
+        )
+        return {
+            "loss": pair_loss,
+            "rewards/chosen": chosen_rewards,
+            "rewards/rejected": rejected_rewards,
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+            "rewards/margins": chosen_rewards - rejected_rewards,
+            "logps/chosen": policy_chosen,
+            "logps/rejected": policy_rejected,
+        }
 
-    evaluator = evaluation.MetricEvaluator(accelerator, model, in_order.get("eval"), predict=held_out, metrics={},
-                                           every=config.eval_steps)
-    batches, first_step = run.begin(
-        model, train_loader, scheduler, total_steps=total_steps, evaluator=evaluator,
-        summary=dict(train_pairs=len(train_pairs), eval_pairs=len(eval_pairs or []), data=train_stats,
-                     loss=f"{config.loss_type} DPO, beta {config.beta}; token log-probs: {token_loss.description}",
-                     reference=references["train"].description),
-        checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)}  # kept with every checkpoint
-        if reference_mode == "precomputed" else None,
+    evaluator = evaluation.MetricEvaluator(
+        accelerator, model, in_order.get("eval"), predict=held_out, metrics={}, every=config.eval_steps
     )
-
+    batches, first_step = run.begin(
+        model,
+        train_loader,
+        scheduler,
+        total_steps=total_steps,
+        evaluator=evaluator,
+        summary=dict(
+            train_pairs=len(train_pairs),
+            eval_pairs=len(eval_pairs or []),
+            data=train_stats,
+            loss=f"{config.loss_type} DPO, beta {config.beta}; token log-probs: {token_loss.description}",
+            reference=references["train"].description,
+        ),
+        checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)}  # kept with every checkpoint
+        if reference_mode == "precomputed"
+        else None,
+    )
 
     # --- the loop: forward (reference, then policy), loss, backward, step -------------------------------------------------
     model.train()
@@ -225,21 +269,32 @@ def main(argv: list[str] | None = None) -> None:
         loss_sum, figures = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             pair_loss, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected = pair_losses(
-                model, batch, references["train"])
+                model, batch, references["train"]
+            )
             accelerator.backward(pair_loss.sum() * scale)
             loss_sum += pair_loss.sum().item()
-            for name, value in losses.dpo_metric_sums(chosen_rewards, rejected_rewards, policy_chosen,
-                                                      policy_rejected).items():
+            for name, value in losses.dpo_metric_sums(
+                chosen_rewards, rejected_rewards, policy_chosen, policy_rejected
+            ).items():
                 figures[name] = figures.get(name, 0.0) + value
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        )
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=pair_count,
-                             lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, sums=figures)
+        run.metrics.log_step(
+            step,
+            epoch=batches.epoch,
+            loss_sum=loss_sum,
+            target_count=pair_count,
+            lr=scheduler.get_last_lr()[0],
+            grad_norm=grad_norm,
+            sums=figures,
+        )
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()

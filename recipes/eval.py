@@ -41,9 +41,9 @@ from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.data import classification, files, held_out
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import hub, model_index, model_source
-from fsdp_recipes.train import metrics as metrics_lib
-from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import classifier, evaluation, losses
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import metrics as metrics_lib
 
 CLASSIFICATION_METRICS = {"accuracy", "f1", "precision", "recall"}
 DEFAULT_METRICS = {"causal-lm": ["perplexity"], "sequence-classification": ["accuracy", "f1"]}
@@ -56,8 +56,7 @@ class EvalConfig(config_lib.RunConfig):
 
     # --- the model ----------------------------------------------------------------------------------------------------
     model_name_or_path: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"},
+        default=None, metadata={"help": "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"}
     )
     base_model_name_or_path: str | None = dataclasses.field(
         default=None,
@@ -84,12 +83,10 @@ class EvalConfig(config_lib.RunConfig):
         default="text", metadata={"help": "plain text for perplexity; the text a classifier reads"}
     )
     text_pair_column: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "classifiers: the second text, if the model was trained with one (null: none)"},
+        default=None, metadata={"help": "classifiers: the second text, if the model was trained with one (null: none)"}
     )
     label_column: str = dataclasses.field(
-        default="label",
-        metadata={"help": "classifiers: label names (as in the model's id2label) or ids"},
+        default="label", metadata={"help": "classifiers: label names (as in the model's id2label) or ids"}
     )
     # --- what is measured ---------------------------------------------------------------------------------------------
     metrics: list[str] | None = dataclasses.field(
@@ -102,8 +99,7 @@ class EvalConfig(config_lib.RunConfig):
     )
     max_new_tokens: int = dataclasses.field(default=64, metadata={"help": "generation budget per prompt"})
     do_sample: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "false: greedy decoding; true: sampling (seeded per batch, so reproducible)"},
+        default=False, metadata={"help": "false: greedy decoding; true: sampling (seeded per batch, so reproducible)"}
     )
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling only: softmax temperature"})
     top_p: float = dataclasses.field(default=1.0, metadata={"help": "sampling only: nucleus size"})
@@ -122,13 +118,13 @@ class EvalConfig(config_lib.RunConfig):
         default=False, metadata={"help": "upload eval_results.json and README.md (needs a token)"}
     )
     hub_model_id: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "the repo to update; null: model_name_or_path when that is a Hub id"},
+        default=None, metadata={"help": "the repo to update; null: model_name_or_path when that is a Hub id"}
     )
     report_to: str = dataclasses.field(
         default="none",
-        metadata={"help": "tracker that also gets the results: none, tensorboard, wandb or trackio (written to "
-                  "output_dir)"},
+        metadata={
+            "help": "tracker that also gets the results: none, tensorboard, wandb or trackio (written to output_dir)"
+        },
     )
 
     def validate(self) -> list[str]:
@@ -165,28 +161,39 @@ def measures_for(run: run_lib.EvaluationRun, config: EvalConfig) -> Measures:
     for_causal_lm = {"perplexity", *evaluation.SHIPPED_METRICS} - CLASSIFICATION_METRICS
     wrong = [n for n in names if n in (CLASSIFICATION_METRICS if run.task == "causal-lm" else for_causal_lm)]
     if wrong:
-        raise errors.ConfigError(f"metrics {wrong} do not apply to a {run.task} model (classifiers: "
-                                 f"{sorted(CLASSIFICATION_METRICS)}; causal LMs: perplexity and generation metrics)")
+        raise errors.ConfigError(
+            f"metrics {wrong} do not apply to a {run.task} model (classifiers: "
+            f"{sorted(CLASSIFICATION_METRICS)}; causal LMs: perplexity and generation metrics)"
+        )
     model_config = run.model_config
     if run.task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
-        classifier.configure(model_config, [model_config.id2label[i] for i in range(model_config.num_labels)],
-                             pad_token_id=run.tokenizer.pad_token_id)  # batches of more than one row need it
-    return Measures(metrics=evaluation.load_metrics([n for n in names if n != "perplexity"]),
-                    perplexity="perplexity" in names)
+        classifier.configure(
+            model_config,
+            [model_config.id2label[i] for i in range(model_config.num_labels)],
+            pad_token_id=run.tokenizer.pad_token_id,
+        )  # batches of more than one row need it
+    return Measures(
+        metrics=evaluation.load_metrics([n for n in names if n != "perplexity"]), perplexity="perplexity" in names
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     config = arguments.parse_config(EvalConfig, argv)
-    run = run_lib.start_evaluation(config, name="eval", task=config.task,  # accelerator, every check before loading
-                                   base_model_name_or_path=config.base_model_name_or_path)
+    run = run_lib.start_evaluation(
+        config,
+        name="eval",
+        task=config.task,  # accelerator, every check before loading
+        base_model_name_or_path=config.base_model_name_or_path,
+    )
     accelerator, tokenizer, task, model_config = run.accelerator, run.tokenizer, run.task, run.model_config
     measures = run.on_every_rank(lambda: measures_for(run, config))
     metrics = measures.metrics
 
     # --- data ----------------------------------------------------------------------------------------------------------
     def prepare_data() -> tuple[str, dict]:
-        data, split = files.evaluation_split(files.load_raw_dataset(config.dataset_name, config.dataset_config),
-                                             config.dataset_split)
+        data, split = files.evaluation_split(
+            files.load_raw_dataset(config.dataset_name, config.dataset_config), config.dataset_split
+        )
         data = data.select(range(min(config.max_eval_samples, len(data)))) if config.max_eval_samples else data
         if task == "sequence-classification":
             columns = dict(text_column=config.text_column, text_pair_column=config.text_pair_column)
@@ -194,13 +201,25 @@ def main(argv: list[str] | None = None) -> None:
             label2id = {name: int(i) for i, name in model_config.id2label.items()}
             unnamed = all(name == f"LABEL_{i}" for name, i in label2id.items())
             labels = classification.label_ids(data, config.label_column, label2id, name="eval", ids_allowed=unnamed)
-            rows, _ = classification.tokenize(data, tokenizer, **columns, labels=labels, max_length=config.max_length,
-                                              num_proc=config.dataset_num_proc, name="eval")
+            rows, _ = classification.tokenize(
+                data,
+                tokenizer,
+                **columns,
+                labels=labels,
+                max_length=config.max_length,
+                num_proc=config.dataset_num_proc,
+                name="eval",
+            )
             return split, {"classification": rows}
         parts = {}
         if measures.perplexity:
-            parts["loss"] = held_out.loss_rows(data, tokenizer, text_column=config.text_column,
-                                               max_length=config.max_length, num_proc=config.dataset_num_proc)[0]
+            parts["loss"] = held_out.loss_rows(
+                data,
+                tokenizer,
+                text_column=config.text_column,
+                max_length=config.max_length,
+                num_proc=config.dataset_num_proc,
+            )[0]
         if metrics:
             parts["generation"] = held_out.generation_examples(data, tokenizer)
         return split, parts
@@ -211,16 +230,20 @@ def main(argv: list[str] | None = None) -> None:
     batch_size = config.per_device_eval_batch_size
     loader = None
     if "classification" in data:
-        loader = classification.eval_dataloader(data["classification"], batch_size=batch_size,
-                                                pad_token_id=tokenizer.pad_token_id)
+        loader = classification.eval_dataloader(
+            data["classification"], batch_size=batch_size, pad_token_id=tokenizer.pad_token_id
+        )
     elif "generation" in data:
         loader = evaluation.generation_dataloader(data["generation"], tokenizer, batch_size=batch_size)
 
     # --- model, sharded as the Accelerate config says -------------------------------------------------------------------
     with model_source.weights_folder(accelerator, run.source) as weights:
         model = modeling.load_model(
-            model_config, model_name_or_path=run.source.base or weights, task=task,
-            revision=config.model_revision, attn_implementation=run.attn_implementation,
+            model_config,
+            model_name_or_path=run.source.base or weights,
+            task=task,
+            revision=config.model_revision,
+            attn_implementation=run.attn_implementation,
             trust_remote_code=config.trust_remote_code,
         )
         if run.source.base:  # a LoRA adapter (folder or checkpoint): merged into its base, then sharded
@@ -231,14 +254,28 @@ def main(argv: list[str] | None = None) -> None:
     # --- the measurements -----------------------------------------------------------------------------------------------
     results = {}
     if "loss" in data:
-        loss = evaluation.evaluate_loss(accelerator, model, data["loss"], loss_sum=token_loss.loss_sum,
-                                        batch_size=batch_size, pad_token_id=tokenizer.pad_token_id)
+        loss = evaluation.evaluate_loss(
+            accelerator,
+            model,
+            data["loss"],
+            loss_sum=token_loss.loss_sum,
+            batch_size=batch_size,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         results.update(eval_loss=loss, eval_perplexity=math.exp(loss))
     if loaders:
-        predict = classifier.predict if task == "sequence-classification" else evaluation.generation_predict(
-            tokenizer, max_new_tokens=config.max_new_tokens, do_sample=config.do_sample,
-            temperature=config.temperature, top_p=config.top_p, seed=config.seed,
-            synced_gpus=accelerator.num_processes > 1,
+        predict = (
+            classifier.predict
+            if task == "sequence-classification"
+            else evaluation.generation_predict(
+                tokenizer,
+                max_new_tokens=config.max_new_tokens,
+                do_sample=config.do_sample,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                seed=config.seed,
+                synced_gpus=accelerator.num_processes > 1,
+            )
         )
         gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict)
         results.update(evaluation.compute_metrics(metrics, gathered))
@@ -248,30 +285,56 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- results: eval_results.json, the card's model-index, the tracker, the Hub ----------------------------------------
     if config.report_to != "none":
-        accelerator.init_trackers(run.name, config=metrics_lib.numeric_fields(config_lib.config_to_dict(config),
-                                                                              keep_text=True))
+        accelerator.init_trackers(
+            run.name, config=metrics_lib.numeric_fields(config_lib.config_to_dict(config), keep_text=True)
+        )
         accelerator.log(metrics_lib.numeric_fields(results), step=0)
         accelerator.end_training()
     if accelerator.is_main_process:
         folder, source = run.output_dir, run.source
         folder.mkdir(parents=True, exist_ok=True)
-        write_json(folder / "eval_results.json", dict(model=source.name, dataset=config.dataset_name,
-                                                      dataset_config=config.dataset_config, split=split, **results))
+        write_json(
+            folder / "eval_results.json",
+            dict(
+                model=source.name,
+                dataset=config.dataset_name,
+                dataset_config=config.dataset_config,
+                split=split,
+                **results,
+            ),
+        )
         if loaders:  # every example once, in dataset order, to read what the model answered
             name = model_config.id2label.get if task == "sequence-classification" else str
-            write_jsonl(folder / "eval_predictions.jsonl", [dict(prediction=name(p), reference=name(r)) for p, r in
-                                                            zip(gathered["predictions"], gathered["references"])])
+            write_jsonl(
+                folder / "eval_predictions.jsonl",
+                [
+                    dict(prediction=name(p), reference=name(r))
+                    for p, r in zip(gathered["predictions"], gathered["references"])
+                ],
+            )
         model_index.update_card(
-            folder, model_index.eval_results(results, task=modeling.pipeline_tag(task), dataset=config.dataset_name,
-                                             dataset_config=config.dataset_config, split=split),
-            model_name=run.hub_model_id or Path(source.name).name, pipeline_tag=modeling.pipeline_tag(task),
+            folder,
+            model_index.eval_results(
+                results,
+                task=modeling.pipeline_tag(task),
+                dataset=config.dataset_name,
+                dataset_config=config.dataset_config,
+                split=split,
+            ),
+            model_name=run.hub_model_id or Path(source.name).name,
+            pipeline_tag=modeling.pipeline_tag(task),
             base_model=source.name if source.kind == "hub" else None,
         )
         print("results:\n" + format_table(list(results.items())))
         if config.push_to_hub:
-            url = hub.push_folder_to_hub(folder, run.hub_model_id, token=run.hub_token,
-                                         private=config.hub_private_repo, files=["README.md", "eval_results.json"],
-                                         commit_message="Evaluation results from FSDP Recipes")
+            url = hub.push_folder_to_hub(
+                folder,
+                run.hub_model_id,
+                token=run.hub_token,
+                private=config.hub_private_repo,
+                files=["README.md", "eval_results.json"],
+                commit_message="Evaluation results from FSDP Recipes",
+            )
             print(f"pushed to the Hub: {url}")
         print(f"results written to {folder.resolve()}: eval_results.json, README.md (model-index)")
 

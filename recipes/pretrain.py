@@ -40,7 +40,7 @@ from fsdp_recipes.distributed import collectives
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import losses, loop
+from fsdp_recipes.train import loop, losses
 
 
 @dataclasses.dataclass
@@ -79,20 +79,27 @@ class PretrainConfig(config_lib.TrainingConfig):
         },
     )
     max_eval_samples: int | None = dataclasses.field(
-        default=256,
-        metadata={"help": "held-out rows evaluated each time (null: all); each costs a forward pass"},
+        default=256, metadata={"help": "held-out rows evaluated each time (null: all); each costs a forward pass"}
     )
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("dataset_text_field", "streaming", "packing_strategy",
-                                                    "cross_document_attention")
+        return super().resume_sensitive_fields() + (
+            "dataset_text_field",
+            "streaming",
+            "packing_strategy",
+            "cross_document_attention",
+        )
 
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.packing_strategy not in text.PACKING_STRATEGIES:
-            problems.append(f"packing_strategy {self.packing_strategy!r} is not one of {', '.join(text.PACKING_STRATEGIES)}")
+            problems.append(
+                f"packing_strategy {self.packing_strategy!r} is not one of {', '.join(text.PACKING_STRATEGIES)}"
+            )
         if self.cross_document_attention and self.packing_strategy != "wrapped":
-            problems.append("cross_document_attention needs packing_strategy: wrapped (bfd packs to keep documents whole)")
+            problems.append(
+                "cross_document_attention needs packing_strategy: wrapped (bfd packs to keep documents whole)"
+            )
         if self.streaming and self.max_steps <= 0:
             problems.append("streaming: true needs max_steps > 0: a stream's length is unknown until it has been read")
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
@@ -102,8 +109,19 @@ class PretrainConfig(config_lib.TrainingConfig):
 
 def data_settings(config: PretrainConfig, *, rank: int) -> dict:
     """What shapes a rank's stream of rows: a checkpoint's data position is only valid with the same values."""
-    names = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_text_field", "streaming", "max_length",
-             "packing_strategy", "cross_document_attention", "seed", "tokenizer_name_or_path", "model_name_or_path")
+    names = (
+        "dataset_name",
+        "dataset_config",
+        "dataset_train_split",
+        "dataset_text_field",
+        "streaming",
+        "max_length",
+        "packing_strategy",
+        "cross_document_attention",
+        "seed",
+        "tokenizer_name_or_path",
+        "model_name_or_path",
+    )
     return {"rank": rank, **{name: getattr(config, name) for name in names}}
 
 
@@ -116,39 +134,57 @@ def main(argv: list[str] | None = None) -> None:
     def prepare_data():
         text.prepare_tokenizer(tokenizer)
         train_raw, eval_raw = text.load_corpus(
-            config.dataset_name, config.dataset_config, text_field=config.dataset_text_field, streaming=config.streaming,
-            train_split=config.dataset_train_split, test_split=config.dataset_test_split,
-            eval_split_size=config.eval_split_size, seed=config.seed,
+            config.dataset_name,
+            config.dataset_config,
+            text_field=config.dataset_text_field,
+            streaming=config.streaming,
+            train_split=config.dataset_train_split,
+            test_split=config.dataset_test_split,
+            eval_split_size=config.eval_split_size,
+            seed=config.seed,
         )
         source, split = text.rank_documents(
             text.tokenize(train_raw, tokenizer, config.dataset_text_field, num_proc=config.dataset_num_proc),
-            rank=accelerator.process_index, world_size=accelerator.num_processes, seed=config.seed,
-            max_length=config.max_length, dataset_name=config.dataset_name,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            seed=config.seed,
+            max_length=config.max_length,
+            dataset_name=config.dataset_name,
             rows_per_step=config.per_device_train_batch_size * config.gradient_accumulation_steps,
             repeat_small_dataset=config.repeat_small_dataset,
         )
-        packing = dict(max_length=config.max_length, strategy=config.packing_strategy,
-                       cross_document_attention=config.cross_document_attention)
+        packing = dict(
+            max_length=config.max_length,
+            strategy=config.packing_strategy,
+            cross_document_attention=config.cross_document_attention,
+        )
         stream = text.PackedStream(
-            source, text.Packer(**packing), batch_size=config.per_device_train_batch_size,
+            source,
+            text.Packer(**packing),
+            batch_size=config.per_device_train_batch_size,
             pad_token_id=tokenizer.pad_token_id,
-            device=accelerator.device, settings=data_settings(config, rank=accelerator.process_index),
+            device=accelerator.device,
+            settings=data_settings(config, rank=accelerator.process_index),
         )
         if run.checkpoint is not None:
             stream.load_state_dict(checkpoint_lib.read_rank_state(run.checkpoint, accelerator.process_index))
         eval_rows = None
         if eval_raw is not None:
             eval_tokens = text.tokenize(eval_raw, tokenizer, config.dataset_text_field, name="eval")
-            eval_rows = text.eval_rows(eval_tokens, limit=config.max_eval_samples, dataset_name=config.dataset_name,
-                                       **packing)
+            eval_rows = text.eval_rows(
+                eval_tokens, limit=config.max_eval_samples, dataset_name=config.dataset_name, **packing
+            )
         return stream, split, eval_rows
 
     batches, split, eval_rows = run.on_every_rank(prepare_data, main_process_first=True)
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = modeling.load_model(
-        run.model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
-        attn_implementation=run.attn_implementation, trust_remote_code=config.trust_remote_code,
+        run.model_config,
+        model_name_or_path=config.model_name_or_path,
+        revision=config.model_revision,
+        attn_implementation=run.attn_implementation,
+        trust_remote_code=config.trust_remote_code,
         **adapters.loading_options(config, accelerator),
     )
     if config.gradient_checkpointing:
@@ -157,16 +193,31 @@ def main(argv: list[str] | None = None) -> None:
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = loop.build_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)  # the stream is this rank's already: no loader to shard
-    batches_per_epoch = None if config.streaming else min(split["tokens_per_rank"]) // (
-        config.max_length * config.per_device_train_batch_size)  # rows are at most max_length: no rank runs past its part
-    total_steps = loop.total_optimizer_steps(batches_per_epoch or 1, config.gradient_accumulation_steps,
-                                                 max_steps=config.max_steps, epochs=config.num_train_epochs)
+    batches_per_epoch = (
+        None
+        if config.streaming
+        else min(split["tokens_per_rank"]) // (config.max_length * config.per_device_train_batch_size)
+    )  # rows are at most max_length: no rank runs past its part
+    total_steps = loop.total_optimizer_steps(
+        batches_per_epoch or 1,
+        config.gradient_accumulation_steps,
+        max_steps=config.max_steps,
+        epochs=config.num_train_epochs,
+    )
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
-        model, batches, scheduler, total_steps=total_steps,
+        model,
+        batches,
+        scheduler,
+        total_steps=total_steps,
         evaluator=run.loss_evaluator(model, eval_rows, token_loss.loss_sum),
-        summary=dict(data=split, streaming=config.streaming, packing_strategy=config.packing_strategy,
-                     eval_rows=len(eval_rows or []), loss=token_loss.description),
+        summary=dict(
+            data=split,
+            streaming=config.streaming,
+            packing_strategy=config.packing_strategy,
+            eval_rows=len(eval_rows or []),
+            loss=token_loss.description,
+        ),
     )
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
@@ -181,26 +232,35 @@ def main(argv: list[str] | None = None) -> None:
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.item()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        )
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=target_count,
-                             lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
+        run.metrics.log_step(
+            step,
+            epoch=batches.epoch,
+            loss_sum=loss_sum,
+            target_count=target_count,
+            lr=scheduler.get_last_lr()[0],
+            grad_norm=grad_norm,
+        )
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()
 
     # --- finish: what each rank read, then summary, export, card, Hub ---------------------------------------------------
-    read = {f"{key}_read_per_rank": [int(value) for value in collectives.values_of_all_ranks(accelerator, count)]
-            for key, count in batches.counts().items()}
+    read = {
+        f"{key}_read_per_rank": [int(value) for value in collectives.values_of_all_ranks(accelerator, count)]
+        for key, count in batches.counts().items()
+    }
     run.log.log({"step": total_steps, **read})
     eval_loss = run.log.last("eval_loss")
     run.finish(model, results={"eval_perplexity": math.exp(eval_loss) if eval_loss is not None else None})
-
 
 
 if __name__ == "__main__":

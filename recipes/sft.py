@@ -35,7 +35,7 @@ from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import chat, files, rows
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, losses, loop
+from fsdp_recipes.train import evaluation, loop, losses
 
 
 @dataclasses.dataclass
@@ -74,8 +74,7 @@ class SFTConfig(config_lib.TrainingConfig):
         },
     )
     max_new_tokens: int = dataclasses.field(
-        default=64,
-        metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"},
+        default=64, metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"}
     )
 
     def row_length(self) -> int:
@@ -85,8 +84,12 @@ class SFTConfig(config_lib.TrainingConfig):
         return self.packing
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("packing", "packing_row_length", "assistant_only_loss",
-                                                    "completion_only_loss")
+        return super().resume_sensitive_fields() + (
+            "packing",
+            "packing_row_length",
+            "assistant_only_loss",
+            "completion_only_loss",
+        )
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -108,25 +111,37 @@ def main(argv: list[str] | None = None) -> None:
         train_raw, eval_raw = files.split_train_eval(
             raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
         )
-        options = dict(assistant_only_loss=config.assistant_only_loss, completion_only_loss=config.completion_only_loss,
-                       max_length=config.max_length, num_proc=config.dataset_num_proc)
+        options = dict(
+            assistant_only_loss=config.assistant_only_loss,
+            completion_only_loss=config.completion_only_loss,
+            max_length=config.max_length,
+            num_proc=config.dataset_num_proc,
+        )
         train_tokens, train_stats = chat.tokenize_dataset(train_raw, tokenizer, name="train", **options)
-        train_rows = rows.build_rows(train_tokens, max_length=config.packing_row_length or config.max_length,
-                                     packing=config.packing)
+        train_rows = rows.build_rows(
+            train_tokens, max_length=config.packing_row_length or config.max_length, packing=config.packing
+        )
         eval_rows = None
         if eval_raw is not None:
-            eval_rows = rows.build_rows(chat.tokenize_dataset(eval_raw, tokenizer, name="eval", **options)[0],
-                                        max_length=config.max_length, packing=False)
+            eval_rows = rows.build_rows(
+                chat.tokenize_dataset(eval_raw, tokenizer, name="eval", **options)[0],
+                max_length=config.max_length,
+                packing=False,
+            )
         return eval_raw, train_rows, eval_rows, train_stats
 
     eval_raw, train_rows, eval_rows, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
-    train_loader = rows.train_dataloader(train_rows, config, num_processes=accelerator.num_processes,
-                                         pad_token_id=tokenizer.pad_token_id)
+    train_loader = rows.train_dataloader(
+        train_rows, config, num_processes=accelerator.num_processes, pad_token_id=tokenizer.pad_token_id
+    )
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = modeling.load_model(
-        run.model_config, model_name_or_path=config.model_name_or_path, revision=config.model_revision,
-        attn_implementation=run.attn_implementation, trust_remote_code=config.trust_remote_code,
+        run.model_config,
+        model_name_or_path=config.model_name_or_path,
+        revision=config.model_revision,
+        attn_implementation=run.attn_implementation,
+        trust_remote_code=config.trust_remote_code,
         **adapters.loading_options(config, accelerator),
     )
     if config.gradient_checkpointing:
@@ -135,20 +150,32 @@ def main(argv: list[str] | None = None) -> None:
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    total_steps = loop.total_optimizer_steps(len(train_loader), config.gradient_accumulation_steps,
-                                                 max_steps=config.max_steps, epochs=config.num_train_epochs)
+    total_steps = loop.total_optimizer_steps(
+        len(train_loader),
+        config.gradient_accumulation_steps,
+        max_steps=config.max_steps,
+        epochs=config.num_train_epochs,
+    )
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
-        model, train_loader, scheduler, total_steps=total_steps,
+        model,
+        train_loader,
+        scheduler,
+        total_steps=total_steps,
         evaluator=run.loss_evaluator(model, eval_rows, token_loss.loss_sum),
-        summary=dict(train_rows=len(train_rows), eval_rows=len(eval_rows or []), data=train_stats,
-                     loss=token_loss.description),
+        summary=dict(
+            train_rows=len(train_rows), eval_rows=len(eval_rows or []), data=train_stats, loss=token_loss.description
+        ),
     )
 
     def exact_match() -> dict:
         return evaluation.exact_match_accuracy(
-            accelerator, model, tokenizer, chat.generation_examples(eval_raw, tokenizer, config.exact_match_eval_samples),
-            max_new_tokens=config.max_new_tokens, batch_size=config.per_device_eval_batch_size,
+            accelerator,
+            model,
+            tokenizer,
+            chat.generation_examples(eval_raw, tokenizer, config.exact_match_eval_samples),
+            max_new_tokens=config.max_new_tokens,
+            batch_size=config.per_device_eval_batch_size,
         )
 
     results = {}
@@ -168,15 +195,23 @@ def main(argv: list[str] | None = None) -> None:
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.item()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        )
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(step, epoch=batches.epoch, loss_sum=loss_sum, target_count=target_count,
-                             lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
+        run.metrics.log_step(
+            step,
+            epoch=batches.epoch,
+            loss_sum=loss_sum,
+            target_count=target_count,
+            lr=scheduler.get_last_lr()[0],
+            grad_norm=grad_norm,
+        )
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()

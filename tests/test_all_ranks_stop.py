@@ -35,8 +35,9 @@ def stopped(tmp_path_factory, tiny_model_config, chat_data) -> dict:
         return timed("bad_input", SFT, values, timeout=180, accelerate_config=FSDP_CPU_CONFIG)
 
     def one_rank_fails():
-        values = base_recipe_values(tiny_model_config, chat_data, folders["one_rank_fails"] / "out", max_steps=40,
-                                    save_steps=None)
+        values = base_recipe_values(
+            tiny_model_config, chat_data, folders["one_rank_fails"] / "out", max_steps=40, save_steps=None
+        )
         return timed("one_rank_fails", SFT, values, env={"FSDP_RECIPES_FAULT": "raise-after-step:2@1"}, timeout=180)
 
     def degraded():
@@ -44,8 +45,14 @@ def stopped(tmp_path_factory, tiny_model_config, chat_data) -> dict:
         # makes the recipe believe a device exists, so it builds a plain Accelerator(), which accelerate leaves
         # degraded here.
         values = base_recipe_values(tiny_model_config, chat_data, folders["degraded"] / "out")
-        return timed("degraded", SFT_CLAIMING_A_DEVICE, values, accelerate_config=None, launcher_args=["--multi_gpu"],
-                     timeout=120)
+        return timed(
+            "degraded",
+            SFT_CLAIMING_A_DEVICE,
+            values,
+            accelerate_config=None,
+            launcher_args=["--multi_gpu"],
+            timeout=120,
+        )
 
     jobs = {"bad_input": bad_input, "one_rank_fails": one_rank_fails, "degraded": degraded}
     return dict(zip(jobs, concurrently(*jobs.values())))

@@ -12,8 +12,18 @@ from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.models.modeling import resolve_attn_implementation
 
 VOCAB = 96
-SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SHAPE),
     "qwen2": lambda: Qwen2Config(**SHAPE),
@@ -75,7 +85,8 @@ def test_packed_examples_do_not_see_each_other(architecture, explicit):
 def test_an_explicit_implementation_is_kept():
     assert resolve_attn_implementation(CONFIGS["llama"](), "eager") == ("eager", "eager (requested)")
     assert resolve_attn_implementation(CONFIGS["gemma2"](), "flex_attention") == (
-        "flex_attention", "flex_attention (requested)"
+        "flex_attention",
+        "flex_attention (requested)",
     )
 
 

@@ -39,8 +39,11 @@ def given(tmp_path, monkeypatch, tiny_model_config, tokenizer) -> SimpleNamespac
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*"))
-            if path.is_file() and path.name != "recipe.yaml"}
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != "recipe.yaml"
+    }
 
 
 def assert_refused(recipe: str, given, values: dict, capsys, expected: list[str]) -> None:
@@ -80,9 +83,18 @@ def fake_checkpoint(recipe: str, values: dict, *, model_config: Path, **saved_ch
     config_class = getattr(load_recipe(recipe), CONFIG_CLASSES[recipe])
     saved = config_class(**{**values, "resume_from_checkpoint": None, **saved_changes})
     (folder / "model" / "recipe_config.json").write_text(json.dumps(saved.__dict__, default=str))
-    (folder / "progress.json").write_text(json.dumps(dict(
-        step=4, epoch=0, batches_into_epoch=4, world_size=1, per_device_train_batch_size=values.get(
-            "per_device_train_batch_size", 8), gradient_accumulation_steps=values.get("gradient_accumulation_steps", 1))))
+    (folder / "progress.json").write_text(
+        json.dumps(
+            dict(
+                step=4,
+                epoch=0,
+                batches_into_epoch=4,
+                world_size=1,
+                per_device_train_batch_size=values.get("per_device_train_batch_size", 8),
+                gradient_accumulation_steps=values.get("gradient_accumulation_steps", 1),
+            )
+        )
+    )
     (out / "checkpoints" / "latest").write_text(folder.name + "\n")
     values["resume_from_checkpoint"] = "latest"
 
@@ -94,8 +106,10 @@ def few_chats(given, count: int) -> str:
 # ------------------------------------------------------------------------------------------------------------ sft
 def sft_model_path_missing(given, values):
     values.update(model_config=None, tokenizer_name_or_path=None, model_name_or_path=MISSING_MODEL)
-    return [f"loading the tokenizer from '{MISSING_MODEL}' (model_name_or_path): there is no such local path",
-            "point model_name_or_path at an existing folder or a Hub id"]
+    return [
+        f"loading the tokenizer from '{MISSING_MODEL}' (model_name_or_path): there is no such local path",
+        "point model_name_or_path at an existing folder or a Hub id",
+    ]
 
 
 def sft_hub_id_offline(given, values):
@@ -116,8 +130,11 @@ def sft_max_length_one(given, values):
 
 def sft_fewer_rows_than_one_step(given, values):
     values.update(dataset_name=few_chats(given, 3), eval_split_size=0, packing=False)
-    return ["the training data has 3 rows, fewer than one optimizer step takes: 4 (per_device_train_batch_size 4 x 1 "
-            "processes x gradient_accumulation_steps 1)", "repeat_small_dataset: true"]
+    return [
+        "the training data has 3 rows, fewer than one optimizer step takes: 4 (per_device_train_batch_size 4 x 1 "
+        "processes x gradient_accumulation_steps 1)",
+        "repeat_small_dataset: true",
+    ]
 
 
 def sft_lora_targets_without_lora(given, values):
@@ -132,19 +149,31 @@ def sft_allow_config_change_without_resume(given, values):
 
 def sft_resume_with_another_packing(given, values):
     fake_checkpoint("sft", values, model_config=given.model_config, packing=False)
-    return ["other settings that change the objective or the data (packing: False -> True)",
-            "--allow_config_change packing"]
+    return [
+        "other settings that change the objective or the data (packing: False -> True)",
+        "--allow_config_change packing",
+    ]
 
 
 def sft_binary_chat_template(given, values):
     values["chat_template"] = str(binary_file(given.tmp / "template.jinja"))
-    return [f"reading chat_template '{given.tmp / 'template.jinja'}': it is not UTF-8 text",
-            "point chat_template at another one"]
+    return [
+        f"reading chat_template '{given.tmp / 'template.jinja'}': it is not UTF-8 text",
+        "point chat_template at another one",
+    ]
 
 
-SFT_CASES = [sft_model_path_missing, sft_hub_id_offline, sft_folder_without_a_tokenizer, sft_max_length_one,
-             sft_fewer_rows_than_one_step, sft_lora_targets_without_lora, sft_allow_config_change_without_resume,
-             sft_resume_with_another_packing, sft_binary_chat_template]
+SFT_CASES = [
+    sft_model_path_missing,
+    sft_hub_id_offline,
+    sft_folder_without_a_tokenizer,
+    sft_max_length_one,
+    sft_fewer_rows_than_one_step,
+    sft_lora_targets_without_lora,
+    sft_allow_config_change_without_resume,
+    sft_resume_with_another_packing,
+    sft_binary_chat_template,
+]
 
 
 @pytest.mark.parametrize("case", SFT_CASES, ids=lambda case: case.__name__)
@@ -177,8 +206,10 @@ def dpo_max_length_one(given, values):
 def dpo_fewer_pairs_than_one_step(given, values):
     pairs = [{"prompt": "reverse: abc", "chosen": "cba", "rejected": "abc"}] * 5
     values.update(dataset_name=str(write_jsonl(given.tmp / "pairs" / "train.jsonl", pairs)), eval_split_size=0)
-    return ["the training data has 5 pairs, fewer than one optimizer step takes: 8 (per_device_train_batch_size 4 x 1 "
-            "processes x gradient_accumulation_steps 2)"]
+    return [
+        "the training data has 5 pairs, fewer than one optimizer step takes: 8 (per_device_train_batch_size 4 x 1 "
+        "processes x gradient_accumulation_steps 2)"
+    ]
 
 
 def dpo_resume_with_another_beta(given, values):
@@ -194,8 +225,10 @@ def dpo_allow_a_misspelled_field(given, values):
 
 def dpo_lora_module_to_save_that_does_not_exist(given, values):
     values.update(use_peft=True, lora_modules_to_save=["value_head"])
-    return ["lora_modules_to_save names 'value_head', which match no module of this llama model",
-            "Its modules with weights are: down_proj, embed_tokens"]
+    return [
+        "lora_modules_to_save names 'value_head', which match no module of this llama model",
+        "Its modules with weights are: down_proj, embed_tokens",
+    ]
 
 
 def dpo_lora_target_that_does_not_exist(given, values):
@@ -203,9 +236,17 @@ def dpo_lora_target_that_does_not_exist(given, values):
     return ["lora_target_modules names 'qkv_proj', which match no module", "Its linear modules are: down_proj"]
 
 
-DPO_CASES = [dpo_model_path_missing, dpo_tokenizer_hub_id_offline, dpo_dataset_hub_id_offline, dpo_max_length_one,
-             dpo_fewer_pairs_than_one_step, dpo_resume_with_another_beta, dpo_allow_a_misspelled_field,
-             dpo_lora_module_to_save_that_does_not_exist, dpo_lora_target_that_does_not_exist]
+DPO_CASES = [
+    dpo_model_path_missing,
+    dpo_tokenizer_hub_id_offline,
+    dpo_dataset_hub_id_offline,
+    dpo_max_length_one,
+    dpo_fewer_pairs_than_one_step,
+    dpo_resume_with_another_beta,
+    dpo_allow_a_misspelled_field,
+    dpo_lora_module_to_save_that_does_not_exist,
+    dpo_lora_target_that_does_not_exist,
+]
 
 
 @pytest.mark.parametrize("case", DPO_CASES, ids=lambda case: case.__name__)
@@ -239,8 +280,10 @@ def pretrain_binary_shard_in_a_stream(given, values):
 
 def pretrain_chat_turns_as_the_text_column(given, values):
     values["dataset_name"] = str(write_jsonl(given.tmp / "chats.jsonl", [{"text": TURNS}] * 4))
-    return ["column 'text' of the train split holds chat turns (lists of role/content), not text",
-            "point dataset_text_field at a column of strings"]
+    return [
+        "column 'text' of the train split holds chat turns (lists of role/content), not text",
+        "point dataset_text_field at a column of strings",
+    ]
 
 
 def pretrain_chat_turns_in_a_stream(given, values):
@@ -254,8 +297,12 @@ def pretrain_max_length_one(given, values):
 
 
 def pretrain_corpus_smaller_than_one_step(given, values):
-    values.update(dataset_name=str(write_stories(given.tmp / "small", 3)), per_device_train_batch_size=16,
-                  gradient_accumulation_steps=2, eval_split_size=0)
+    values.update(
+        dataset_name=str(write_stories(given.tmp / "small", 3)),
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=2,
+        eval_split_size=0,
+    )
     return ["less than one optimizer step takes of each rank (32 rows of max_length=64", "repeat_small_dataset: true"]
 
 
@@ -274,17 +321,32 @@ def pretrain_tokenizer_path_missing(given, values):
     return ["loading the tokenizer from './tokenizers/mine' (tokenizer_name_or_path): there is no such local path"]
 
 
-PRETRAIN_CASES = [pretrain_binary_text_stream, pretrain_binary_shard_in_a_stream, pretrain_chat_turns_as_the_text_column,
-                  pretrain_chat_turns_in_a_stream, pretrain_max_length_one, pretrain_corpus_smaller_than_one_step,
-                  pretrain_model_config_missing, pretrain_resume_with_another_packing_strategy,
-                  pretrain_tokenizer_path_missing]
+PRETRAIN_CASES = [
+    pretrain_binary_text_stream,
+    pretrain_binary_shard_in_a_stream,
+    pretrain_chat_turns_as_the_text_column,
+    pretrain_chat_turns_in_a_stream,
+    pretrain_max_length_one,
+    pretrain_corpus_smaller_than_one_step,
+    pretrain_model_config_missing,
+    pretrain_resume_with_another_packing_strategy,
+    pretrain_tokenizer_path_missing,
+]
 
 
 @pytest.mark.parametrize("case", PRETRAIN_CASES, ids=lambda case: case.__name__)
 def test_pretrain_refuses(case, given, capsys):
-    values = dict(model_config=str(given.model_config), tokenizer_name_or_path=str(TOKENIZER), max_length=64,
-                  dataset_name=str(write_stories(given.tmp / "corpus", 40)), max_steps=3, per_device_train_batch_size=2,
-                  output_dir=str(given.tmp / "out"), report_to="none", seed=7)
+    values = dict(
+        model_config=str(given.model_config),
+        tokenizer_name_or_path=str(TOKENIZER),
+        max_length=64,
+        dataset_name=str(write_stories(given.tmp / "corpus", 40)),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        output_dir=str(given.tmp / "out"),
+        report_to="none",
+        seed=7,
+    )
     assert_refused("pretrain", given, values, capsys, case(given, values))
 
 
@@ -295,8 +357,9 @@ def two_class_classifier(tmp_path_factory, tiny_model_config, tokenizer) -> Path
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     folder = tmp_path_factory.mktemp("two_class")
-    config = AutoConfig.from_pretrained(tiny_model_config, num_labels=2, id2label={0: "neg", 1: "pos"},
-                                        label2id={"neg": 0, "pos": 1})
+    config = AutoConfig.from_pretrained(
+        tiny_model_config, num_labels=2, id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1}
+    )
     AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -316,8 +379,10 @@ def classify_numbers_as_text(given, values):
 
 def classify_head_for_other_classes(given, values):
     values.update(model_config=None, tokenizer_name_or_path=None, model_name_or_path=str(given.classifier))
-    return ["is a classifier whose head has 2 classes (['neg', 'pos']), but the data has 3 (['high', 'low', 'mid'])",
-            "Set ignore_mismatched_sizes: true"]
+    return [
+        "is a classifier whose head has 2 classes (['neg', 'pos']), but the data has 3 (['high', 'low', 'mid'])",
+        "Set ignore_mismatched_sizes: true",
+    ]
 
 
 def classify_max_length_one(given, values):
@@ -342,14 +407,27 @@ def classify_model_path_missing(given, values):
 
 
 def classify_lora_module_to_save_misspelled(given, values):
-    values.update(model_config=None, tokenizer_name_or_path=None, model_name_or_path=str(given.classifier),
-                  ignore_mismatched_sizes=True, use_peft=True, lora_modules_to_save=["scores"])
+    values.update(
+        model_config=None,
+        tokenizer_name_or_path=None,
+        model_name_or_path=str(given.classifier),
+        ignore_mismatched_sizes=True,
+        use_peft=True,
+        lora_modules_to_save=["scores"],
+    )
     return ["lora_modules_to_save names 'scores', which match no module", "score"]
 
 
-CLASSIFY_CASES = [classify_chat_turns_as_text, classify_numbers_as_text, classify_head_for_other_classes,
-                  classify_max_length_one, classify_fewer_rows_than_one_step, classify_resume_with_another_label_column,
-                  classify_model_path_missing, classify_lora_module_to_save_misspelled]
+CLASSIFY_CASES = [
+    classify_chat_turns_as_text,
+    classify_numbers_as_text,
+    classify_head_for_other_classes,
+    classify_max_length_one,
+    classify_fewer_rows_than_one_step,
+    classify_resume_with_another_label_column,
+    classify_model_path_missing,
+    classify_lora_module_to_save_misspelled,
+]
 
 
 @pytest.mark.parametrize("case", CLASSIFY_CASES, ids=lambda case: case.__name__)
@@ -363,16 +441,20 @@ def test_classify_refuses(case, given, classify_data, two_class_classifier, caps
 def adapter_folder(given, base: str) -> Path:
     folder = given.tmp / "adapter"
     folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base, "task_type": "CAUSAL_LM",
-                                                            "peft_type": "LORA"}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": base, "task_type": "CAUSAL_LM", "peft_type": "LORA"})
+    )
     given.tokenizer.save_pretrained(folder)
     return folder
 
 
 def eval_adapter_whose_base_is_gone(given, values):
     values["model_name_or_path"] = str(adapter_folder(given, MISSING_MODEL))
-    return [f"is a LoRA adapter for the base model '{MISSING_MODEL}' (its adapter_config.json's "
-            "base_model_name_or_path), which does not exist here", "Set --base_model_name_or_path"]
+    return [
+        f"is a LoRA adapter for the base model '{MISSING_MODEL}' (its adapter_config.json's "
+        "base_model_name_or_path), which does not exist here",
+        "Set --base_model_name_or_path",
+    ]
 
 
 def eval_base_override_that_is_gone_too(given, values):
@@ -413,16 +495,29 @@ def eval_binary_text_file(given, values):
     return [f"{given.tmp / 'texts' / 'b.txt'}: it is not UTF-8 text"]
 
 
-EVAL_CASES = [eval_adapter_whose_base_is_gone, eval_base_override_that_is_gone_too, eval_base_override_for_a_plain_model,
-              eval_model_path_missing, eval_hub_id_offline, eval_chat_turns_as_the_text_column, eval_max_length_one,
-              eval_binary_text_file]
+EVAL_CASES = [
+    eval_adapter_whose_base_is_gone,
+    eval_base_override_that_is_gone_too,
+    eval_base_override_for_a_plain_model,
+    eval_model_path_missing,
+    eval_hub_id_offline,
+    eval_chat_turns_as_the_text_column,
+    eval_max_length_one,
+    eval_binary_text_file,
+]
 
 
 @pytest.mark.parametrize("case", EVAL_CASES, ids=lambda case: case.__name__)
 def test_eval_refuses(case, given, pretrained_tiny_model, chat_data, capsys):
     given.pretrained = pretrained_tiny_model
-    values = dict(model_name_or_path=str(pretrained_tiny_model), dataset_name=str(chat_data), max_length=64,
-                  output_dir=str(given.tmp / "out"), metrics=["perplexity"], per_device_eval_batch_size=4)
+    values = dict(
+        model_name_or_path=str(pretrained_tiny_model),
+        dataset_name=str(chat_data),
+        max_length=64,
+        output_dir=str(given.tmp / "out"),
+        metrics=["perplexity"],
+        per_device_eval_batch_size=4,
+    )
     assert_refused("eval", given, values, capsys, case(given, values))
 
 
@@ -431,25 +526,46 @@ def test_repeat_small_dataset_trains_and_says_so_in_the_run_summary(given, capsy
     """The SFT case above, with the flag its message names: one step on 3 rows repeated to fill 4, noted."""
     from helpers.recipes import run_recipe_in_process
 
-    values = base_recipe_values(given.model_config, Path(few_chats(given, 3)).parent, given.tmp / "out", max_steps=1,
-                                eval_split_size=0, packing=False, repeat_small_dataset=True, save_steps=None)
+    values = base_recipe_values(
+        given.model_config,
+        Path(few_chats(given, 3)).parent,
+        given.tmp / "out",
+        max_steps=1,
+        eval_split_size=0,
+        packing=False,
+        repeat_small_dataset=True,
+        save_steps=None,
+    )
     run_recipe_in_process("sft", given.tmp, "small", values)
     summary = json.loads((given.tmp / "out" / "run_summary.json").read_text())
-    assert summary["repeated_data"] == "3 training rows, fewer than one optimizer step takes (4): every step repeats rows"
+    assert (
+        summary["repeated_data"] == "3 training rows, fewer than one optimizer step takes (4): every step repeats rows"
+    )
 
 
 def test_a_corpus_part_smaller_than_one_step_is_noted_when_allowed(given):
     from fsdp_recipes.common.errors import DataError
     from fsdp_recipes.data import text
 
-    train, _ = text.load_corpus(str(write_stories(given.tmp / "small", 3)), None, text_field="text", streaming=False,
-                                train_split="train", test_split=None, eval_split_size=0, seed=0)
+    train, _ = text.load_corpus(
+        str(write_stories(given.tmp / "small", 3)),
+        None,
+        text_field="text",
+        streaming=False,
+        train_split="train",
+        test_split=None,
+        eval_split_size=0,
+        seed=0,
+    )
     tokenized = text.tokenize(train, given.tokenizer, "text")
     options = dict(rank=0, world_size=1, seed=0, max_length=64, rows_per_step=32)
     with pytest.raises(DataError, match="less than one optimizer step"):
         text.rank_documents(tokenized, **options)
     _, split = text.rank_documents(tokenized, **options, repeat_small_dataset=True)
-    assert split["repeated_data"] == "rank 0's part holds 701 tokens, less than one step's 2048: every step repeats documents"
+    assert (
+        split["repeated_data"]
+        == "rank 0's part holds 701 tokens, less than one step's 2048: every step repeats documents"
+    )
 
 
 def test_a_classifier_max_length_counts_the_tokenizers_special_tokens(given):
@@ -464,8 +580,9 @@ def test_a_classifier_max_length_counts_the_tokenizers_special_tokens(given):
 
     data = Dataset.from_list([{"text": "abc", "label": "x"}])
     with pytest.raises(DataError, match=r"max_length=2 leaves no token of the text: the tokenizer adds 2 special"):
-        classification.tokenize(data, AddsClsAndSep(), text_column="text", text_pair_column=None, labels=[0],
-                                max_length=2)
+        classification.tokenize(
+            data, AddsClsAndSep(), text_column="text", text_pair_column=None, labels=[0], max_length=2
+        )
 
 
 def test_base_model_name_or_path_points_an_adapter_at_its_base(given):

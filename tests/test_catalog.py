@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.launch import launch, require_success, run_process_group
-from helpers.paths import REPO, TOKENIZER
-from helpers.recipes import read_metrics
 from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.catalog import Catalog, listing, model_info
 from fsdp_recipes.tools.estimator import MODEL_SHAPES
+from helpers.launch import launch, require_success, run_process_group
+from helpers.paths import REPO, TOKENIZER
+from helpers.recipes import read_metrics
 
 CATALOG = Catalog(REPO)
 SHIPPED = CATALOG.configs()
@@ -36,16 +36,37 @@ SFT_CONFIGS = REPO / "recipes" / "configs" / "sft"
 # Sizes the model cards (or the Hub's safetensors metadata) give, in billions: the shapes in MODEL_SHAPES
 # were written by hand from the published hyperparameters, and a wrong number of layers or width shows here.
 PUBLISHED_BILLIONS = {
-    "meta-llama/Llama-3.2-1B": 1.24, "meta-llama/Llama-3.2-3B": 3.21, "meta-llama/Llama-3.1-8B": 8.03,
+    "meta-llama/Llama-3.2-1B": 1.24,
+    "meta-llama/Llama-3.2-3B": 3.21,
+    "meta-llama/Llama-3.1-8B": 8.03,
     "meta-llama/Llama-3.1-8B-Instruct": 8.03,
-    "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen2.5-0.5B": 0.49, "Qwen/Qwen2.5-1.5B": 1.54, "Qwen/Qwen2.5-3B": 3.09,
-    "Qwen/Qwen2.5-7B": 7.61, "Qwen/Qwen2.5-14B": 14.7, "Qwen/Qwen2.5-32B": 32.5, "Qwen/Qwen2.5-72B": 72.7,
-    "Qwen/Qwen3-0.6B-Base": 0.6, "Qwen/Qwen3-1.7B-Base": 1.7, "Qwen/Qwen3-4B-Base": 4.0, "Qwen/Qwen3-8B-Base": 8.2,
-    "Qwen/Qwen3-14B-Base": 14.8, "Qwen/Qwen3-32B": 32.8, "mistralai/Mistral-7B-v0.3": 7.25,
-    "google/gemma-2-2b": 2.61, "google/gemma-2-9b": 9.24, "google/gemma-2-27b": 27.2, "google/gemma-3-1b-pt": 1.0,
-    "google/gemma-3-4b-pt": 4.3, "google/gemma-3-12b-pt": 12.2, "google/gemma-3-27b-pt": 27.4,
-    "microsoft/Phi-3-mini-4k-instruct": 3.82, "microsoft/Phi-3-medium-4k-instruct": 14.0, "microsoft/phi-4": 14.7,
-    "microsoft/Phi-4-mini-instruct": 3.84, "TinyLlama/TinyLlama_v1.1": 1.10,
+    "meta-llama/Llama-3.1-70B": 70.6,
+    "Qwen/Qwen2.5-0.5B": 0.49,
+    "Qwen/Qwen2.5-1.5B": 1.54,
+    "Qwen/Qwen2.5-3B": 3.09,
+    "Qwen/Qwen2.5-7B": 7.61,
+    "Qwen/Qwen2.5-14B": 14.7,
+    "Qwen/Qwen2.5-32B": 32.5,
+    "Qwen/Qwen2.5-72B": 72.7,
+    "Qwen/Qwen3-0.6B-Base": 0.6,
+    "Qwen/Qwen3-1.7B-Base": 1.7,
+    "Qwen/Qwen3-4B-Base": 4.0,
+    "Qwen/Qwen3-8B-Base": 8.2,
+    "Qwen/Qwen3-14B-Base": 14.8,
+    "Qwen/Qwen3-32B": 32.8,
+    "mistralai/Mistral-7B-v0.3": 7.25,
+    "google/gemma-2-2b": 2.61,
+    "google/gemma-2-9b": 9.24,
+    "google/gemma-2-27b": 27.2,
+    "google/gemma-3-1b-pt": 1.0,
+    "google/gemma-3-4b-pt": 4.3,
+    "google/gemma-3-12b-pt": 12.2,
+    "google/gemma-3-27b-pt": 27.4,
+    "microsoft/Phi-3-mini-4k-instruct": 3.82,
+    "microsoft/Phi-3-medium-4k-instruct": 14.0,
+    "microsoft/phi-4": 14.7,
+    "microsoft/Phi-4-mini-instruct": 3.84,
+    "TinyLlama/TinyLlama_v1.1": 1.10,
 }
 
 
@@ -63,8 +84,11 @@ def test_ls_lists_every_recipe_and_config_present_with_its_estimate(capsys):
     assert "sft" in recipes and len(configs) >= 29
     for recipe in recipes:
         assert any(line.startswith(f"{recipe}  recipes/{recipe}.py: ") for line in lines), recipe
-    rows = {line.split()[0]: line for line in lines
-            if line.startswith("  ") and "/" in line.split()[0] and not line.split()[0].endswith(":")}
+    rows = {
+        line.split()[0]: line
+        for line in lines
+        if line.startswith("  ") and "/" in line.split()[0] and not line.split()[0].endswith(":")
+    }
     assert sorted(rows) == configs
     assert "8 x 80GB" in rows["sft/llama-3.1-8b_ultrachat"] and "fits" in rows["sft/llama-3.1-8b_ultrachat"]
     one_gpu = rows["sft/qwen2.5-0.5b_ultrachat_24gb"]
@@ -88,23 +112,45 @@ def write_root(root: Path, configs: dict[str, str], recipes: dict[str, str]) -> 
     return Catalog(root)
 
 
-def config_text(key: str, model: str, accelerate_config: str = "fsdp_8gpu.yaml", *, flags: str = "",
-                header: str = "", script: str | None = None, **values) -> str:
+def config_text(
+    key: str,
+    model: str,
+    accelerate_config: str = "fsdp_8gpu.yaml",
+    *,
+    flags: str = "",
+    header: str = "",
+    script: str | None = None,
+    **values,
+) -> str:
     recipe = key.split("/")[0]
-    command = (f"#   accelerate launch --config_file accelerate_configs/{accelerate_config} {flags} "
-               f"{script or f'recipes/{recipe}.py'} --config recipes/configs/{key}.yaml\n")
-    body = {"model_name_or_path": model, "dataset_name": "some/data", "max_length": 2048,
-            "per_device_train_batch_size": 1, **values}
+    command = (
+        f"#   accelerate launch --config_file accelerate_configs/{accelerate_config} {flags} "
+        f"{script or f'recipes/{recipe}.py'} --config recipes/configs/{key}.yaml\n"
+    )
+    body = {
+        "model_name_or_path": model,
+        "dataset_name": "some/data",
+        "max_length": 2048,
+        "per_device_train_batch_size": 1,
+        **values,
+    }
     return f"# A test config.\n{command}{header}\n{yaml.safe_dump(body)}"
 
 
 def test_recipes_and_configs_are_found_in_their_folders(tmp_path):
-    catalog = write_root(tmp_path, recipes={
-        "alpha": '"""Alpha: trains nothing.\n\nDetails."""\n', "beta": "print('no docstring')\n",
-        "_shared": '"""Not a recipe: a leading underscore."""\n',
-    }, configs={"alpha/one": config_text("alpha/one", "meta-llama/Llama-3.2-1B")})
-    assert [(r.name, r.summary) for r in catalog.recipes()] == [("alpha", "Alpha: trains nothing."),
-                                                               ("beta", "(no docstring)")]
+    catalog = write_root(
+        tmp_path,
+        recipes={
+            "alpha": '"""Alpha: trains nothing.\n\nDetails."""\n',
+            "beta": "print('no docstring')\n",
+            "_shared": '"""Not a recipe: a leading underscore."""\n',
+        },
+        configs={"alpha/one": config_text("alpha/one", "meta-llama/Llama-3.2-1B")},
+    )
+    assert [(r.name, r.summary) for r in catalog.recipes()] == [
+        ("alpha", "Alpha: trains nothing."),
+        ("beta", "(no docstring)"),
+    ]
     assert [c.key for c in catalog.configs()] == ["alpha/one"]
     (tmp_path / "recipes" / "configs" / "beta").mkdir()
     (tmp_path / "recipes" / "configs" / "beta" / "two.yaml").write_text(config_text("beta/two", "Qwen/Qwen2.5-7B"))
@@ -116,19 +162,24 @@ def test_recipes_and_configs_are_found_in_their_folders(tmp_path):
 
 def test_problems_name_what_would_go_wrong(tmp_path):
     """The checks the shipped configs pass, shown failing: each bad config gets its own reason, the good one none."""
-    catalog = write_root(tmp_path, recipes={"sft": '"""SFT."""\n'}, configs={
-        "sft/good": config_text("sft/good", "meta-llama/Llama-3.1-8B"),
-        "sft/too_big": config_text("sft/too_big", "meta-llama/Llama-3.1-70B"),
-        "sft/small_gpu": config_text("sft/small_gpu", "meta-llama/Llama-3.1-8B", header="# GPU memory: 24GB\n"),
-        "sft/wrap": config_text("sft/wrap", "meta-llama/Llama-3.1-8B",
-                                flags="--fsdp_transformer_layer_cls_to_wrap GPT2Block"),
-        "sft/gemma3": config_text("sft/gemma3", "google/gemma-3-4b-pt"),
-        "sft/unknown_model": config_text("sft/unknown_model", "someone/unknown"),
-        "sft/other_script": config_text("sft/other_script", "meta-llama/Llama-3.1-8B", script="recipes/dpo.py"),
-        "sft/missing_accelerate": config_text("sft/missing_accelerate", "meta-llama/Llama-3.1-8B", "nope.yaml"),
-        "sft/no_command": "# No command here.\n\nmodel_name_or_path: x\n",
-        "orphan/lost": config_text("orphan/lost", "meta-llama/Llama-3.1-8B"),
-    })
+    catalog = write_root(
+        tmp_path,
+        recipes={"sft": '"""SFT."""\n'},
+        configs={
+            "sft/good": config_text("sft/good", "meta-llama/Llama-3.1-8B"),
+            "sft/too_big": config_text("sft/too_big", "meta-llama/Llama-3.1-70B"),
+            "sft/small_gpu": config_text("sft/small_gpu", "meta-llama/Llama-3.1-8B", header="# GPU memory: 24GB\n"),
+            "sft/wrap": config_text(
+                "sft/wrap", "meta-llama/Llama-3.1-8B", flags="--fsdp_transformer_layer_cls_to_wrap GPT2Block"
+            ),
+            "sft/gemma3": config_text("sft/gemma3", "google/gemma-3-4b-pt"),
+            "sft/unknown_model": config_text("sft/unknown_model", "someone/unknown"),
+            "sft/other_script": config_text("sft/other_script", "meta-llama/Llama-3.1-8B", script="recipes/dpo.py"),
+            "sft/missing_accelerate": config_text("sft/missing_accelerate", "meta-llama/Llama-3.1-8B", "nope.yaml"),
+            "sft/no_command": "# No command here.\n\nmodel_name_or_path: x\n",
+            "orphan/lost": config_text("orphan/lost", "meta-llama/Llama-3.1-8B"),
+        },
+    )
     problems = {config.key: "\n".join(catalog.problems(config)) for config in catalog.configs()}
     assert problems.pop("sft/good") == ""
     assert "over the 67.1 GiB usable of 80GB" in problems.pop("sft/too_big")
@@ -148,11 +199,14 @@ def test_problems_name_what_would_go_wrong(tmp_path):
 @pytest.mark.parametrize("config", SHIPPED, ids=[config.key for config in SHIPPED])
 def test_every_shipped_config_fits_and_passes_its_checks(config):
     if trained_by_another_config(config):  # its shapes are those of the config that writes it, checked there
-        writers = [other.key for other in SHIPPED if other.values.get("output_dir") == config.values["model_name_or_path"]]
+        writers = [
+            other.key for other in SHIPPED if other.values.get("output_dir") == config.values["model_name_or_path"]
+        ]
         assert writers, f"{config.key}: no shipped config writes {config.values['model_name_or_path']}"
         return
     assert CATALOG.model_file(config) is not None, (
-        f"add {MODEL_SHAPES}/{config.model}/config.json (the model's published shapes) for {config.key}")
+        f"add {MODEL_SHAPES}/{config.model}/config.json (the model's published shapes) for {config.key}"
+    )
     assert CATALOG.problems(config) == []
     assert CATALOG.estimate(config).fits
 
@@ -165,8 +219,11 @@ def test_the_gpu_memory_line_sets_what_a_config_must_fit():
 
 def test_every_hub_model_a_config_names_has_its_shapes_here():
     """The mapping is the folder name: MODEL_SHAPES/<hub id>/config.json."""
-    named = {config.values["model_name_or_path"] for config in SHIPPED
-             if config.values.get("model_name_or_path") and not trained_by_another_config(config)}
+    named = {
+        config.values["model_name_or_path"]
+        for config in SHIPPED
+        if config.values.get("model_name_or_path") and not trained_by_another_config(config)
+    }
     kept = {str(path.parent.relative_to(MODEL_SHAPES)) for path in MODEL_SHAPES.glob("*/*/config.json")}
     assert named <= kept
     assert kept == set(PUBLISHED_BILLIONS)
@@ -184,19 +241,26 @@ def test_chat_templates_written_in_configs_render_conversations_turn_by_turn():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                    {"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "reverse abc"},
+        {"role": "assistant", "content": "cba"},
+    ]
     templates = {config.values["chat_template"] for config in SHIPPED if config.values.get("chat_template")}
     assert len(templates) == 3  # ChatML (Qwen3), Phi-3's and Phi-4-mini's formats without a trailing <|endoftext|>
     for template in templates:
+
         def render(messages, prompt=False):
-            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=prompt)
+            return tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=prompt
+            )
+
         full = render(conversation)
         for index in (1, 3):
             head, upto = render(conversation[:index], prompt=True), render(conversation[: index + 1])
             assert full.startswith(head) and full.startswith(upto) and len(head) < len(upto)
-            assert conversation[index]["content"] in upto[len(head):]
+            assert conversation[index]["content"] in upto[len(head) :]
 
 
 # --- cp -----------------------------------------------------------------------------------------------------------
@@ -208,13 +272,24 @@ def test_cp_config_copies_it_with_its_recipe_and_what_it_names(tmp_path, capsys)
     dest = tmp_path / "project"
     assert cli.main(["cp", "sft/demo_reverse", str(dest)]) == 0
     out = capsys.readouterr().out
-    demo = {path.relative_to(REPO).as_posix() for folder in ("reverse", "tokenizer")  # what demo_reverse.yaml names
-            for path in (REPO / "demo" / "assets" / folder).rglob("*") if path.is_file()}
-    assert files_under(dest) == {"recipes/configs/sft/demo_reverse.yaml", "recipes/sft.py", "demo/tiny_llama.json",
-                                 "accelerate_configs/fsdp_2proc_cpu.yaml", *demo}
+    demo = {
+        path.relative_to(REPO).as_posix()
+        for folder in ("reverse", "tokenizer")  # what demo_reverse.yaml names
+        for path in (REPO / "demo" / "assets" / folder).rglob("*")
+        if path.is_file()
+    }
+    assert files_under(dest) == {
+        "recipes/configs/sft/demo_reverse.yaml",
+        "recipes/sft.py",
+        "demo/tiny_llama.json",
+        "accelerate_configs/fsdp_2proc_cpu.yaml",
+        *demo,
+    }
     assert all(filecmp.cmp(REPO / name, dest / name, shallow=False) for name in files_under(dest))
-    assert (f"cd {dest} && accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml recipes/sft.py "
-            "--config recipes/configs/sft/demo_reverse.yaml") in out
+    assert (
+        f"cd {dest} && accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml recipes/sft.py "
+        "--config recipes/configs/sft/demo_reverse.yaml"
+    ) in out
 
 
 def test_cp_recipe_copies_the_script_all_its_configs_and_what_they_name(tmp_path):
@@ -259,10 +334,13 @@ def test_cp_to_a_file_copies_only_that_file_and_says_what_it_names(tmp_path, cap
     assert "a recipe is a .py, a config a .yaml" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, message", [
-    ("sfx", "no recipe or config named 'sfx'; did you mean 'sft'?"),
-    ("qwen3-8b", "did you mean 'sft/qwen3-8b_ultrachat'?"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("sfx", "no recipe or config named 'sfx'; did you mean 'sft'?"),
+        ("qwen3-8b", "did you mean 'sft/qwen3-8b_ultrachat'?"),
+    ],
+)
 def test_cp_unknown_names_are_one_error_with_a_suggestion(tmp_path, capsys, name, message):
     assert cli.main(["cp", name, str(tmp_path / "dest")]) == 2
     err = capsys.readouterr().err
@@ -279,9 +357,13 @@ def bundled_patterns() -> dict[str, list[str]]:
 
 
 def test_the_wheel_bundles_every_file_ls_and_cp_use():
-    bundled = {(Path(folder) / path.relative_to(REPO / folder)).as_posix()
-               for folder, patterns in bundled_patterns().items() for pattern in patterns
-               for path in (REPO / folder).glob(pattern) if path.is_file()}
+    bundled = {
+        (Path(folder) / path.relative_to(REPO / folder)).as_posix()
+        for folder, patterns in bundled_patterns().items()
+        for pattern in patterns
+        for path in (REPO / folder).glob(pattern)
+        if path.is_file()
+    }
     needed = {path.as_posix() for recipe in CATALOG.recipes() for path, _, _ in CATALOG.copy_plan(recipe)}
     models = {CATALOG.model_file(config) for config in SHIPPED if not trained_by_another_config(config)}
     needed |= {path.relative_to(REPO).as_posix() for path in models if not path.is_relative_to(MODEL_SHAPES)}
@@ -289,8 +371,9 @@ def test_the_wheel_bundles_every_file_ls_and_cp_use():
     assert needed <= bundled, sorted(needed - bundled)
     # the model shapes are package data of the estimator (pyproject.toml), not bundled copies
     package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    packaged = {path for pattern in package_data["fsdp_recipes.tools.estimator"]
-                for path in MODEL_SHAPES.parent.glob(pattern)}
+    packaged = {
+        path for pattern in package_data["fsdp_recipes.tools.estimator"] for path in MODEL_SHAPES.parent.glob(pattern)
+    }
     assert {path for path in models if path.is_relative_to(MODEL_SHAPES)} <= packaged
     assert set(MODEL_SHAPES.glob("*/*/config.json")) <= packaged
 
@@ -308,27 +391,54 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path)], check=True)
     site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *tmp_path.glob("fsdp_recipes-*.whl")],
-                   check=True)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), *tmp_path.glob("fsdp_recipes-*.whl")], check=True
+    )
     installed = {"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}  # the wheel's package, not the checkout's
-    script = ("import sys; from fsdp_recipes.tools import catalog, cli; print('root', catalog.source_root()); "
-              "sys.exit(cli.main(['cp', 'sft/demo_reverse', 'project']))")
-    result = run_process_group([sys.executable, "-c", script], timeout=120, env={"PATH": "/usr/bin:/bin", **installed},
-                               cwd=tmp_path)
+    script = (
+        "import sys; from fsdp_recipes.tools import catalog, cli; print('root', catalog.source_root()); "
+        "sys.exit(cli.main(['cp', 'sft/demo_reverse', 'project']))"
+    )
+    result = run_process_group(
+        [sys.executable, "-c", script], timeout=120, env={"PATH": "/usr/bin:/bin", **installed}, cwd=tmp_path
+    )
     require_success(result)
     assert f"root {site / 'fsdp_recipes' / 'bundled'}" in result.stdout
 
     project = tmp_path / "project"
     recipe = project / "recipes" / "sft.py"
     assert filecmp.cmp(recipe, REPO / "recipes" / "sft.py", shallow=False)
-    recipe.write_text(recipe.read_text().replace(
-        'if __name__ == "__main__":\n',
-        'if __name__ == "__main__":\n    import fsdp_recipes\n    print("the edited copy runs with", fsdp_recipes.__file__)\n'))
+    recipe.write_text(
+        recipe.read_text().replace(
+            'if __name__ == "__main__":\n',
+            'if __name__ == "__main__":\n    import fsdp_recipes\n    print("the edited copy runs with", fsdp_recipes.__file__)\n',
+        )
+    )
     command = CATALOG.read_config(project / "recipes/configs/sft/demo_reverse.yaml", recipe="sft").launch
-    short = ["--max_steps", "4", "--logging_steps", "1", "--eval_steps", "null", "--save_steps", "null",
-             "--exact_match_eval_samples", "0", "--output_dir", "out", "--report_to", "none"]
-    result = launch(Path(command.script), [*command.script_args, *short], num_processes=1,  # one is enough here
-                    accelerate_config=Path(command.accelerate_config), cwd=project, env=installed)
+    short = [
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "null",
+        "--save_steps",
+        "null",
+        "--exact_match_eval_samples",
+        "0",
+        "--output_dir",
+        "out",
+        "--report_to",
+        "none",
+    ]
+    result = launch(
+        Path(command.script),
+        [*command.script_args, *short],
+        num_processes=1,  # one is enough here
+        accelerate_config=Path(command.accelerate_config),
+        cwd=project,
+        env=installed,
+    )
     require_success(result)
     assert f"the edited copy runs with {site / 'fsdp_recipes' / '__init__.py'}" in result.stdout
     assert [record["step"] for record in read_metrics(project / "out") if "loss" in record] == [1, 2, 3, 4]

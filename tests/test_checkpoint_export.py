@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
 from fsdp_recipes.publish.checkpoint_export import export_checkpoint
+from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,13 @@ def test_save_total_limit_keeps_the_newest(sharded_run):
 def test_offline_export_equals_the_recipe_export(tmp_path, sharded_run):
     folder = export_checkpoint(latest_checkpoint(sharded_run), tmp_path / "exported")
     assert_same_tensors(all_tensors(folder), all_tensors(sharded_run))
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert (folder / name).read_text() == (sharded_run / name).read_text(), name
     assert "learning_rate" in (folder / "README.md").read_text()
 
@@ -90,7 +96,9 @@ def test_accelerate_merge_weights_reads_our_checkpoints(tmp_path, sharded_run):
     checkpoint = latest_checkpoint(sharded_run)
     result = subprocess.run(
         [str(accelerate), "merge-weights", str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_tensors(load_file(tmp_path / "merged" / "model.safetensors"), all_tensors(sharded_run))

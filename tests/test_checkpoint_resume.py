@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.sft import STEPS, run_sft
+from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
 from helpers.launch import concurrently
 from helpers.recipes import read_metrics
-from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 RESUMED_FROM = 3
@@ -55,7 +55,9 @@ def resumed(tmp_path_factory, killed_during_save) -> dict[int, Path]:
         tmp = tmp_path_factory.mktemp(f"resumed_on_{num_processes}")
         out, values = copy_of(killed_during_save, tmp)
         overrides = {} if num_processes == 2 else {"per_device_train_batch_size": 8, "exact_match_eval_samples": 0}
-        run_sft(tmp, "resumed", {**values, "resume_from_checkpoint": "latest", **overrides}, num_processes=num_processes)
+        run_sft(
+            tmp, "resumed", {**values, "resume_from_checkpoint": "latest", **overrides}, num_processes=num_processes
+        )
         return out
 
     return dict(zip((2, 1), concurrently(lambda: resume(2), lambda: resume(1))))
@@ -66,7 +68,10 @@ def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(refe
     resumed_losses, reference_losses = losses_by_step(out), losses_by_step(reference_run)
     assert sorted(resumed_losses) == list(range(1, STEPS + 1))
     assert resumed_losses == reference_losses  # exactly equal, step for step
-    resumed_weights, reference_weights = load_file(out / "model.safetensors"), load_file(reference_run / "model.safetensors")
+    resumed_weights, reference_weights = (
+        load_file(out / "model.safetensors"),
+        load_file(reference_run / "model.safetensors"),
+    )
     assert resumed_weights.keys() == reference_weights.keys()
     for key in reference_weights:
         assert torch.equal(resumed_weights[key], reference_weights[key]), key
@@ -86,5 +91,8 @@ def test_resume_on_another_world_size(reference_run, resumed):
     resumed_losses, expected = losses_by_step(out), losses_by_step(reference_run)
     steps = list(range(RESUMED_FROM + 1, STEPS + 1))
     torch.testing.assert_close(
-        torch.tensor([resumed_losses[s] for s in steps]), torch.tensor([expected[s] for s in steps]), rtol=1e-5, atol=1e-6
+        torch.tensor([resumed_losses[s] for s in steps]),
+        torch.tensor([expected[s] for s in steps]),
+        rtol=1e-5,
+        atol=1e-6,
     )

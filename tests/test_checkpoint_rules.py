@@ -59,8 +59,15 @@ def test_each_recipe_declares_what_its_objective_and_data_depend_on():
     """The shared layer asks the config class; each recipe adds its own objective and data fields."""
     from helpers.recipes import load_recipe
 
-    declared = {name: getattr(load_recipe(name), config)().resume_sensitive_fields() for name, config in (
-        ("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("pretrain", "PretrainConfig"), ("classify", "ClassifyConfig"))}
+    declared = {
+        name: getattr(load_recipe(name), config)().resume_sensitive_fields()
+        for name, config in (
+            ("sft", "SFTConfig"),
+            ("dpo", "DPOConfig"),
+            ("pretrain", "PretrainConfig"),
+            ("classify", "ClassifyConfig"),
+        )
+    }
     assert {"beta", "loss_type", "label_smoothing"} <= set(declared["dpo"])
     assert {"packing", "assistant_only_loss", "completion_only_loss"} <= set(declared["sft"])
     assert {"dataset_text_field", "packing_strategy", "streaming"} <= set(declared["pretrain"])
@@ -92,8 +99,12 @@ def test_a_changed_objective_is_refused_listing_every_change_unless_allowed(tmp_
 def test_allow_config_change_names_only_fields_a_resume_checks():
     from helpers.recipes import load_recipe
 
-    config = load_recipe("dpo").DPOConfig(model_name_or_path="m", dataset_name="d", resume_from_checkpoint="latest",
-                                          allow_config_change=["betta", "lora_r"])
+    config = load_recipe("dpo").DPOConfig(
+        model_name_or_path="m",
+        dataset_name="d",
+        resume_from_checkpoint="latest",
+        allow_config_change=["betta", "lora_r"],
+    )
     problems = config.validate()
     assert "allow_config_change: 'betta' is not a field that resuming checks; did you mean 'beta'?" in problems
     assert any(p.startswith("allow_config_change: lora_r cannot change on resume") for p in problems)

@@ -13,12 +13,12 @@ import yaml
 from datasets import ClassLabel, Dataset, Features
 
 from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, classify_values
+from fsdp_recipes.common.arguments import parse_config
+from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.data import classification
+from fsdp_recipes.train import classifier
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.recipes import load_recipe, read_metrics, recipe_config, recipe_error_in_process
-from fsdp_recipes.train import classifier
-from fsdp_recipes.common.arguments import parse_config
-from fsdp_recipes.data import classification
-from fsdp_recipes.common.errors import ConfigError, DataError
 
 
 # ------------------------------------------------------------------------------------------ the 2-rank FSDP2 launch
@@ -93,15 +93,19 @@ def test_label_names_and_ids_from_each_label_kind():
 
 def test_integer_labels_are_ids_only_for_a_model_without_label_names():
     data = Dataset.from_dict({"label": [1, 0]})
-    assert classification.label_ids(data, "label", {"LABEL_0": 0, "LABEL_1": 1}, name="eval", ids_allowed=True) == [1, 0]
+    assert classification.label_ids(data, "label", {"LABEL_0": 0, "LABEL_1": 1}, name="eval", ids_allowed=True) == [
+        1,
+        0,
+    ]
     with pytest.raises(DataError, match="labels the classifier does not know: '0', '1'"):
         classification.label_ids(data, "label", {"LABEL_0": 0, "LABEL_1": 1}, name="eval")
 
 
 def test_text_pairs_are_joined_by_the_tokenizer_and_truncated(tokenizer):
     data = Dataset.from_dict({"q": ["abc", "abcdefghij"], "a": ["de", "xyz"]})
-    rows, stats = classification.tokenize(data, tokenizer, text_column="q", text_pair_column="a", labels=[1, 0],
-                                          max_length=8)
+    rows, stats = classification.tokenize(
+        data, tokenizer, text_column="q", text_pair_column="a", labels=[1, 0], max_length=8
+    )
     assert rows[0]["input_ids"] == tokenizer("abc", "de")["input_ids"] and rows[0]["labels"] == 1
     assert len(rows[1]["input_ids"]) == 8 and stats["truncated"] == 1
     batch = classification.collate([rows[0], rows[1]], pad_token_id=0)
@@ -135,8 +139,10 @@ def test_weighted_loss_is_the_global_mean_whatever_the_split():
     labels = torch.tensor([1, 0, 1, 1, 0])
     ce = torch.nn.functional.cross_entropy(inputs, labels, reduction="none")
     expected = float((weights[labels] * ce).sum() / weights[labels].sum())
-    halves = [dict(input_ids=inputs[:2], attention_mask=None, labels=labels[:2]),
-              dict(input_ids=inputs[2:], attention_mask=None, labels=labels[2:])]
+    halves = [
+        dict(input_ids=inputs[:2], attention_mask=None, labels=labels[:2]),
+        dict(input_ids=inputs[2:], attention_mask=None, labels=labels[2:]),
+    ]
     total = sum(classifier.weight_sum(batch, weights) for batch in halves)
     scale = classifier.global_mean_scale(_TwoRanks(), total)
     averaged = sum(float(classifier.loss_sum(model, batch, weights)) * scale for batch in halves) / 2
@@ -171,13 +177,24 @@ def data_folder(tmp: Path, train: list[dict], test: list[dict]) -> Path:
 ROWS = [{"text": "abc", "label": "x"}, {"text": "bcd", "label": "y"}]
 
 
-@pytest.mark.parametrize("case, train, test, expected", [
-    ("label column missing", [{"text": "abc", "category": "x"}] * 4, [{"text": "abc", "category": "y"}],
-     "no 'label': set text_column, text_pair_column and label_column"),
-    ("one label only", [{"text": "abc", "label": "x"}] * 4, ROWS, "a single label ('x' in column 'label')"),
-    ("eval labels unseen in train", ROWS * 2, ROWS + [{"text": "q", "label": "z"}],
-     "the eval split has labels the classifier does not know: 'z'"),
-])
+@pytest.mark.parametrize(
+    "case, train, test, expected",
+    [
+        (
+            "label column missing",
+            [{"text": "abc", "category": "x"}] * 4,
+            [{"text": "abc", "category": "y"}],
+            "no 'label': set text_column, text_pair_column and label_column",
+        ),
+        ("one label only", [{"text": "abc", "label": "x"}] * 4, ROWS, "a single label ('x' in column 'label')"),
+        (
+            "eval labels unseen in train",
+            ROWS * 2,
+            ROWS + [{"text": "q", "label": "z"}],
+            "the eval split has labels the classifier does not know: 'z'",
+        ),
+    ],
+)
 def test_bad_data_is_one_error_before_loading(tmp_path, tiny_model_config, capsys, case, train, test, expected):
     values = classify_values(tiny_model_config, data_folder(tmp_path, train, test), tmp_path / "out")
     assert expected in run_classify_failing(tmp_path, values, capsys)
@@ -188,8 +205,9 @@ def test_no_held_out_data_and_mismatched_class_weights(tmp_path, tiny_model_conf
     write_jsonl(only_train, ROWS * 2)
     values = classify_values(tiny_model_config, only_train, tmp_path / "out", eval_split_size=0)
     assert "classification needs held-out data" in run_classify_failing(tmp_path, values, capsys)
-    values = classify_values(tiny_model_config, data_folder(tmp_path, ROWS * 2, ROWS), tmp_path / "out",
-                             class_weights="1,2,3")
+    values = classify_values(
+        tiny_model_config, data_folder(tmp_path, ROWS * 2, ROWS), tmp_path / "out", class_weights="1,2,3"
+    )
     assert "gives 3 weights but the data has 2 classes" in run_classify_failing(tmp_path, values, capsys)
 
 
@@ -197,16 +215,30 @@ def test_resume_on_other_classes_is_refused(tmp_path, tokenizer, capsys):
     """The checkpoint's head has 3 rows (other classes): the shape check leaves the head to the recipe, which
     compares the classes once the data is read."""
     model_config = write_tiny_model_config(tmp_path / "model.json", tokenizer)
-    values = classify_values(model_config, data_folder(tmp_path, ROWS * 2, ROWS), tmp_path / "out",
-                             resume_from_checkpoint="latest", save_steps=2)
+    values = classify_values(
+        model_config,
+        data_folder(tmp_path, ROWS * 2, ROWS),
+        tmp_path / "out",
+        resume_from_checkpoint="latest",
+        save_steps=2,
+    )
     checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
     (checkpoint / "model").mkdir(parents=True)
     saved = json.loads(model_config.read_text())
     saved.update(id2label={"0": "x", "1": "y", "2": "w"}, label2id={"x": 0, "y": 1, "w": 2})
     (checkpoint / "model" / "config.json").write_text(json.dumps(saved))
-    (checkpoint / "progress.json").write_text(json.dumps(dict(
-        step=2, epoch=0, batches_into_epoch=1, world_size=1, per_device_train_batch_size=8,
-        gradient_accumulation_steps=1)))
+    (checkpoint / "progress.json").write_text(
+        json.dumps(
+            dict(
+                step=2,
+                epoch=0,
+                batches_into_epoch=1,
+                world_size=1,
+                per_device_train_batch_size=8,
+                gradient_accumulation_steps=1,
+            )
+        )
+    )
     (checkpoint.parent / "latest").write_text(checkpoint.name + "\n")
     from accelerate.state import AcceleratorState
 
@@ -214,7 +246,11 @@ def test_resume_on_other_classes_is_refused(tmp_path, tokenizer, capsys):
 
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(SystemExit):
-        exit_on_user_error(lambda: load_recipe("classify").main(["--config", str(recipe_config(tmp_path / "r.yaml", **values))]))
+        exit_on_user_error(
+            lambda: load_recipe("classify").main(["--config", str(recipe_config(tmp_path / "r.yaml", **values))])
+        )
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert error == ["error: the checkpoint was trained on the classes ['x', 'y', 'w'] but this data gives ['x', 'y']: "
-                     "resume with the data it was trained on, or start a new run in another output_dir"]
+    assert error == [
+        "error: the checkpoint was trained on the classes ['x', 'y', 'w'] but this data gives ['x', 'y']: "
+        "resume with the data it was trained on, or start a new run in another output_dir"
+    ]

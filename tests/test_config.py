@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from helpers.recipes import load_recipe
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError
+from helpers.recipes import load_recipe
 
 SFTConfig = load_recipe("sft").SFTConfig
 
@@ -30,13 +30,16 @@ def test_yaml_values_and_command_line_overrides(tmp_path):
     assert config.trust_remote_code is False
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--save_steps", "null", "--save_steps", "2"], 2),
-    (["--save_steps", "2", "--save_steps", "null"], None),
-    (["--save_steps=none", "--save_steps=3"], 3),
-    (["--save_steps", "4", "--save_steps=NULL"], None),
-    (["--save_steps", "null", "--eval_steps", "5"], None),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--save_steps", "null", "--save_steps", "2"], 2),
+        (["--save_steps", "2", "--save_steps", "null"], None),
+        (["--save_steps=none", "--save_steps=3"], 3),
+        (["--save_steps", "4", "--save_steps=NULL"], None),
+        (["--save_steps", "null", "--eval_steps", "5"], None),
+    ],
+)
 def test_the_last_flag_for_a_field_wins_null_or_not(tmp_path, flags, expected):
     config = parse_config(SFTConfig, ["--config", write(tmp_path, BASE + "save_steps: 9\n"), *flags])
     assert config.save_steps == expected
@@ -83,8 +86,11 @@ def recipe_config_class(recipe: str):
     import dataclasses
 
     module = load_recipe(recipe)
-    classes = [value for name, value in vars(module).items()
-               if name.endswith("Config") and dataclasses.is_dataclass(value) and value.__module__ == module.__name__]
+    classes = [
+        value
+        for name, value in vars(module).items()
+        if name.endswith("Config") and dataclasses.is_dataclass(value) and value.__module__ == module.__name__
+    ]
     assert len(classes) == 1, f"recipes/{recipe}.py should define one config class, found {classes}"
     return classes[0]
 
@@ -99,7 +105,9 @@ def test_every_shipped_recipe_config_parses_and_says_how_to_launch_it(monkeypatc
     for path in configs:
         recipe = path.relative_to(repo / "recipes" / "configs").parts[0]  # recipes/configs/<recipe>/...
         command = path.read_text().split("\n\n")[0]
-        assert "accelerate launch" in command and f"recipes/{recipe}.py" in command, f"{path} does not open with its command"
+        assert "accelerate launch" in command and f"recipes/{recipe}.py" in command, (
+            f"{path} does not open with its command"
+        )
         parse_config(recipe_config_class(recipe), ["--config", str(path)])
 
 

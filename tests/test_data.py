@@ -4,11 +4,10 @@ import pytest
 import torch
 from datasets import Dataset
 
-from helpers.data import write_tiny_model_config
-from fsdp_recipes.data.chat import detect_format, tokenize_dataset, tokenize_example
-from fsdp_recipes.data.rows import build_rows, collate_rows, pack_lengths
-from fsdp_recipes.data.rows import IGNORE_INDEX
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.chat import detect_format, tokenize_dataset, tokenize_example
+from fsdp_recipes.data.rows import IGNORE_INDEX, build_rows, collate_rows, pack_lengths
+from helpers.data import write_tiny_model_config
 
 CONVERSATION = [
     {"role": "user", "content": "reverse: abc"},
@@ -24,27 +23,43 @@ def loss_text(tokenizer, encoded) -> str:
 
 def test_only_assistant_tokens_carry_loss(tokenizer):
     encoded = tokenize_example(
-        {"messages": CONVERSATION}, tokenizer, "conversational",
-        assistant_only_loss=True, completion_only_loss=True, max_length=512,
+        {"messages": CONVERSATION},
+        tokenizer,
+        "conversational",
+        assistant_only_loss=True,
+        completion_only_loss=True,
+        max_length=512,
     )
     # Each assistant turn's text and the token that ends it, nothing from the user turns or the role headers.
     assert loss_text(tokenizer, encoded).replace(" ", "") == f"cba{tokenizer.eos_token}yx{tokenizer.eos_token}"
     everything = tokenize_example(
-        {"messages": CONVERSATION}, tokenizer, "conversational",
-        assistant_only_loss=False, completion_only_loss=True, max_length=512,
+        {"messages": CONVERSATION},
+        tokenizer,
+        "conversational",
+        assistant_only_loss=False,
+        completion_only_loss=True,
+        max_length=512,
     )
     assert sum(everything["loss_mask"]) == len(everything["input_ids"])
 
 
 def test_only_completion_tokens_carry_loss(tokenizer):
     encoded = tokenize_example(
-        {"prompt": "reverse: abc", "completion": "cba"}, tokenizer, "prompt_completion",
-        assistant_only_loss=True, completion_only_loss=True, max_length=512,
+        {"prompt": "reverse: abc", "completion": "cba"},
+        tokenizer,
+        "prompt_completion",
+        assistant_only_loss=True,
+        completion_only_loss=True,
+        max_length=512,
     )
     assert loss_text(tokenizer, encoded).replace(" ", "") == f"cba{tokenizer.eos_token}"
     conversational = tokenize_example(
-        {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:2]}, tokenizer, "prompt_completion",
-        assistant_only_loss=True, completion_only_loss=True, max_length=512,
+        {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:2]},
+        tokenizer,
+        "prompt_completion",
+        assistant_only_loss=True,
+        completion_only_loss=True,
+        max_length=512,
     )
     assert loss_text(tokenizer, conversational).replace(" ", "") == f"cba{tokenizer.eos_token}"
 
@@ -112,7 +127,9 @@ def test_format_detection_names_the_columns():
 
 def test_empty_split_and_nothing_to_learn(tokenizer):
     with pytest.raises(DataError, match="empty"):
-        tokenize_dataset(Dataset.from_list([]), tokenizer, assistant_only_loss=True, completion_only_loss=True, max_length=8)
+        tokenize_dataset(
+            Dataset.from_list([]), tokenizer, assistant_only_loss=True, completion_only_loss=True, max_length=8
+        )
     long_prompt = Dataset.from_list([{"prompt": "x" * 50, "completion": "y"}])
     with pytest.raises(DataError, match="max_length"):
         tokenize_dataset(long_prompt, tokenizer, assistant_only_loss=True, completion_only_loss=True, max_length=8)
@@ -147,5 +164,10 @@ def test_plain_prompt_completion_needs_no_chat_template_but_conversations_do(tok
     tokens, _ = tokenize_dataset(plain, bare, assistant_only_loss=True, completion_only_loss=True, max_length=64)
     assert len(tokens) == 1
     with pytest.raises(DataError, match="no chat template"):
-        tokenize_dataset(Dataset.from_list([{"messages": CONVERSATION}]), bare,
-                         assistant_only_loss=True, completion_only_loss=True, max_length=64)
+        tokenize_dataset(
+            Dataset.from_list([{"messages": CONVERSATION}]),
+            bare,
+            assistant_only_loss=True,
+            completion_only_loss=True,
+            max_length=64,
+        )

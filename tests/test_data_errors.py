@@ -9,11 +9,11 @@ import datasets
 import pytest
 from datasets import Dataset
 
-from helpers.data import write_jsonl
+from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data import files
 from fsdp_recipes.data.chat import tokenize_dataset
 from fsdp_recipes.data.files import load_raw_dataset
-from fsdp_recipes.common.errors import DataError
+from helpers.data import write_jsonl
 
 TURNS = [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]
 GOOD = {"messages": TURNS}

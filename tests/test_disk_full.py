@@ -12,6 +12,7 @@ import stat
 import pytest
 import torch
 
+from fsdp_recipes.common.errors import ConfigError, DiskFullError, UserError, exit_on_user_error
 from fsdp_recipes.train.checkpoint import (
     CHECKPOINTS,
     TrainingProgress,
@@ -20,7 +21,6 @@ from fsdp_recipes.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fsdp_recipes.common.errors import ConfigError, DiskFullError, UserError, exit_on_user_error
 
 FULL = "/dev/full"  # every write fails with ENOSPC; opened in place, never replaced (no rename, no unlink)
 REAL_SAVE = torch.save
@@ -47,8 +47,14 @@ def accelerator():
 
 
 def progress(step: int) -> TrainingProgress:
-    return TrainingProgress(step=step, epoch=0, batches_into_epoch=step, world_size=1,
-                            per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    return TrainingProgress(
+        step=step,
+        epoch=0,
+        batches_into_epoch=step,
+        world_size=1,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+    )
 
 
 def fail_staged_torch_saves(monkeypatch, write_to_full):
@@ -136,6 +142,7 @@ def test_a_rank_that_alone_ran_out_of_space_says_so(monkeypatch, capsys):
     def fail(error):
         def main():
             raise error
+
         with pytest.raises(SystemExit) as exited:
             exit_on_user_error(main)
         assert exited.value.code == 2

@@ -25,8 +25,8 @@ def test_guard_refuses_a_launch_that_degraded_into_independent_processes(monkeyp
 
     from accelerate.utils import DistributedType
 
-    from fsdp_recipes.distributed.accelerator import refuse_degraded_launch
     from fsdp_recipes.common.errors import DistributedSetupError
+    from fsdp_recipes.distributed.accelerator import refuse_degraded_launch
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun tells each process
     alone = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO)

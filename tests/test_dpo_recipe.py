@@ -13,13 +13,20 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.dpo import DPO_STEPS, dpo_values, run_dpo
+from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
+from fsdp_recipes.data import preference
+from fsdp_recipes.train import losses
 from helpers.launch import alongside
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
-from fsdp_recipes.train import losses
-from fsdp_recipes.data import preference
-from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
 
-FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+FIGURES = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def step_records(output_dir: Path) -> dict[int, dict]:
@@ -46,14 +53,25 @@ def assert_first_step_is_the_reference(output_dir: Path) -> None:
 def one_process_precomputed(tmp_path_factory, pretrained_tiny_model, preference_data) -> Path:
     """The reference run's global batch on one process (8 pairs per micro-batch), reference values precomputed."""
     tmp = tmp_path_factory.mktemp("dpo_one")
-    run_recipe_in_process("dpo", tmp, "one", dpo_values(pretrained_tiny_model, preference_data, tmp / "out",
-                                                        per_device_train_batch_size=8, precompute_ref_log_probs=True))
+    run_recipe_in_process(
+        "dpo",
+        tmp,
+        "one",
+        dpo_values(
+            pretrained_tiny_model,
+            preference_data,
+            tmp / "out",
+            per_device_train_batch_size=8,
+            precompute_ref_log_probs=True,
+        ),
+    )
     return tmp / "out"
 
 
 @pytest.mark.slow
-def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_values(dpo_reference_run,
-                                                                                     one_process_precomputed):
+def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_values(
+    dpo_reference_run, one_process_precomputed
+):
     for run in (dpo_reference_run, one_process_precomputed):
         assert_first_step_is_the_reference(run)
     two, one = losses_of(dpo_reference_run), losses_of(one_process_precomputed)
@@ -66,7 +84,8 @@ def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_v
     assert summary["memory_estimate"]["predicted_per_gpu_bytes"]["reference_model"] > 0
     one_summary = json.loads((one_process_precomputed / "run_summary.json").read_text())
     assert one_summary["reference"].startswith("precomputed") and "reference_model" not in json.dumps(
-        {k: v for k, v in one_summary["memory_estimate"]["predicted_per_gpu_bytes"].items() if v})
+        {k: v for k, v in one_summary["memory_estimate"]["predicted_per_gpu_bytes"].items() if v}
+    )
 
 
 @pytest.mark.slow
@@ -80,14 +99,18 @@ def test_values_precomputed_on_two_ranks_are_one_process_values(dpo_launches, on
     assert tables[0].keys() == tables[1].keys() == {"train", "eval"}
     for split in tables[0]:
         assert tables[0][split].keys() == tables[1][split].keys() and len(tables[0][split]) in (64, 16)
-        torch.testing.assert_close(torch.tensor([tables[0][split][i] for i in sorted(tables[0][split])]),
-                                   torch.tensor([tables[1][split][i] for i in sorted(tables[1][split])]),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor([tables[0][split][i] for i in sorted(tables[0][split])]),
+            torch.tensor([tables[1][split][i] for i in sorted(tables[1][split])]),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     assert_first_step_is_the_reference(two_ranks)
     assert len(losses_of(two_ranks)) == DPO_STEPS
     for other in (one_process_precomputed, dpo_launches["reference"]):
-        torch.testing.assert_close(torch.tensor(losses_of(two_ranks)), torch.tensor(losses_of(other)), rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(losses_of(two_ranks)), torch.tensor(losses_of(other)), rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.slow
@@ -99,7 +122,9 @@ def test_held_out_figures_use_trls_names_and_the_model_is_exported(dpo_reference
     assert evaluations[-1]["eval_samples"] == 16
     results = json.loads((dpo_reference_run / "eval_results.json").read_text())
     assert results["eval_rewards/accuracies"] == evaluations[-1]["eval_rewards/accuracies"]
-    assert (dpo_reference_run / "model.safetensors").is_file() and "dpo" in (dpo_reference_run / "README.md").read_text()
+    assert (dpo_reference_run / "model.safetensors").is_file() and "dpo" in (
+        dpo_reference_run / "README.md"
+    ).read_text()
 
 
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-2, save_steps=None)
@@ -113,11 +138,15 @@ def followups(tmp_path_factory, dpo_launches, pretrained_tiny_model, preference_
     source, values, _ = dpo_launches["killed"]
     shutil.copytree(source, tmp / "resumed")
     alongside(
-        lambda: run_recipe_in_process("dpo", tmp, "lora_one", dpo_values(pretrained_tiny_model, preference_data,
-                                                                         tmp / "lora_one",
-                                                                         per_device_train_batch_size=8, **LORA)),
-        lambda: run_dpo(tmp, "resumed", {**values, "output_dir": str(tmp / "resumed"),
-                                         "resume_from_checkpoint": "latest"}),
+        lambda: run_recipe_in_process(
+            "dpo",
+            tmp,
+            "lora_one",
+            dpo_values(pretrained_tiny_model, preference_data, tmp / "lora_one", per_device_train_batch_size=8, **LORA),
+        ),
+        lambda: run_dpo(
+            tmp, "resumed", {**values, "output_dir": str(tmp / "resumed"), "resume_from_checkpoint": "latest"}
+        ),
         lambda: run_dpo(tmp, "lora_two", dpo_values(pretrained_tiny_model, preference_data, tmp / "lora_two", **LORA)),
     )
     return {name: tmp / name for name in ("resumed", "lora_two", "lora_one")}
@@ -148,12 +177,18 @@ def test_lora_dpo_uses_the_policy_without_adapters_as_reference(followups):
     assert losses_of(two)[-1] < math.log(2)
 
 
-def test_precomputed_values_survive_a_resume(tmp_path, one_process_precomputed, pretrained_tiny_model, preference_data,
-                                             monkeypatch):
+def test_precomputed_values_survive_a_resume(
+    tmp_path, one_process_precomputed, pretrained_tiny_model, preference_data, monkeypatch
+):
     """A run that fails after step 4 (its last checkpoint is step 3's) resumes with the values it stored before its
     first step, not values from the half-trained policy: its losses are the uninterrupted run's."""
-    values = dpo_values(pretrained_tiny_model, preference_data, tmp_path / "out", per_device_train_batch_size=8,
-                        precompute_ref_log_probs=True)
+    values = dpo_values(
+        pretrained_tiny_model,
+        preference_data,
+        tmp_path / "out",
+        per_device_train_batch_size=8,
+        precompute_ref_log_probs=True,
+    )
     monkeypatch.setenv(FAULT_ENV, "raise-after-step:4")
     with pytest.raises(InjectedFault):
         run_recipe_in_process("dpo", tmp_path, "failed", values)
@@ -178,8 +213,9 @@ def test_resuming_with_precomputed_values_that_are_gone_is_refused(tmp_path, one
     assert "reference_log_probs.json" in error and "cannot be recomputed" in error
 
 
-def test_precomputed_values_are_found_by_content_and_edited_pairs_are_refused(tmp_path, one_process_precomputed,
-                                                                              preference_data, capsys):
+def test_precomputed_values_are_found_by_content_and_edited_pairs_are_refused(
+    tmp_path, one_process_precomputed, preference_data, capsys
+):
     """The values are kept in every checkpoint, keyed by each pair's content: data with one pair edited (same count,
     the change of dataset_name allowed) is refused before loading, naming the pair, instead of giving that pair
     another's values; nothing of the run is rewritten."""
@@ -200,13 +236,24 @@ def test_precomputed_values_are_found_by_content_and_edited_pairs_are_refused(tm
 
 
 def test_an_objective_changed_on_resume_is_refused_unless_allowed_and_then_recorded(
-        tmp_path, one_process_precomputed, pretrained_tiny_model, preference_data, capsys):
+    tmp_path, one_process_precomputed, pretrained_tiny_model, preference_data, capsys
+):
     out = shutil.copytree(one_process_precomputed, tmp_path / "out")
-    values = dpo_values(pretrained_tiny_model, preference_data, out, per_device_train_batch_size=8,
-                        precompute_ref_log_probs=True, resume_from_checkpoint="latest", max_steps=DPO_STEPS + 1,
-                        beta=0.25, label_smoothing=0.1)
+    values = dpo_values(
+        pretrained_tiny_model,
+        preference_data,
+        out,
+        per_device_train_batch_size=8,
+        precompute_ref_log_probs=True,
+        resume_from_checkpoint="latest",
+        max_steps=DPO_STEPS + 1,
+        beta=0.25,
+        label_smoothing=0.1,
+    )
     error = recipe_error_in_process("dpo", tmp_path, values, capsys)
-    assert "other settings that change the objective or the data (beta: 0.5 -> 0.25; label_smoothing: 0.0 -> 0.1)" in error
+    assert (
+        "other settings that change the objective or the data (beta: 0.5 -> 0.25; label_smoothing: 0.0 -> 0.1)" in error
+    )
     assert (out / "metrics.jsonl").read_text() == (one_process_precomputed / "metrics.jsonl").read_text()
     run_recipe_in_process("dpo", tmp_path, "allowed", {**values, "allow_config_change": ["beta", "label_smoothing"]})
     (resumed,) = [r for r in read_metrics(out) if r.get("event") == "resumed"]
@@ -215,15 +262,28 @@ def test_an_objective_changed_on_resume_is_refused_unless_allowed_and_then_recor
 
 
 # ------------------------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("rows, overrides, expected", [
-    ([{"prompt": "a", "answer": "b"}], {}, "columns ['answer', 'prompt'], but preference tuning needs 'prompt', 'chosen'"),
-    ([{"prompt": "reverse: abc", "chosen": "cba", "rejected": "cba"}], {}, "pair 0 of the train split: 'chosen' and "
-     "'rejected' are the same"),
-    ([{"prompt": "reverse: " + "a" * 80, "chosen": "cba", "rejected": "abc"}], {},
-     "pair 0 of the train split: its chosen answer has no token left after truncation to max_length=48"),
-    ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"beta": 0}, "beta must be a number > 0, got 0"),
-    ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"loss_type": "kto"}, "loss_type 'kto' is not one of"),
-])
+@pytest.mark.parametrize(
+    "rows, overrides, expected",
+    [
+        (
+            [{"prompt": "a", "answer": "b"}],
+            {},
+            "columns ['answer', 'prompt'], but preference tuning needs 'prompt', 'chosen'",
+        ),
+        (
+            [{"prompt": "reverse: abc", "chosen": "cba", "rejected": "cba"}],
+            {},
+            "pair 0 of the train split: 'chosen' and 'rejected' are the same",
+        ),
+        (
+            [{"prompt": "reverse: " + "a" * 80, "chosen": "cba", "rejected": "abc"}],
+            {},
+            "pair 0 of the train split: its chosen answer has no token left after truncation to max_length=48",
+        ),
+        ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"beta": 0}, "beta must be a number > 0, got 0"),
+        ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"loss_type": "kto"}, "loss_type 'kto' is not one of"),
+    ],
+)
 def test_bad_input_is_one_error_before_loading(tmp_path, pretrained_tiny_model, rows, overrides, expected, capsys):
     data = tmp_path / "data"
     data.mkdir()
@@ -239,8 +299,9 @@ def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    data = Dataset.from_dict({"prompt": ["reverse: abc", "reverse: hello"], "chosen": ["cba", "olleh"],
-                              "rejected": ["bca", "hello"]})
+    data = Dataset.from_dict(
+        {"prompt": ["reverse: abc", "reverse: hello"], "chosen": ["cba", "olleh"], "rejected": ["bca", "hello"]}
+    )
     pairs, _ = preference.tokenize_pairs(data, tokenizer, max_length=64)
     batch = preference.PairCollator(tokenizer.pad_token_id)(list(pairs))
     policy = AutoModelForCausalLM.from_pretrained(pretrained_tiny_model, dtype=torch.float32)
@@ -249,26 +310,31 @@ def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, 
         summed = losses.sequence_log_probs(token_loss.token_losses(policy, batch))
         logits = policy(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.log_softmax(-1)
     targets = batch["targets"]
-    independent = torch.stack([sum(logits[r, t, targets[r, t]] for t in range(targets.shape[1])
-                                   if targets[r, t] != losses.IGNORE_INDEX) for r in range(targets.shape[0])])
+    independent = torch.stack(
+        [
+            sum(logits[r, t, targets[r, t]] for t in range(targets.shape[1]) if targets[r, t] != losses.IGNORE_INDEX)
+            for r in range(targets.shape[0])
+        ]
+    )
     torch.testing.assert_close(summed, independent, rtol=1e-5, atol=1e-5)
     pc, pr = summed.chunk(2)
     rc, rr = pc - torch.tensor([0.3, -0.2]), pr + torch.tensor([0.1, 0.4])  # a reference the policy has moved from
     h = (pc - rc) - (pr - rr)
     beta = 0.5
     sigmoid, chosen_rewards, rejected_rewards = losses.dpo_losses(pc, pr, rc, rr, beta=beta, label_smoothing=0.1)
-    torch.testing.assert_close(sigmoid, -0.9 * torch.log(torch.sigmoid(beta * h)) - 0.1 * torch.log(torch.sigmoid(-beta * h)))
+    torch.testing.assert_close(
+        sigmoid, -0.9 * torch.log(torch.sigmoid(beta * h)) - 0.1 * torch.log(torch.sigmoid(-beta * h))
+    )
     torch.testing.assert_close(chosen_rewards, beta * (pc - rc))
     torch.testing.assert_close(rejected_rewards, beta * (pr - rr))
     hinge = losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="hinge")[0]
     torch.testing.assert_close(hinge, torch.clamp(1 - beta * h, min=0))
     lengths = (targets != losses.IGNORE_INDEX).sum(1).chunk(2)
-    ipo = losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="ipo", chosen_lengths=lengths[0],
-                            rejected_lengths=lengths[1])[0]
+    ipo = losses.dpo_losses(
+        pc, pr, rc, rr, beta=beta, loss_type="ipo", chosen_lengths=lengths[0], rejected_lengths=lengths[1]
+    )[0]
     torch.testing.assert_close(ipo, ((pc - rc) / lengths[0] - (pr - rr) / lengths[1] - 1 / (2 * beta)) ** 2)
     same = losses.dpo_losses(pc, pr, pc, pr, beta=beta)
     assert torch.equal(same[0], torch.full((2,), math.log(2))) and not same[1].any() and not same[2].any()
     with pytest.raises(ValueError, match="lengths"):
         losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="ipo")
-
-

@@ -28,8 +28,10 @@ def test_a_missing_local_model_path_is_not_a_hub_id_traceback(tmp_path, monkeypa
     with pytest.raises(InputError) as raised:
         modeling.load_tokenizer("outputs/demo_reverse/latest", setting="model_name_or_path")
     message = str(raised.value)
-    assert message.startswith("loading the tokenizer from 'outputs/demo_reverse/latest' (model_name_or_path): there "
-                              f"is no such local path ({tmp_path}/outputs/demo_reverse/latest)")
+    assert message.startswith(
+        "loading the tokenizer from 'outputs/demo_reverse/latest' (model_name_or_path): there "
+        f"is no such local path ({tmp_path}/outputs/demo_reverse/latest)"
+    )
     assert "point model_name_or_path at an existing folder or a Hub id" in message
 
 
@@ -38,8 +40,10 @@ def test_an_unreachable_hub_id_names_the_setting_and_the_way_out(offline, tmp_pa
     with pytest.raises(InputError) as raised:
         modeling.load_model_config("outputs/sft", None)
     message = str(raised.value)
-    assert message.startswith("loading the model config from 'outputs/sft' (model_name_or_path): it is not in the "
-                              "local Hugging Face cache, and HF_HUB_OFFLINE is set")
+    assert message.startswith(
+        "loading the model config from 'outputs/sft' (model_name_or_path): it is not in the "
+        "local Hugging Face cache, and HF_HUB_OFFLINE is set"
+    )
     assert "no local folder 'outputs/sft' either" in message and "Unset HF_HUB_OFFLINE" in message
 
 
@@ -59,21 +63,27 @@ def test_a_binary_file_read_as_a_text_stream_names_the_file(tmp_path):
     stream = files.load_raw_dataset(str(tmp_path), streaming=True)["train"]
     with pytest.raises(InputError) as raised, files.reading(str(tmp_path)):
         list(stream)
-    assert str(raised.value) == (f"reading dataset_name '{tmp_path}': {tmp_path / 'b.txt'}: it is not UTF-8 text (byte "
-                                 "0 is not valid UTF-8: a binary file?). Fix it, or move it out of the folder")
+    assert str(raised.value) == (
+        f"reading dataset_name '{tmp_path}': {tmp_path / 'b.txt'}: it is not UTF-8 text (byte "
+        "0 is not valid UTF-8: a binary file?). Fix it, or move it out of the folder"
+    )
 
 
 def test_chat_turns_given_as_a_text_column(tokenizer):
     from datasets import Dataset
 
     turns = Dataset.from_list([{"conversation": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(Exception, match=r"column 'conversation' of the eval split holds chat turns.*point text_column "
-                                        "at a column of strings"):
+    with pytest.raises(
+        Exception,
+        match=r"column 'conversation' of the eval split holds chat turns.*point text_column "
+        "at a column of strings",
+    ):
         files.check_text_column_type(turns, "conversation", split="eval", setting="text_column")
     with pytest.raises(InputError) as raised, files.tokenizing("conversation", split="eval", setting="text_column"):
         tokenizer(turns["conversation"])  # what the check above keeps from happening, translated all the same
-    assert str(raised.value).startswith("tokenizing column 'conversation' of the eval split (text_column): its values "
-                                        "are not text")
+    assert str(raised.value).startswith(
+        "tokenizing column 'conversation' of the eval split (text_column): its values are not text"
+    )
 
 
 def test_a_bug_passes_the_step_with_a_note_and_the_boundary_says_it_is_one(capsys):
@@ -96,8 +106,9 @@ def test_a_rank_stopped_by_another_ranks_bug_prints_one_line(capsys, monkeypatch
     with pytest.raises(SystemExit) as exited:
         exit_on_user_error(main)
     assert exited.value.code == 1
-    assert capsys.readouterr().err == ("rank 1: stopping because rank 0 failed with an unexpected error (a bug: its "
-                                       "traceback is above)\n")
+    assert capsys.readouterr().err == (
+        "rank 1: stopping because rank 0 failed with an unexpected error (a bug: its traceback is above)\n"
+    )
 
 
 class _OneProcess:

@@ -13,14 +13,14 @@ import pytest
 import yaml
 
 from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS
+from fsdp_recipes.common.arguments import parse_config
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.publish import model_index, model_source
+from fsdp_recipes.train import evaluation
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
 from helpers.paths import DEMO_DATA, EVAL
 from helpers.recipes import load_recipe, recipe_config, run_recipe_in_process
-from fsdp_recipes.train import evaluation
-from fsdp_recipes.publish import model_index, model_source
-from fsdp_recipes.common.arguments import parse_config
-from fsdp_recipes.common.errors import ConfigError
 
 GENERATION_ROWS = 13  # 2 ranks x 4 prompts per batch: the last global batch holds 5, padded with 3 copies
 
@@ -57,14 +57,22 @@ def tiny_lm(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="module")
 def chat_eval_data(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("chat_eval")
-    (folder / "test.jsonl").write_text("\n".join((DEMO_DATA / "test.jsonl").read_text().splitlines()[:GENERATION_ROWS]) + "\n")
+    (folder / "test.jsonl").write_text(
+        "\n".join((DEMO_DATA / "test.jsonl").read_text().splitlines()[:GENERATION_ROWS]) + "\n"
+    )
     return folder
 
 
 def lm_values(model: Path, data: Path, output_dir: Path, **overrides) -> dict:
-    values = dict(model_name_or_path=str(model), dataset_name=str(data), output_dir=str(output_dir), max_length=64,
-                  per_device_eval_batch_size=4, max_new_tokens=6,
-                  metrics=["perplexity", "exact_match", "rouge", "sacrebleu", "chrf"])
+    values = dict(
+        model_name_or_path=str(model),
+        dataset_name=str(data),
+        output_dir=str(output_dir),
+        max_length=64,
+        per_device_eval_batch_size=4,
+        max_new_tokens=6,
+        metrics=["perplexity", "exact_match", "rouge", "sacrebleu", "chrf"],
+    )
     values.update(overrides)
     return values
 
@@ -74,8 +82,10 @@ def lm_runs(tmp_path_factory, tiny_lm, chat_eval_data) -> tuple[Path, Path]:
     """(1 process, here; 2 processes under FSDP2) evaluations of the same causal LM on the same chat data."""
     tmp = tmp_path_factory.mktemp("lm_eval")
     config = recipe_config(tmp / "two.yaml", **lm_values(tiny_lm, chat_eval_data, tmp / "two"))
-    alongside(lambda: run_in_process(tmp, "one", lm_values(tiny_lm, chat_eval_data, tmp / "one")),
-              lambda: require_success(launch(EVAL, ["--config", str(config)])))
+    alongside(
+        lambda: run_in_process(tmp, "one", lm_values(tiny_lm, chat_eval_data, tmp / "one")),
+        lambda: require_success(launch(EVAL, ["--config", str(config)])),
+    )
     return tmp / "one", tmp / "two"
 
 
@@ -88,8 +98,10 @@ def checkpoint_runs(tmp_path_factory, classify_run, classify_data) -> tuple[Path
     common = dict(dataset_name=str(classify_data), max_length=32, per_device_eval_batch_size=8)
     checkpoint = classify_run / "checkpoints" / f"step-{CLASSIFY_STEPS:08d}"
     config = recipe_config(tmp / "two.yaml", model_name_or_path=str(checkpoint), output_dir=str(tmp / "two"), **common)
-    alongside(lambda: run_in_process(tmp, "one", dict(model_name_or_path=str(copy), **common)),
-              lambda: require_success(launch(EVAL, ["--config", str(config)])))
+    alongside(
+        lambda: run_in_process(tmp, "one", dict(model_name_or_path=str(copy), **common)),
+        lambda: require_success(launch(EVAL, ["--config", str(config)])),
+    )
     return copy, tmp / "two"
 
 
@@ -112,8 +124,10 @@ def test_generations_and_their_metrics_are_identical_on_one_and_two_ranks(lm_run
     predictions = [read_jsonl(folder / "eval_predictions.jsonl") for folder in lm_runs]
     assert len(predictions[0]) == GENERATION_ROWS  # each prompt once, the padding copies dropped
     assert predictions[0] == predictions[1]
-    references = [json.loads(line)["messages"][-1]["content"] for line in
-                  (DEMO_DATA / "test.jsonl").read_text().splitlines()[:GENERATION_ROWS]]
+    references = [
+        json.loads(line)["messages"][-1]["content"]
+        for line in (DEMO_DATA / "test.jsonl").read_text().splitlines()[:GENERATION_ROWS]
+    ]
     assert [p["reference"] for p in predictions[0]] == references  # dataset order
     results = [json.loads((folder / "eval_results.json").read_text()) for folder in lm_runs]
     for key in ("eval_exact_match", "eval_rouge1", "eval_rougeL", "eval_sacrebleu", "eval_chrf", "eval_samples"):
@@ -170,8 +184,11 @@ def test_plain_text_perplexity_equals_the_models_own_loss(tmp_path, tiny_lm, tok
 
     texts = ["hello world", "abc", "the quick brown fox jumps"]
     write_jsonl(tmp_path / "test.jsonl", [{"text": text} for text in texts])
-    run_in_process(tmp_path, "text", lm_values(tiny_lm, tmp_path / "test.jsonl", tmp_path / "out",
-                                               metrics=["perplexity"], dataset_split="train"))
+    run_in_process(
+        tmp_path,
+        "text",
+        lm_values(tiny_lm, tmp_path / "test.jsonl", tmp_path / "out", metrics=["perplexity"], dataset_split="train"),
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
     total = count = 0.0
     with torch.no_grad():
@@ -188,8 +205,11 @@ def test_a_one_split_dataset_is_evaluated_on_its_split_and_the_tracker_gets_the_
     """A single data file loads as one split ('train'): evaluated on it, not refused for lacking 'test'. report_to, a
     flag every recipe takes, writes the results to the tracker in output_dir too."""
     write_jsonl(tmp_path / "texts.jsonl", [{"text": "hello world"}, {"text": "the quick brown fox"}])
-    run_in_process(tmp_path, "one_split", lm_values(tiny_lm, tmp_path / "texts.jsonl", tmp_path / "out",
-                                                    metrics=["perplexity"], report_to="tensorboard"))
+    run_in_process(
+        tmp_path,
+        "one_split",
+        lm_values(tiny_lm, tmp_path / "texts.jsonl", tmp_path / "out", metrics=["perplexity"], report_to="tensorboard"),
+    )
     results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert results["split"] == "train" and math.isfinite(results["eval_loss"])
     assert "the dataset has one split, 'train', and no 'test': evaluating on it" in capsys.readouterr().out
@@ -205,15 +225,25 @@ def test_a_metric_that_cannot_be_loaded_offline_is_one_error_before_loading(tmp_
     assert "Loading weights" not in stderr and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (dict(metrics=["perplexity", "accuracy"]), "metrics ['accuracy'] do not apply to a causal-lm model"),
-    (dict(model_name_or_path="someone/some-model", output_dir=None), "output_dir is required when evaluating a Hub id"),
-    (dict(model_name_or_path="{tmp}"), "is neither a model folder (no config.json) nor a complete recipe checkpoint"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(metrics=["perplexity", "accuracy"]), "metrics ['accuracy'] do not apply to a causal-lm model"),
+        (
+            dict(model_name_or_path="someone/some-model", output_dir=None),
+            "output_dir is required when evaluating a Hub id",
+        ),
+        (
+            dict(model_name_or_path="{tmp}"),
+            "is neither a model folder (no config.json) nor a complete recipe checkpoint",
+        ),
+    ],
+)
 def test_bad_requests_are_one_error_before_loading(tmp_path, tiny_lm, chat_eval_data, capsys, overrides, expected):
     values = lm_values(tiny_lm, chat_eval_data, tmp_path / "out")
-    values.update({key: value.format(tmp=tmp_path) if isinstance(value, str) else value
-                   for key, value in overrides.items()})
+    values.update(
+        {key: value.format(tmp=tmp_path) if isinstance(value, str) else value for key, value in overrides.items()}
+    )
     error, stderr = run_failing(tmp_path, values, capsys)
     assert expected in error and "Loading weights" not in stderr
 
@@ -233,8 +263,12 @@ def test_shipped_metrics_load_without_network_and_compute_as_their_libraries(mon
     metrics = evaluation.load_metrics(["accuracy", "f1"])
     gathered = {"predictions": [0, 2, 1, 1, 0], "references": [0, 1, 1, 2, 0], "loss": [0.5, 1.0, 1.5, 2.0, 1.0]}
     results = evaluation.compute_metrics(metrics, gathered)
-    assert results == {"eval_accuracy": 0.6, "eval_f1": f1_score([0, 1, 1, 2, 0], [0, 2, 1, 1, 0], average="macro"),
-                       "eval_loss": 1.2, "eval_samples": 5}
+    assert results == {
+        "eval_accuracy": 0.6,
+        "eval_f1": f1_score([0, 1, 1, 2, 0], [0, 2, 1, 1, 0], average="macro"),
+        "eval_loss": 1.2,
+        "eval_samples": 5,
+    }
     generated = evaluation.load_metrics(["exact_match"])
     text = evaluation.compute_metrics(generated, {"predictions": [" ab ", "a"], "references": ["ab", "b"]})
     assert text["eval_exact_match"] == 0.5  # surrounding whitespace is not a difference
@@ -258,16 +292,22 @@ def test_model_sources(tmp_path, tiny_lm):
 
 def test_update_card_merges_results_by_dataset_split_and_metric(tmp_path):
     def results(split, accuracy):
-        return model_index.eval_results({"eval_accuracy": accuracy, "eval_samples": 9, "eval_f1_per_class": {"a": 1}},
-                                        task="text-classification", dataset="org/data", split=split)
+        return model_index.eval_results(
+            {"eval_accuracy": accuracy, "eval_samples": 9, "eval_f1_per_class": {"a": 1}},
+            task="text-classification",
+            dataset="org/data",
+            split=split,
+        )
 
     model_index.update_card(tmp_path, results("test", 0.5), model_name="m", pipeline_tag="text-classification")
     model_index.update_card(tmp_path, results("validation", 0.7), model_name="m", pipeline_tag="text-classification")
     model_index.update_card(tmp_path, results("test", 0.9), model_name="m", pipeline_tag="text-classification")
     meta = yaml.safe_load((tmp_path / "README.md").read_text().split("---")[1])
     entries = {entry["dataset"]["split"]: entry["metrics"] for entry in meta["model-index"][0]["results"]}
-    assert entries == {"validation": [{"type": "accuracy", "value": 0.7, "name": "Accuracy"}],
-                       "test": [{"type": "accuracy", "value": 0.9, "name": "Accuracy"}]}
+    assert entries == {
+        "validation": [{"type": "accuracy", "value": 0.7, "name": "Accuracy"}],
+        "test": [{"type": "accuracy", "value": 0.9, "name": "Accuracy"}],
+    }
     assert meta["model-index"][0]["name"] == "m" and entries["test"][0]["value"] == 0.9
 
 
@@ -277,8 +317,9 @@ def test_reproducible_sampling_draws_from_the_softmax_within_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.0, -3.0]])
     counts = torch.zeros(4)
     for index in range(4000):
-        sampler = evaluation.ReproducibleSampling(seed=3, indices=torch.tensor([index]), prompt_width=5,
-                                                  temperature=1.0, top_p=0.95)
+        sampler = evaluation.ReproducibleSampling(
+            seed=3, indices=torch.tensor([index]), prompt_width=5, temperature=1.0, top_p=0.95
+        )
         counts[int(sampler(torch.zeros(1, 7, dtype=torch.long), logits).argmax())] += 1
     kept = torch.softmax(logits[0, :3], -1)  # token 3 lies outside the 0.95 nucleus
     torch.testing.assert_close(counts[:3] / 4000, kept, atol=0.03, rtol=0)
@@ -289,17 +330,21 @@ def test_a_sampled_completion_does_not_depend_on_its_batch(tiny_lm, tokenizer):
     """What makes sampling identical on 1 and N ranks: N ranks see other batch neighbours (and padding) than 1."""
     from transformers import AutoModelForCausalLM
 
-    examples = [{"prompt_ids": tokenizer(text)["input_ids"], "reference": "", "index": index}
-                for index, text in enumerate(["reverse: abc", "reverse: qwertyu", "x"])]
+    examples = [
+        {"prompt_ids": tokenizer(text)["input_ids"], "reference": "", "index": index}
+        for index, text in enumerate(["reverse: abc", "reverse: qwertyu", "x"])
+    ]
     collate = evaluation.GenerationCollator(tokenizer)
-    predict = evaluation.generation_predict(tokenizer, max_new_tokens=8, do_sample=True, temperature=1.0, top_p=1.0,
-                                            seed=5, synced_gpus=False)
+    predict = evaluation.generation_predict(
+        tokenizer, max_new_tokens=8, do_sample=True, temperature=1.0, top_p=1.0, seed=5, synced_gpus=False
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
     alone = predict(model, collate(examples[:1]))["predictions"]
     together = predict(model, collate(examples))["predictions"]
     assert together[0] == alone[0]
-    greedy = evaluation.generation_predict(tokenizer, max_new_tokens=8, do_sample=False, temperature=1.0, top_p=1.0,
-                                           seed=5, synced_gpus=False)
+    greedy = evaluation.generation_predict(
+        tokenizer, max_new_tokens=8, do_sample=False, temperature=1.0, top_p=1.0, seed=5, synced_gpus=False
+    )
     assert greedy(model, collate(examples))["predictions"] != together  # it does sample
 
 
@@ -309,18 +354,34 @@ def test_a_checkpoint_of_a_run_without_fsdp_exports_too(tmp_path, tokenizer):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from fsdp_recipes.train.checkpoint import write_model_files
     from fsdp_recipes.publish.checkpoint_export import export_checkpoint
+    from fsdp_recipes.train.checkpoint import write_model_files
 
     config = AutoConfig.from_pretrained(write_tiny_model_config(tmp_path / "config.json", tokenizer), num_labels=3)
     model = AutoModelForSequenceClassification.from_config(config)
     checkpoint = tmp_path / "checkpoints" / "step-00000002"
-    write_model_files(checkpoint / "model", model_config=config, generation_config=None, tokenizer=tokenizer,
-                      recipe_config={}, accelerate_config={}, run_info={"recipe": "classify",
-                                                                          "task": "sequence-classification"})
+    write_model_files(
+        checkpoint / "model",
+        model_config=config,
+        generation_config=None,
+        tokenizer=tokenizer,
+        recipe_config={},
+        accelerate_config={},
+        run_info={"recipe": "classify", "task": "sequence-classification"},
+    )
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, checkpoint / "model.safetensors")
-    (checkpoint / "progress.json").write_text(json.dumps(dict(step=2, epoch=0, batches_into_epoch=2, world_size=1,
-                                                              per_device_train_batch_size=4, gradient_accumulation_steps=1)))
+    (checkpoint / "progress.json").write_text(
+        json.dumps(
+            dict(
+                step=2,
+                epoch=0,
+                batches_into_epoch=2,
+                world_size=1,
+                per_device_train_batch_size=4,
+                gradient_accumulation_steps=1,
+            )
+        )
+    )
     source = model_source.resolve(str(checkpoint))
     assert model_source.task_of(source, config) == "sequence-classification"
     folder = export_checkpoint(checkpoint, tmp_path / "exported")

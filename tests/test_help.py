@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from helpers.paths import REPO
-from helpers.recipes import load_recipe
 from fsdp_recipes.common.errors import exit_on_user_error
 from fsdp_recipes.train.config import TrainingConfig
+from helpers.paths import REPO
+from helpers.recipes import load_recipe
 
 RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.py") if not path.name.startswith("_"))
 
@@ -20,9 +20,14 @@ RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.py") if not pa
 def config_class(module) -> type:
     """The recipe's config class: the dataclass it defines that subclasses TrainingConfig (eval.py's does not: there
     it is the one named *Config)."""
-    found = [obj for obj in vars(module).values()
-             if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__
-             and (issubclass(obj, TrainingConfig) or obj.__name__.endswith("Config"))]
+    found = [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and dataclasses.is_dataclass(obj)
+        and obj.__module__ == module.__name__
+        and (issubclass(obj, TrainingConfig) or obj.__name__.endswith("Config"))
+    ]
     assert len(found) == 1, f"{module.__file__}: expected one config dataclass, found {[c.__name__ for c in found]}"
     return found[0]
 

@@ -64,8 +64,10 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
         for imported in sorted(imports):
             allowed = any(module == low and imported.startswith(high) for low, high in ALLOWED_UPWARDS)
             if layer_of(imported) > layer_of(module) and not allowed:
-                problems.append(f"{module} (layer {LAYERS[layer_of(module)]}) imports {imported} "
-                                f"(layer {LAYERS[layer_of(imported)]}, above it)")
+                problems.append(
+                    f"{module} (layer {LAYERS[layer_of(module)]}) imports {imported} "
+                    f"(layer {LAYERS[layer_of(imported)]}, above it)"
+                )
     return problems
 
 
@@ -132,5 +134,6 @@ def test_the_checks_catch_a_back_import_and_a_cycle(tmp_path):
     (package / "train" / "other.py").write_text("from .loop import y\nfrom fsdp_recipes.common.errors import f\n")
     graph = import_graph(package)
     assert layering_violations(graph) == [
-        "fsdp_recipes.common.errors (layer common) imports fsdp_recipes.train.loop (layer train, above it)"]
+        "fsdp_recipes.common.errors (layer common) imports fsdp_recipes.train.loop (layer train, above it)"
+    ]
     assert cycles(graph) == [["fsdp_recipes.common.errors", "fsdp_recipes.train.loop", "fsdp_recipes.train.other"]]

@@ -19,8 +19,16 @@ VOCAB = 300
 
 def tiny_llama(vocab_size=VOCAB, **overrides):
     torch.manual_seed(0)
-    settings = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     settings.update(overrides)
     return AutoModelForCausalLM.from_config(LlamaConfig(**settings), attn_implementation="eager")
 
@@ -112,6 +120,7 @@ def test_the_micro_batch_logits_are_never_kept_for_backward():
         model = tiny_llama(vocab_size=vocab)
         loss = TokenLoss(model, implementation, chunk_size=16)
         sizes = []
+
         def record(tensor):
             if not isinstance(tensor, torch.nn.Parameter):
                 sizes.append(tensor.numel())
@@ -127,15 +136,24 @@ def test_the_micro_batch_logits_are_never_kept_for_backward():
 
 def test_models_that_transform_their_logits_fall_back_to_whole_logits():
     torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0)
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        final_logit_softcapping=30.0,
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     loss = TokenLoss(model, "chunked")
     assert loss.implementation == "full_logits" and "soft-caps its logits" in loss.description
     batch = packed_batch()
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    expected = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+    expected = F.cross_entropy(
+        logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     torch.testing.assert_close(loss.loss_sum(model, batch), expected)
 
 
@@ -161,5 +179,10 @@ def test_chunked_autograd_function_is_checked_by_gradcheck():
     bias = torch.randn(11, generator=generator, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (6,), generator=generator)
     # Logits are upcast to fp32 per chunk, so gradcheck runs at fp32 precision.
-    assert torch.autograd.gradcheck(lambda h, w, b: ChunkedCrossEntropy.apply(h, w, b, targets, 4), (hidden, weight, bias),
-                                    eps=1e-3, atol=1e-2, rtol=1e-2)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: ChunkedCrossEntropy.apply(h, w, b, targets, 4),
+        (hidden, weight, bias),
+        eps=1e-3,
+        atol=1e-2,
+        rtol=1e-2,
+    )

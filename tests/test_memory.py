@@ -10,30 +10,54 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.paths import FSDP_CPU_CONFIG, REPO
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.sizes import parse_reserve, parse_size
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.tools.estimator.arguments import add_estimate_arguments
 from fsdp_recipes.tools.estimator.command import main, run_estimate
 from fsdp_recipes.tools.estimator.formulas import Unit, activation_bytes, estimate, plan_units, state_bytes_on_rank
 from fsdp_recipes.tools.estimator.recipe import config_class, recipe_config
 from fsdp_recipes.tools.estimator.shapes import Param, load_model_info
 from fsdp_recipes.tools.estimator.workload import Workload, workload_for
-from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.distributed.accelerate_config import LaunchLayout
-from fsdp_recipes.common.sizes import parse_reserve, parse_size
+from helpers.paths import FSDP_CPU_CONFIG, REPO
 
 LLAMA_8B = REPO / "tests" / "data" / "llama-3-8b-like_config.json"
 GiB = 2**30
 
 
-def fsdp_yaml(path: Path, *, processes=8, machines=1, version=2, reshard=True, mixed="bf16", offload=False,
-              checkpointing=False, wrap="TRANSFORMER_BASED_WRAP", extra_fsdp=None, **top) -> Path:
-    fsdp = {"fsdp_version": version, "fsdp_auto_wrap_policy": wrap, "fsdp_offload_params": offload,
-            "fsdp_activation_checkpointing": checkpointing, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
+def fsdp_yaml(
+    path: Path,
+    *,
+    processes=8,
+    machines=1,
+    version=2,
+    reshard=True,
+    mixed="bf16",
+    offload=False,
+    checkpointing=False,
+    wrap="TRANSFORMER_BASED_WRAP",
+    extra_fsdp=None,
+    **top,
+) -> Path:
+    fsdp = {
+        "fsdp_version": version,
+        "fsdp_auto_wrap_policy": wrap,
+        "fsdp_offload_params": offload,
+        "fsdp_activation_checkpointing": checkpointing,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    }
     fsdp["fsdp_reshard_after_forward" if version == 2 else "fsdp_sharding_strategy"] = (
-        reshard if version == 2 else ("FULL_SHARD" if reshard else "SHARD_GRAD_OP"))
+        reshard if version == 2 else ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
+    )
     fsdp.update(extra_fsdp or {})
-    raw = {"distributed_type": "FSDP", "num_processes": processes, "num_machines": machines, "mixed_precision": mixed,
-           "fsdp_config": fsdp, **top}
+    raw = {
+        "distributed_type": "FSDP",
+        "num_processes": processes,
+        "num_machines": machines,
+        "mixed_precision": mixed,
+        "fsdp_config": fsdp,
+        **top,
+    }
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -78,8 +102,10 @@ def test_predicted_state_bytes_are_what_each_rank_holds_to_the_byte(measured, wo
     assert held == predicted
     # the headline (most loaded rank) is never below what a rank holds
     headline = summary["memory_estimate"]["predicted_per_gpu_bytes"]
-    assert all(headline["parameters"] + headline["gradients"] + headline["optimizer_state"] >= sum(rank.values())
-               for rank in held)
+    assert all(
+        headline["parameters"] + headline["gradients"] + headline["optimizer_state"] >= sum(rank.values())
+        for rank in held
+    )
 
 
 @pytest.mark.slow
@@ -111,38 +137,59 @@ def test_padding_follows_fsdp2_chunks():
     unit = Unit("u", "layer", [param])
     topo = LaunchLayout(world_size=4, shard_size=4)
     assert state_bytes_on_rank([unit], topo, 3) == {
-        "parameters": 4 * 3 * 7, "gradients": 4 * 3 * 7, "optimizer_state": 2 * 4 * 1 * 7 + 4}
+        "parameters": 4 * 3 * 7,
+        "gradients": 4 * 3 * 7,
+        "optimizer_state": 2 * 4 * 1 * 7 + 4,
+    }
 
 
 def test_hsdp_shards_over_the_shard_size_only(llama8b, tmp_path):
-    hsdp = LaunchLayout.from_file(fsdp_yaml(tmp_path / "h.yaml", processes=16, machines=2, parallelism_config={
-        "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 8}))
+    hsdp = LaunchLayout.from_file(
+        fsdp_yaml(
+            tmp_path / "h.yaml",
+            processes=16,
+            machines=2,
+            parallelism_config={"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 8},
+        )
+    )
     assert (hsdp.world_size, hsdp.shard_size, hsdp.sharding) == (16, 8, "HSDP")
     full8 = LaunchLayout(world_size=8, shard_size=8)
     full16 = LaunchLayout(world_size=16, shard_size=16)
     state = lambda t: sum(state_bytes_on_rank(plan_units(llama8b, t), t).values())  # noqa: E731
     assert state(hsdp) == state(full8) and state(hsdp) > 1.9 * state(full16)
     with pytest.raises(ConfigError, match="dp_replicate_size 2 x dp_shard_size 4"):
-        LaunchLayout.from_file(fsdp_yaml(tmp_path / "bad.yaml", processes=16, parallelism_config={
-            "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 4}))
+        LaunchLayout.from_file(
+            fsdp_yaml(
+                tmp_path / "bad.yaml",
+                processes=16,
+                parallelism_config={"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 4},
+            )
+        )
 
 
 def test_topologies_read_from_accelerate_yaml(tmp_path):
     repo = LaunchLayout.from_file(REPO / "accelerate_configs" / "fsdp_8gpu.yaml")
     assert (repo.world_size, repo.fsdp_version, repo.sharding, repo.mixed_precision, repo.compute_bytes) == (
-        8, 2, "FULL_SHARD", "bf16", 2)
+        8,
+        2,
+        "FULL_SHARD",
+        "bf16",
+        2,
+    )
     sgo = LaunchLayout.from_file(fsdp_yaml(tmp_path / "a.yaml", reshard=False))
     assert sgo.sharding == "SHARD_GRAD_OP"
     fsdp1 = LaunchLayout.from_file(fsdp_yaml(tmp_path / "b.yaml", version=1, reshard=False))
     assert (fsdp1.fsdp_version, fsdp1.sharding) == (1, "SHARD_GRAD_OP")
     # FSDP1 strategy written where `accelerate config` puts it is ignored by the launcher: FULL_SHARD
-    fsdp1_misplaced = LaunchLayout.from_file(fsdp_yaml(tmp_path / "c.yaml", version=1,
-                                                     extra_fsdp={"fsdp_reshard_after_forward": "SHARD_GRAD_OP"}))
+    fsdp1_misplaced = LaunchLayout.from_file(
+        fsdp_yaml(tmp_path / "c.yaml", version=1, extra_fsdp={"fsdp_reshard_after_forward": "SHARD_GRAD_OP"})
+    )
     assert fsdp1_misplaced.sharding == "FULL_SHARD"
     ddp = LaunchLayout.from_mapping({"distributed_type": "MULTI_GPU", "num_processes": 8, "mixed_precision": "bf16"})
     assert (ddp.distributed_type, ddp.shard_size, ddp.sharding) == ("MULTI_GPU", 1, "NO_SHARD")
-    omitted = LaunchLayout.from_mapping({"distributed_type": "FSDP", "num_processes": 2,
-                                         "fsdp_config": {"fsdp_version": 2}})
+    omitted = LaunchLayout.from_mapping(
+        {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2}}
+    )
     assert omitted.wrap_policy == "NO_WRAP"  # what the launcher does with an omitted policy
 
 
@@ -183,7 +230,9 @@ def test_activation_formula(llama8b):
     assert acts["per_layer"] == per_token_layer * tokens
     assert acts["logits"] == 3 * 4 * 128256 * tokens
     assert acts["without_checkpointing"] > 32 * acts["per_layer"] + acts["logits"]
-    assert acts["with_checkpointing"] == 32 * 2 * h * tokens + max(acts["per_layer"], acts["logits"] + (4 * h + 2 * h + 2 * 2 * 128 + 24) * tokens)
+    assert acts["with_checkpointing"] == 32 * 2 * h * tokens + max(
+        acts["per_layer"], acts["logits"] + (4 * h + 2 * h + 2 * 2 * 128 + 24) * tokens
+    )
     # linear in tokens; eager attention adds the s^2 scores
     double = activation_bytes(llama8b, dataclasses.replace(work, micro_batch_rows=8), 2)
     assert double["without_checkpointing"] == 2 * acts["without_checkpointing"]
@@ -212,15 +261,46 @@ def test_size_parsing():
 
 
 def test_cli_json_fields_and_fit(tiny_model_config, capsys):
-    code, out, _ = run_cli(["--model", tiny_model_config, "--accelerate-config", FSDP_CPU_CONFIG, "--json",
-                            "--gpu-memory", "24GB", "--max-length", "64", "--batch-size", "4"], capsys)
+    code, out, _ = run_cli(
+        [
+            "--model",
+            tiny_model_config,
+            "--accelerate-config",
+            FSDP_CPU_CONFIG,
+            "--json",
+            "--gpu-memory",
+            "24GB",
+            "--max-length",
+            "64",
+            "--batch-size",
+            "4",
+        ],
+        capsys,
+    )
     assert code == 0
     report = json.loads(out)
     per_gpu = report["per_gpu_bytes"]
-    assert set(per_gpu) >= {"parameters", "gradients", "optimizer_state", "activations", "all_gather_buffers",
-                            "activations_with_checkpointing", "activations_without_checkpointing", "total"}
-    assert per_gpu["total"] == sum(per_gpu[k] for k in ("parameters", "gradients", "optimizer_state", "activations",
-                                                        "all_gather_buffers", "reduce_scatter_buffers"))
+    assert set(per_gpu) >= {
+        "parameters",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "all_gather_buffers",
+        "activations_with_checkpointing",
+        "activations_without_checkpointing",
+        "total",
+    }
+    assert per_gpu["total"] == sum(
+        per_gpu[k]
+        for k in (
+            "parameters",
+            "gradients",
+            "optimizer_state",
+            "activations",
+            "all_gather_buffers",
+            "reduce_scatter_buffers",
+        )
+    )
     assert report["fits"] is True and report["suggestions"] == []
     assert report["topology"]["sharding"] == "FULL_SHARD" and report["topology"]["world_size"] == 2
     assert report["workload"]["tokens_per_micro_batch"] == 256
@@ -230,10 +310,20 @@ def test_cli_json_fields_and_fit(tiny_model_config, capsys):
 
 def test_cli_does_not_fit_and_suggests(capsys, tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"model_config": str(LLAMA_8B), "max_length": 2048,
-                                      "per_device_train_batch_size": 4, "loss_implementation": "full_logits"}))
-    code, out, _ = run_cli(["--recipe-config", recipe, "--accelerate-config",
-                            REPO / "accelerate_configs" / "fsdp_8gpu.yaml", "--json"], capsys)
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model_config": str(LLAMA_8B),
+                "max_length": 2048,
+                "per_device_train_batch_size": 4,
+                "loss_implementation": "full_logits",
+            }
+        )
+    )
+    code, out, _ = run_cli(
+        ["--recipe-config", recipe, "--accelerate-config", REPO / "accelerate_configs" / "fsdp_8gpu.yaml", "--json"],
+        capsys,
+    )
     report = json.loads(out)
     assert code == 1 and report["fits"] is False and report["headroom_bytes"] < 0
     assert report["parameters_total"] == 8_030_261_248
@@ -241,23 +331,40 @@ def test_cli_does_not_fit_and_suggests(capsys, tmp_path):
     assert by_change["activation checkpointing"]["fits"]
     ac_total = by_change["activation checkpointing"]["predicted_total_bytes"]
     current = report["per_gpu_bytes"]
-    assert ac_total == current["total"] - current["activations_without_checkpointing"] + current["activations_with_checkpointing"]
-    assert by_change["CPU offload"]["host_bytes_per_gpu"] == sum(current[k] for k in ("parameters", "gradients", "optimizer_state"))
+    assert (
+        ac_total
+        == current["total"] - current["activations_without_checkpointing"] + current["activations_with_checkpointing"]
+    )
+    assert by_change["CPU offload"]["host_bytes_per_gpu"] == sum(
+        current[k] for k in ("parameters", "gradients", "optimizer_state")
+    )
     assert any(c.startswith("more GPUs") for c in by_change) and any(c.startswith("LoRA") for c in by_change)
     assert all(s["predicted_total_bytes"] < current["total"] for s in report["suggestions"])
     # the table says the same in words
-    code, out, _ = run_cli(["--recipe-config", recipe, "--accelerate-config",
-                            REPO / "accelerate_configs" / "fsdp_8gpu.yaml", "--gpu-memory", "141GiB"], capsys)
+    code, out, _ = run_cli(
+        [
+            "--recipe-config",
+            recipe,
+            "--accelerate-config",
+            REPO / "accelerate_configs" / "fsdp_8gpu.yaml",
+            "--gpu-memory",
+            "141GiB",
+        ],
+        capsys,
+    )
     assert code == 0 and "fits in" in out and "NOT" not in out and "total" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "/nonexistent/model/config.json"], "no such file"),
-    (["--model", "{tiny}", "--gpu-memory", "lots"], "cannot read memory size"),
-    (["--model", "{tiny}", "--accelerate-config", "/nonexistent.yaml"], "does not exist"),
-    (["--model", "{tiny}", "--batch-size", "0"], "must be >= 1"),
-    ([], "no model"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/nonexistent/model/config.json"], "no such file"),
+        (["--model", "{tiny}", "--gpu-memory", "lots"], "cannot read memory size"),
+        (["--model", "{tiny}", "--accelerate-config", "/nonexistent.yaml"], "does not exist"),
+        (["--model", "{tiny}", "--batch-size", "0"], "must be >= 1"),
+        ([], "no model"),
+    ],
+)
 def test_cli_bad_inputs_fail_clearly(argv, message, tiny_model_config, capsys):
     argv = [a.replace("{tiny}", str(tiny_model_config)) for a in argv]
     if "--accelerate-config" not in argv:
@@ -273,8 +380,17 @@ def test_cli_hands_wiring_matches_cli_module(tiny_model_config, capsys):
 
     parser = argparse.ArgumentParser()
     add_estimate_arguments(parser)
-    args = parser.parse_args(["--model", str(tiny_model_config), "--accelerate-config", str(FSDP_CPU_CONFIG),
-                              "--num-processes", "4", "--json"])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(tiny_model_config),
+            "--accelerate-config",
+            str(FSDP_CPU_CONFIG),
+            "--num-processes",
+            "4",
+            "--json",
+        ]
+    )
     assert run_estimate(args) == 0
     assert json.loads(capsys.readouterr().out)["topology"]["shard_size"] == 4
 
@@ -309,23 +425,42 @@ def test_a_reference_model_copy_is_counted_for_the_mode_the_recipe_config_choose
 
     shipped = REPO / "recipes" / "configs" / "dpo" / "llama-3.1-8b_ultrafeedback.yaml"  # its comment launches dpo.py
     accelerate_config = REPO / "accelerate_configs" / "fsdp_8gpu.yaml"
-    code, out, _ = run_cli(["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model", LLAMA_8B,
-                            "--json"], capsys)
+    code, out, _ = run_cli(
+        ["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model", LLAMA_8B, "--json"], capsys
+    )
     per_gpu = json.loads(out)["per_gpu_bytes"]
     assert code == 0 and per_gpu["reference_model"] == per_gpu["parameters"] // 2  # bf16 copy of the fp32 shards
-    code, table, _ = run_cli(["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model",
-                              LLAMA_8B], capsys)
+    code, table, _ = run_cli(
+        ["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model", LLAMA_8B], capsys
+    )
     assert "reference model (frozen copy, sharded)" in table
     monkeypatch.chdir(REPO)  # the copy's comment launches recipes/dpo.py, found from the working directory
     precomputed = tmp_path / "precomputed.yaml"
-    precomputed.write_text(shipped.read_text().replace("learning_rate", "precompute_ref_log_probs: true\nlearning_rate"))
-    code, out, _ = run_cli(["--recipe-config", precomputed, "--accelerate-config", accelerate_config, "--model",
-                            LLAMA_8B, "--json"], capsys)
+    precomputed.write_text(
+        shipped.read_text().replace("learning_rate", "precompute_ref_log_probs: true\nlearning_rate")
+    )
+    code, out, _ = run_cli(
+        ["--recipe-config", precomputed, "--accelerate-config", accelerate_config, "--model", LLAMA_8B, "--json"],
+        capsys,
+    )
     assert json.loads(out)["per_gpu_bytes"]["reference_model"] == 0
 
-    code, out, _ = run_cli(["--recipe-config", shipped, "--accelerate-config", accelerate_config, "--model", LLAMA_8B,
-                            "--gpu-memory", "20GB", "--json"], capsys)
+    code, out, _ = run_cli(
+        [
+            "--recipe-config",
+            shipped,
+            "--accelerate-config",
+            accelerate_config,
+            "--model",
+            LLAMA_8B,
+            "--gpu-memory",
+            "20GB",
+            "--json",
+        ],
+        capsys,
+    )
     report = json.loads(out)
     by_change = {s["change"]: s for s in report["suggestions"]}
     assert code == 1 and by_change["no reference model copy"]["predicted_total_bytes"] == (
-        report["per_gpu_bytes"]["total"] - report["per_gpu_bytes"]["reference_model"])
+        report["per_gpu_bytes"]["total"] - report["per_gpu_bytes"]["reference_model"]
+    )

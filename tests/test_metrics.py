@@ -28,8 +28,9 @@ def test_first_window_is_warmup_and_left_out_of_the_final_means(tmp_path, monkey
     accelerator = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
     log = MetricsLog(tmp_path, enabled=True, printer=lambda text: None)
     config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=1, hidden_size=4)
-    logger = StepLogger(accelerator, log, every=1, total_steps=3, model_config=config, non_embedding_parameters=10,
-                        peak_flops=None)
+    logger = StepLogger(
+        accelerator, log, every=1, total_steps=3, model_config=config, non_embedding_parameters=10, peak_flops=None
+    )
     elapsed = iter([10.0, 1.0, 1.0])  # the warm-up window is slow: compilation, cold caches
     monkeypatch.setattr(ThroughputWindow, "elapsed", property(lambda self: next(elapsed)))
     for step in (1, 2, 3):

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-
-from fsdp_recipes.train import losses
-from fsdp_recipes.data import preference
-from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data.rows import IGNORE_INDEX
 from test_losses import tiny_llama
+
+from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import preference
+from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.train import losses
 
 
 def turn(role: str, text: str) -> dict[str, str]:
@@ -56,8 +56,14 @@ def test_explicit_strings_keep_the_prompt_out_of_the_loss_and_end_answers_with_e
 
 
 def test_explicit_turns_render_the_prompt_with_the_generation_prompt(tokenizer):
-    (pair,) = split(tokenizer, {"prompt": [[turn("system", "be brief"), turn("user", "reverse: abc")]],
-                                "chosen": [[turn("assistant", "cba")]], "rejected": [[turn("assistant", "bca")]]})
+    (pair,) = split(
+        tokenizer,
+        {
+            "prompt": [[turn("system", "be brief"), turn("user", "reverse: abc")]],
+            "chosen": [[turn("assistant", "cba")]],
+            "rejected": [[turn("assistant", "bca")]],
+        },
+    )
     prompt = "<|bos|><|system|>be brief<|end|><|user|>reverse: abc<|end|><|assistant|>"
     assert pair == (prompt, "cba<|end|>", prompt, "bca<|end|>")
 
@@ -69,16 +75,20 @@ def test_implicit_strings_share_their_common_start_as_the_prompt(tokenizer):
 
 def test_implicit_conversations_share_their_leading_turns_as_the_prompt(tokenizer):
     history = [turn("user", "reverse: ab"), turn("assistant", "ba"), turn("user", "reverse: abc")]
-    (pair,) = split(tokenizer, {"chosen": [history + [turn("assistant", "cba")]],
-                                "rejected": [history + [turn("assistant", "bca")]]})
+    (pair,) = split(
+        tokenizer,
+        {"chosen": [history + [turn("assistant", "cba")]], "rejected": [history + [turn("assistant", "bca")]]},
+    )
     prompt = "<|bos|><|user|>reverse: ab<|end|><|assistant|>ba<|end|><|user|>reverse: abc<|end|><|assistant|>"
     assert pair == (prompt, "cba<|end|>", prompt, "bca<|end|>")
 
 
 def test_pairs_are_numbered_and_counted(tokenizer):
     pairs, stats = preference.tokenize_pairs(
-        Dataset.from_dict({"prompt": ["p: ", "pp: "], "chosen": ["a", "bb"], "rejected": ["c", "d"]}), tokenizer,
-        max_length=64)
+        Dataset.from_dict({"prompt": ["p: ", "pp: "], "chosen": ["a", "bb"], "rejected": ["c", "d"]}),
+        tokenizer,
+        max_length=64,
+    )
     assert pairs["index"] == [0, 1]
     assert stats["pairs"] == 2 and stats["format"] == "explicit"
     assert stats["longest_row"] == len("pp: bb") + 1  # characters are tokens here, and the end-of-text
@@ -87,16 +97,26 @@ def test_pairs_are_numbered_and_counted(tokenizer):
 
 # ------------------------------------------------------------------------------------------------ truncation
 def test_a_long_prompt_loses_its_start_and_answers_are_cut_to_max_length(tokenizer):
-    (pair,) = split(tokenizer, {"prompt": ["0123456789 => "], "chosen": ["abcdefgh"], "rejected": ["xy"]},
-                    max_prompt_length=6, max_length=10)
+    (pair,) = split(
+        tokenizer,
+        {"prompt": ["0123456789 => "], "chosen": ["abcdefgh"], "rejected": ["xy"]},
+        max_prompt_length=6,
+        max_length=10,
+    )
     assert pair == ("89 => ", "abcd", "89 => ", "xy<|end|>")
 
 
 def test_an_answer_with_nothing_left_after_truncation_names_its_pair_and_the_fix(tokenizer):
-    columns = {"prompt": ["p: ", "p: ", "a much longer prompt: "], "chosen": ["a", "b", "c"],
-               "rejected": ["b", "c", "d"]}
-    with pytest.raises(DataError, match=r"pair 2 of the eval split: its chosen answer has no token left after "
-                                        r"truncation to max_length=12\. Raise max_length, set \(or lower\) max_prompt"):
+    columns = {
+        "prompt": ["p: ", "p: ", "a much longer prompt: "],
+        "chosen": ["a", "b", "c"],
+        "rejected": ["b", "c", "d"],
+    }
+    with pytest.raises(
+        DataError,
+        match=r"pair 2 of the eval split: its chosen answer has no token left after "
+        r"truncation to max_length=12\. Raise max_length, set \(or lower\) max_prompt",
+    ):
         preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=12, name="eval")
 
 
@@ -112,11 +132,16 @@ def test_an_empty_answer_names_its_pair(tokenizer):
 def test_a_template_that_does_not_extend_the_prompt_is_refused_with_a_fix_for_dpo(tokenizer):
     """A template that marks the last turn renders the prompt differently once an answer follows it."""
     marking = copy.deepcopy(tokenizer)
-    marking.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}"
-                             "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
-                             "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
-    columns = {"prompt": [[turn("user", "reverse: ab")]], "chosen": [[turn("assistant", "ba")]],
-               "rejected": [[turn("assistant", "ab")]]}
+    marking.chat_template = (
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}"
+        "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+    columns = {
+        "prompt": [[turn("user", "reverse: ab")]],
+        "chosen": [[turn("assistant", "ba")]],
+        "rejected": [[turn("assistant", "ab")]],
+    }
     with pytest.raises(DataError) as error:
         preference.tokenize_pairs(Dataset.from_dict(columns), marking, max_length=64)
     message = str(error.value)
@@ -129,8 +154,9 @@ def test_a_pair_is_keyed_by_its_content_not_its_position(tokenizer):
     """Precomputed reference values are found by this key: the same pair anywhere has it, an edited one does not."""
     columns = {"prompt": ["p: ", "q: ", "p: "], "chosen": ["ab", "c", "ab"], "rejected": ["x", "yz", "xy"]}
     pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
-    moved, _ = preference.tokenize_pairs(Dataset.from_dict({k: v[::-1] for k, v in columns.items()}), tokenizer,
-                                         max_length=64)
+    moved, _ = preference.tokenize_pairs(
+        Dataset.from_dict({k: v[::-1] for k, v in columns.items()}), tokenizer, max_length=64
+    )
     assert len(set(pairs["key"])) == 3 and sorted(pairs["key"]) == sorted(moved["key"])
     batch = preference.PairCollator(tokenizer.pad_token_id)([pairs[1], pairs[0]])
     assert batch["pair_key"].tolist() == [pairs[1]["key"], pairs[0]["key"]]
@@ -153,16 +179,19 @@ def test_a_batch_of_pairs_is_the_chosen_rows_then_the_rejected_rows(tokenizer):
         trained = [t for t in batch["targets"][row].tolist() if t != IGNORE_INDEX]
         assert tokenizer.decode(trained) == columns[side][i] + "<|end|>"
         assert (batch["targets"][row, : prompt_length - 1] == IGNORE_INDEX).all()
-        assert (batch["targets"][row, len(ids) - 1:] == IGNORE_INDEX).all()  # the last token and padding
-        assert (batch["input_ids"][row, len(ids):] == tokenizer.pad_token_id).all()
+        assert (batch["targets"][row, len(ids) - 1 :] == IGNORE_INDEX).all()  # the last token and padding
+        assert (batch["input_ids"][row, len(ids) :] == tokenizer.pad_token_id).all()
         pad = width - len(ids)
         assert batch["position_ids"][row].tolist() == list(range(len(ids))) + list(range(pad))
 
 
 # ------------------------------------------------------------------------------------------------ losses
 def test_summed_log_probs_equal_log_softmax_and_gather_on_whole_logits(tokenizer):
-    columns = {"prompt": ["reverse: abc => ", "reverse: hello => "], "chosen": ["cba", "olleh"],
-               "rejected": ["bca", "hello"]}
+    columns = {
+        "prompt": ["reverse: abc => ", "reverse: hello => "],
+        "chosen": ["cba", "olleh"],
+        "rejected": ["bca", "hello"],
+    }
     pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
     batch = preference.PairCollator(tokenizer.pad_token_id)(list(pairs))
     model = tiny_llama(vocab_size=len(tokenizer))
@@ -179,8 +208,9 @@ def test_summed_log_probs_equal_log_softmax_and_gather_on_whole_logits(tokenizer
 
 def test_a_policy_equal_to_its_reference_has_loss_ln2_and_no_reward():
     policy_chosen, policy_rejected = torch.tensor([-3.0, -10.0, -0.5]), torch.tensor([-4.0, -2.0, -7.0])
-    loss, chosen_rewards, rejected_rewards = losses.dpo_losses(policy_chosen, policy_rejected, policy_chosen.clone(),
-                                                               policy_rejected.clone(), beta=0.1)
+    loss, chosen_rewards, rejected_rewards = losses.dpo_losses(
+        policy_chosen, policy_rejected, policy_chosen.clone(), policy_rejected.clone(), beta=0.1
+    )
     assert torch.equal(loss, torch.full((3,), math.log(2)))
     assert torch.equal(chosen_rewards, torch.zeros(3)) and torch.equal(rejected_rewards, torch.zeros(3))
 
@@ -199,8 +229,12 @@ BY_HAND = {
 def test_each_loss_type_equals_its_value_by_hand(loss_type):
     values = {name: torch.tensor([value], requires_grad=name.startswith("policy")) for name, value in PAIR.items()}
     loss, chosen_rewards, rejected_rewards = losses.dpo_losses(
-        *values.values(), beta=0.5, loss_type=loss_type, chosen_lengths=torch.tensor([4]),
-        rejected_lengths=torch.tensor([2]))
+        *values.values(),
+        beta=0.5,
+        loss_type=loss_type,
+        chosen_lengths=torch.tensor([4]),
+        rejected_lengths=torch.tensor([2]),
+    )
     assert loss.item() == pytest.approx(BY_HAND[loss_type], rel=1e-6)
     assert chosen_rewards.item() == pytest.approx(0.5) and rejected_rewards.item() == pytest.approx(-0.25)
     assert not chosen_rewards.requires_grad and not rejected_rewards.requires_grad
@@ -209,8 +243,14 @@ def test_each_loss_type_equals_its_value_by_hand(loss_type):
 
 
 def test_hinge_is_zero_past_the_margin_and_ipo_needs_the_lengths():
-    far = losses.dpo_losses(torch.tensor([0.0]), torch.tensor([-30.0]), torch.tensor([0.0]), torch.tensor([0.0]),
-                            beta=0.1, loss_type="hinge")[0]
+    far = losses.dpo_losses(
+        torch.tensor([0.0]),
+        torch.tensor([-30.0]),
+        torch.tensor([0.0]),
+        torch.tensor([0.0]),
+        beta=0.1,
+        loss_type="hinge",
+    )[0]
     assert far.item() == 0
     with pytest.raises(ValueError, match="lengths"):
         losses.dpo_losses(*(torch.tensor([v]) for v in PAIR.values()), beta=0.5, loss_type="ipo")
@@ -233,8 +273,14 @@ def test_metric_sums_add_up_across_shards():
     chosen, rejected = torch.tensor([1.0, -1.0, 0.25]), torch.tensor([0.5, 0.0, 0.25])
     logps_chosen, logps_rejected = torch.tensor([-3.0, -4.0, -1.0]), torch.tensor([-5.0, -6.0, -2.0])
     whole = losses.dpo_metric_sums(chosen, rejected, logps_chosen, logps_rejected)
-    assert whole == {"rewards/chosen": 0.25, "rewards/rejected": 0.75, "rewards/accuracies": 1.0,
-                     "rewards/margins": -0.5, "logps/chosen": -8.0, "logps/rejected": -13.0}
+    assert whole == {
+        "rewards/chosen": 0.25,
+        "rewards/rejected": 0.75,
+        "rewards/accuracies": 1.0,
+        "rewards/margins": -0.5,
+        "logps/chosen": -8.0,
+        "logps/rejected": -13.0,
+    }
     first = losses.dpo_metric_sums(chosen[:1], rejected[:1], logps_chosen[:1], logps_rejected[:1])
     rest = losses.dpo_metric_sums(chosen[1:], rejected[1:], logps_chosen[1:], logps_rejected[1:])
     assert {name: first[name] + rest[name] for name in whole} == pytest.approx(whole)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import text
+from fsdp_recipes.data.rows import IGNORE_INDEX
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.launch import concurrently, launch, require_success
 from helpers.paths import FSDP_CPU_CONFIG, REPO, TOKENIZER
 from helpers.recipes import load_recipe, read_metrics, recipe_config, recipe_error_in_process
-from fsdp_recipes.data import text
-from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data.rows import IGNORE_INDEX
 
 PRETRAIN = REPO / "recipes" / "pretrain.py"
 STORIES = sorted((REPO / "demo" / "assets" / "text").glob("train-*.jsonl"))
@@ -130,16 +130,27 @@ def write_corpus(folder: Path, shards: int, documents: int = 60) -> list[str]:
 
 
 def tokenized_corpus(folder: Path, tokenizer, *, streaming: bool):
-    train, _ = text.load_corpus(str(folder), None, text_field="text", streaming=streaming, train_split="train",
-                                test_split=None, eval_split_size=0, seed=0)
+    train, _ = text.load_corpus(
+        str(folder),
+        None,
+        text_field="text",
+        streaming=streaming,
+        train_split="train",
+        test_split=None,
+        eval_split_size=0,
+        seed=0,
+    )
     return text.tokenize(train, tokenizer, "text")
 
 
-@pytest.mark.parametrize("streaming, shards, split", [
-    (True, 2, "1 whole shard(s) of 2 per rank"),
-    (True, 3, "one document in 2 (3 shards do not divide among 2 processes)"),
-    (False, 3, "a contiguous block of documents per rank, in a new seeded order each epoch"),
-])
+@pytest.mark.parametrize(
+    "streaming, shards, split",
+    [
+        (True, 2, "1 whole shard(s) of 2 per rank"),
+        (True, 3, "one document in 2 (3 shards do not divide among 2 processes)"),
+        (False, 3, "a contiguous block of documents per rank, in a new seeded order each epoch"),
+    ],
+)
 def test_two_ranks_read_disjoint_documents_that_cover_the_epoch(tmp_path, tokenizer, streaming, shards, split):
     texts = write_corpus(tmp_path / "corpus", shards)
     tokenized = tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming)
@@ -165,9 +176,14 @@ def test_two_ranks_read_disjoint_documents_that_cover_the_epoch(tmp_path, tokeni
 
 def stream(tokenized, tokenizer, *, strategy, rank=0, world_size=1, max_length=32, **settings):
     source, _ = text.rank_documents(tokenized, rank=rank, world_size=world_size, seed=3, max_length=max_length)
-    return text.PackedStream(source, text.Packer(max_length, strategy), batch_size=3,
-                             pad_token_id=tokenizer.pad_token_id, device="cpu", settings={"max_length": max_length,
-                                                                                          **settings})
+    return text.PackedStream(
+        source,
+        text.Packer(max_length, strategy),
+        batch_size=3,
+        pad_token_id=tokenizer.pad_token_id,
+        device="cpu",
+        settings={"max_length": max_length, **settings},
+    )
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map-style"])
@@ -176,28 +192,49 @@ def test_a_stream_restored_from_its_state_continues_bit_for_bit(tmp_path, tokeni
     """Saved mid-epoch (leftover tokens pending, or a window half handed out) and on each side of the end of the
     epoch, restored from JSON into a new stream over a new dataset object (as in a new process), then read on."""
     write_corpus(tmp_path / "corpus", 3, documents=24)
-    original = stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer,
-                      strategy=strategy, rank=1, world_size=2)
+    original = stream(
+        tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming),
+        tokenizer,
+        strategy=strategy,
+        rank=1,
+        world_size=2,
+    )
     expected, epochs = [], []
     for _ in range(40):
         expected.append(original.next_batch())
         epochs.append(original.epoch)
     boundary = epochs.index(1)  # the batch during which this rank's part ran out
     for saved_after in (5, boundary, boundary + 1, boundary + 2):
-        first = stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer,
-                       strategy=strategy, rank=1, world_size=2)
+        first = stream(
+            tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming),
+            tokenizer,
+            strategy=strategy,
+            rank=1,
+            world_size=2,
+        )
         first.take(saved_after)
         state = json.loads(json.dumps(first.state_dict()))
-        restored = stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer,
-                          strategy=strategy, rank=1, world_size=2)
+        restored = stream(
+            tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming),
+            tokenizer,
+            strategy=strategy,
+            rank=1,
+            world_size=2,
+        )
         restored.load_state_dict(state)
         for step, (a, b) in enumerate(zip(expected[saved_after:], restored.take(len(expected) - saved_after))):
             for key in a:
                 assert torch.equal(a[key], b[key]), (saved_after, step, key)
         assert restored.counts() == original.counts()
     with pytest.raises(DataError, match="max_length: 32 then, 48 now"):
-        stream(tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming), tokenizer, strategy=strategy,
-               max_length=48, rank=1, world_size=2).load_state_dict(state)
+        stream(
+            tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=streaming),
+            tokenizer,
+            strategy=strategy,
+            max_length=48,
+            rank=1,
+            world_size=2,
+        ).load_state_dict(state)
 
 
 def test_a_text_file_is_one_document(tmp_path):
@@ -206,7 +243,9 @@ def test_a_text_file_is_one_document(tmp_path):
     (tmp_path / "a.txt").write_text("first line\nsecond line\n\nthird")
     (tmp_path / "b.txt").write_text("another document")
     assert sorted(files.load_raw_dataset(str(tmp_path))["train"]["text"]) == [
-        "another document", "first line\nsecond line\n\nthird"]
+        "another document",
+        "first line\nsecond line\n\nthird",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -219,9 +258,17 @@ def run_failing(tmp: Path, values: dict, capsys) -> str:
 def values(tmp_path, tiny_model_config):
     corpus = tmp_path / "corpus"
     write_corpus(corpus, 2)
-    return dict(model_config=str(tiny_model_config), tokenizer_name_or_path=str(TOKENIZER), dataset_name=str(corpus),
-                max_length=64, max_steps=3, per_device_train_batch_size=2, output_dir=str(tmp_path / "out"),
-                report_to="none", seed=7)
+    return dict(
+        model_config=str(tiny_model_config),
+        tokenizer_name_or_path=str(TOKENIZER),
+        dataset_name=str(corpus),
+        max_length=64,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        seed=7,
+    )
 
 
 @pytest.mark.parametrize("streaming", [True, False])
@@ -273,17 +320,28 @@ def test_config_problems_are_reported_together(tmp_path, values):
 
     values.update(streaming=True, max_steps=-1, packing_strategy="bfd", cross_document_attention=True)
     with pytest.raises(ConfigError) as error:
-        parse_config(load_recipe("pretrain").PretrainConfig, ["--config", str(recipe_config(tmp_path / "r.yaml", **values))])
-    assert [p.split(":")[0] for p in error.value.problems] == ["cross_document_attention needs packing_strategy",
-                                                             "streaming"]
+        parse_config(
+            load_recipe("pretrain").PretrainConfig, ["--config", str(recipe_config(tmp_path / "r.yaml", **values))]
+        )
+    assert [p.split(":")[0] for p in error.value.problems] == [
+        "cross_document_attention needs packing_strategy",
+        "streaming",
+    ]
 
 
 def fake_checkpoint(output_dir: Path, model_config: Path, *, rank_state: dict | None = None, **progress) -> Path:
     folder = output_dir / "checkpoints" / "step-00000004"
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "config.json").write_text(model_config.read_text())
-    record = dict(step=4, epoch=0, batches_into_epoch=4, world_size=1, per_device_train_batch_size=2,
-                  gradient_accumulation_steps=1, data_state_per_rank=True)
+    record = dict(
+        step=4,
+        epoch=0,
+        batches_into_epoch=4,
+        world_size=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        data_state_per_rank=True,
+    )
     record.update(progress)
     (folder / "progress.json").write_text(json.dumps(record))
     if rank_state is not None:
@@ -302,8 +360,9 @@ def test_resume_on_another_number_of_processes_is_refused(tmp_path, values, tiny
 
 def test_resume_with_other_data_settings_is_refused(tmp_path, values, tiny_model_config, capsys):
     settings = load_recipe("pretrain").data_settings(load_recipe("pretrain").PretrainConfig(**values), rank=0)
-    fake_checkpoint(Path(values["output_dir"]), tiny_model_config,
-                    rank_state={"settings": {**settings, "packing_strategy": "bfd"}})
+    fake_checkpoint(
+        Path(values["output_dir"]), tiny_model_config, rank_state={"settings": {**settings, "packing_strategy": "bfd"}}
+    )
     values["resume_from_checkpoint"] = "latest"
     error = run_failing(tmp_path, values, capsys)
     assert "packing_strategy: 'bfd' then, 'wrapped' now" in error
@@ -327,17 +386,33 @@ def launches(tmp_path_factory, tiny_model_config):
     write_jsonl(corpus / "test.jsonl", [{"text": "Story x. A held-out story about a fox."}] * 3)
 
     def run(name, out, env=None, **overrides):
-        values = dict(model_config=str(tiny_model_config), tokenizer_name_or_path=str(TOKENIZER),
-                      dataset_name=str(corpus), streaming=True, max_length=64, max_steps=STEPS,
-                      per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2, logging_steps=1, save_steps=4,
-                      output_dir=str(out), seed=7)
+        values = dict(
+            model_config=str(tiny_model_config),
+            tokenizer_name_or_path=str(TOKENIZER),
+            dataset_name=str(corpus),
+            streaming=True,
+            max_length=64,
+            max_steps=STEPS,
+            per_device_train_batch_size=4,
+            learning_rate=3e-3,
+            warmup_steps=2,
+            logging_steps=1,
+            save_steps=4,
+            output_dir=str(out),
+            seed=7,
+        )
         values.update(overrides)
-        return launch(PRETRAIN, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))],
-                      accelerate_config=FSDP_CPU_CONFIG, env=env)
+        return launch(
+            PRETRAIN,
+            ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))],
+            accelerate_config=FSDP_CPU_CONFIG,
+            env=env,
+        )
 
     reference, killed = concurrently(  # side by side: independent runs
         lambda: run("reference", tmp / "reference"),
-        lambda: run("killed", tmp / "resumed", env={"FSDP_RECIPES_FAULT": f"kill-after-step:{KILLED_AFTER}"}))
+        lambda: run("killed", tmp / "resumed", env={"FSDP_RECIPES_FAULT": f"kill-after-step:{KILLED_AFTER}"}),
+    )
     require_success(reference)
     assert killed.returncode != 0
     killed_log = read_metrics(tmp / "resumed")
@@ -384,8 +459,10 @@ def test_killed_streaming_run_resumes_bit_for_bit(launches):
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
-    read = [next(r for r in read_metrics(launches[name]) if "documents_read_per_rank" in r) for name in
-            ("reference", "resumed")]
+    read = [
+        next(r for r in read_metrics(launches[name]) if "documents_read_per_rank" in r)
+        for name in ("reference", "resumed")
+    ]
     assert {k: v for k, v in read[0].items() if k != "step"} == {k: v for k, v in read[1].items() if k != "step"}
 
 
@@ -398,14 +475,28 @@ def test_exported_model_reproduces_the_logged_eval_loss(launches):
     folder = launches["reference"]
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    _, held_out = text.load_corpus(str(launches["corpus"]), None, text_field="text", streaming=False,
-                                   train_split="train", test_split="test", eval_split_size=0, seed=0)
-    rows = text.eval_rows(text.tokenize(held_out, tokenizer, "text"), max_length=64, strategy="wrapped",
-                          cross_document_attention=False, limit=None)
+    _, held_out = text.load_corpus(
+        str(launches["corpus"]),
+        None,
+        text_field="text",
+        streaming=False,
+        train_split="train",
+        test_split="test",
+        eval_split_size=0,
+        seed=0,
+    )
+    rows = text.eval_rows(
+        text.tokenize(held_out, tokenizer, "text"),
+        max_length=64,
+        strategy="wrapped",
+        cross_document_attention=False,
+        limit=None,
+    )
     batch = text.rows_lib.collate_rows(rows, tokenizer.pad_token_id)
     with torch.no_grad():
         loss = float(causal_lm_loss_sum(model, batch)) / count_targets(batch)
     logged = [r["eval_loss"] for r in read_metrics(folder) if "eval_loss" in r][-1]
     assert loss == pytest.approx(logged, rel=1e-5)
     assert json.loads((folder / "eval_results.json").read_text())["eval_perplexity"] == pytest.approx(
-        torch.tensor(logged).exp().item(), rel=1e-6)
+        torch.tensor(logged).exp().item(), rel=1e-6
+    )

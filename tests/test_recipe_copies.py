@@ -19,8 +19,11 @@ def test_the_token_loss_loops_are_the_same():
 
 
 def test_every_training_recipe_steps_the_same_way():
-    step = ("grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm "
-            "else None", "run.fault_point(step)")
+    step = (
+        "grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm "
+        "else None",
+        "run.fault_point(step)",
+    )
     sft = section("sft", *step)
     assert len(sft) == 6
     for recipe in ("pretrain", "classify", "dpo"):

@@ -81,8 +81,14 @@ def fake_checkpoint(output_dir: Path, model_config: Path, **progress) -> Path:
     folder = output_dir / "checkpoints" / "step-00000004"
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "config.json").write_text(model_config.read_text())
-    record = dict(step=4, epoch=0, batches_into_epoch=8, world_size=1, per_device_train_batch_size=4,
-                  gradient_accumulation_steps=1)
+    record = dict(
+        step=4,
+        epoch=0,
+        batches_into_epoch=8,
+        world_size=1,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+    )
     record.update(progress)
     (folder / "progress.json").write_text(json.dumps(record))
     (output_dir / "checkpoints" / "latest").write_text(folder.name + "\n")

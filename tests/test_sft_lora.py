@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 
 from fixtures.lora import lora_values
 from fixtures.sft import STEPS, run_sft
-from helpers.launch import alongside
-from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.models import adapters
 from fsdp_recipes.tools.estimator.shapes import model_info_from_config
 from fsdp_recipes.tools.estimator.workload import Adapters
-from fsdp_recipes.common.errors import ConfigError
+from helpers.launch import alongside
+from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 
 RESUMED_FROM = 3
 
@@ -43,8 +43,9 @@ def reload(output_dir: Path, base: Path):
 def test_two_ranks_train_as_one_process_and_save_the_same_adapter(lora_reference_run, lora_one_process_run):
     two, one = losses_by_step(lora_reference_run), losses_by_step(lora_one_process_run)
     assert sorted(two) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([two[s] for s in sorted(two)]), torch.tensor([one[s] for s in sorted(two)]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([two[s] for s in sorted(two)]), torch.tensor([one[s] for s in sorted(two)]), rtol=1e-5, atol=1e-6
+    )
     assert two[STEPS] < two[1]  # it learns
     # Every element of every adapter tensor, gathered from both ranks' shards, equals the unsharded run's.
     two_adapter = load_file(lora_reference_run / "adapter_model.safetensors")
@@ -57,8 +58,9 @@ def test_two_ranks_train_as_one_process_and_save_the_same_adapter(lora_reference
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["lora_reference_run", "lora_resumed_run"])
-def test_the_adapter_folder_reloads_onto_the_base_as_the_trained_model(run, request, pretrained_tiny_model,
-                                                                       small_chat_data):
+def test_the_adapter_folder_reloads_onto_the_base_as_the_trained_model(
+    run, request, pretrained_tiny_model, small_chat_data
+):
     """2 ranks, SHARDED and FULL state dicts (the latter resumed from a checkpoint): output_dir is a peft adapter
     folder that PeftModel loads, and with it the base computes the training run's final held-out loss."""
     from transformers import AutoTokenizer
@@ -75,8 +77,15 @@ def test_the_adapter_folder_reloads_onto_the_base_as_the_trained_model(run, requ
     assert "library_name: peft" in card and "PeftModel.from_pretrained" in card
     model, tokenizer = reload(out, pretrained_tiny_model), AutoTokenizer.from_pretrained(out)
     held_out = files.load_raw_dataset(str(small_chat_data), None)["test"]
-    tokens = chat.tokenize_dataset(held_out, tokenizer, name="eval", assistant_only_loss=True, completion_only_loss=True,
-                                   max_length=64, num_proc=None)[0]
+    tokens = chat.tokenize_dataset(
+        held_out,
+        tokenizer,
+        name="eval",
+        assistant_only_loss=True,
+        completion_only_loss=True,
+        max_length=64,
+        num_proc=None,
+    )[0]
     batch = rows.collate_rows(list(rows.build_rows(tokens, max_length=64, packing=False)), tokenizer.pad_token_id)
     with torch.no_grad():
         loss = causal_lm_loss_sum(model, batch).item() / count_targets(batch)
@@ -93,8 +102,12 @@ def test_the_merged_model_is_a_plain_transformers_model_with_the_same_logits(lor
     assert not any("lora" in name for name in merged.state_dict())
     ids = adapters.verification_inputs(merged.config.vocab_size, seed=3)
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, reload(lora_reference_run, pretrained_tiny_model)(
-            input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            merged(input_ids=ids).logits,
+            reload(lora_reference_run, pretrained_tiny_model)(input_ids=ids).logits,
+            rtol=1e-4,
+            atol=1e-5,
+        )
     assert "library_name: transformers" in (merged_dir / "README.md").read_text()
 
 
@@ -123,26 +136,32 @@ def test_checkpoints_hold_the_adapters_not_the_frozen_base(lora_reference_run, l
     sharded = lora_reference_run / "checkpoints" / "step-00000012" / "pytorch_model_fsdp_0"
     keys = list(dcp.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata)
     assert len(keys) == 2 * 7 * 2 and all("lora_" in key for key in keys)
-    full = torch.load(lora_killed_during_save[0] / "checkpoints" / "step-00000003" / "pytorch_model_fsdp.bin",
-                      weights_only=True)  # written by rank 0 alone, gathered from both
+    full = torch.load(
+        lora_killed_during_save[0] / "checkpoints" / "step-00000003" / "pytorch_model_fsdp.bin", weights_only=True
+    )  # written by rank 0 alone, gathered from both
     assert len(full) == 2 * 7 * 2 and all("lora_" in key for key in full)
     assert all(tensor.abs().sum() > 0 for key, tensor in full.items() if "lora_B" in key)  # no shard left at zero
 
 
 @pytest.mark.slow
-def test_a_killed_lora_run_resumes_with_identical_losses_and_bitwise_equal_adapters(lora_reference_run,
-                                                                                   lora_resumed_run):
+def test_a_killed_lora_run_resumes_with_identical_losses_and_bitwise_equal_adapters(
+    lora_reference_run, lora_resumed_run
+):
     """Killed while saving step 6 and resumed from step 3's FULL_STATE_DICT checkpoint: the uninterrupted SHARDED run's
     losses and adapters, bit for bit (the state-dict type changes how checkpoints are written, not the training)."""
     out = lora_resumed_run
     assert losses_by_step(out) == losses_by_step(lora_reference_run)
     assert [r["step"] for r in read_metrics(out) if r.get("event") == "resumed"] == [RESUMED_FROM]
-    resumed, reference = load_file(out / "adapter_model.safetensors"), load_file(lora_reference_run / "adapter_model.safetensors")
+    resumed, reference = (
+        load_file(out / "adapter_model.safetensors"),
+        load_file(lora_reference_run / "adapter_model.safetensors"),
+    )
     assert resumed.keys() == reference.keys()
     for key in reference:
         assert torch.equal(resumed[key], reference[key]), key
-    merged, reference_merged = (load_file(folder / adapters.MERGED_FOLDER / "model.safetensors")
-                                for folder in (out, lora_reference_run))
+    merged, reference_merged = (
+        load_file(folder / adapters.MERGED_FOLDER / "model.safetensors") for folder in (out, lora_reference_run)
+    )
     assert all(torch.equal(merged[key], reference_merged[key]) for key in reference_merged)
 
 
@@ -155,8 +174,9 @@ def test_a_sharded_lora_checkpoint_resumes_on_another_world_size(lora_reference_
     assert [r["step"] for r in read_metrics(out) if r.get("event") == "resumed"] == [6]
     resumed, expected = losses_by_step(out), losses_by_step(lora_reference_run)
     steps = sorted(step for step in expected if step > 6)
-    torch.testing.assert_close(torch.tensor([resumed[s] for s in steps]), torch.tensor([expected[s] for s in steps]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([resumed[s] for s in steps]), torch.tensor([expected[s] for s in steps]), rtol=1e-5, atol=1e-6
+    )
     adapter, reference = (load_file(folder / "adapter_model.safetensors") for folder in (out, lora_reference_run))
     assert adapter.keys() == reference.keys()
     for key in reference:
@@ -174,8 +194,11 @@ def test_export_turns_a_lora_checkpoint_into_the_runs_adapter_and_merged_model(t
         assert exported.keys() == trained.keys()
         assert all(torch.equal(exported[key], trained[key]) for key in trained), name
     config = json.loads((tmp_path / "exported" / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["base_model_name_or_path"] == json.loads(
-        (lora_reference_run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (
+        config["r"] == 4
+        and config["base_model_name_or_path"]
+        == json.loads((lora_reference_run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    )
 
 
 @pytest.mark.slow
@@ -183,10 +206,21 @@ def test_export_turns_a_lora_checkpoint_into_the_runs_adapter_and_merged_model(t
 def test_the_eval_recipe_scores_an_adapter_as_the_training_run(tmp_path, lora_reference_run, small_chat_data, source):
     """eval.py merges a LoRA adapter (a folder, or a LoRA run's checkpoint exported first) into its base: the held-out
     loss is the training run's final one."""
-    model = lora_reference_run if source == "adapter folder" else lora_reference_run / "checkpoints" / f"step-{STEPS:08d}"
-    run_recipe_in_process("eval", tmp_path, "eval", dict(model_name_or_path=str(model), dataset_name=str(small_chat_data),
-                                                         output_dir=str(tmp_path / "scores"), max_length=64,
-                                                         metrics=["perplexity"]))
+    model = (
+        lora_reference_run if source == "adapter folder" else lora_reference_run / "checkpoints" / f"step-{STEPS:08d}"
+    )
+    run_recipe_in_process(
+        "eval",
+        tmp_path,
+        "eval",
+        dict(
+            model_name_or_path=str(model),
+            dataset_name=str(small_chat_data),
+            output_dir=str(tmp_path / "scores"),
+            max_length=64,
+            metrics=["perplexity"],
+        ),
+    )
     results = json.loads((tmp_path / "scores" / "eval_results.json").read_text())
     final_eval_loss = [r["eval_loss"] for r in read_metrics(lora_reference_run) if "eval_loss" in r][-1]
     assert results["eval_loss"] == pytest.approx(final_eval_loss, rel=1e-5)
@@ -195,22 +229,34 @@ def test_the_eval_recipe_scores_an_adapter_as_the_training_run(tmp_path, lora_re
 @pytest.mark.slow
 def test_resuming_with_another_lora_rank_is_refused(tmp_path, lora_killed_during_save, capsys):
     source, values, _ = lora_killed_during_save
-    error = recipe_error_in_process("sft", tmp_path, {**values, "output_dir": str(tmp_path / "new"), "lora_r": 8,
-                                                      "resume_from_checkpoint": str(source / "checkpoints" / "step-00000003")},
-                                    capsys)
+    error = recipe_error_in_process(
+        "sft",
+        tmp_path,
+        {
+            **values,
+            "output_dir": str(tmp_path / "new"),
+            "lora_r": 8,
+            "resume_from_checkpoint": str(source / "checkpoints" / "step-00000003"),
+        },
+        capsys,
+    )
     assert "other LoRA settings" in error and "lora_r 4 in the checkpoint, 8 now" in error
 
 
 # ------------------------------------------------------------------------------------------------ in-process
-@pytest.mark.parametrize("overrides, expected", [
-    ({"lora_r": 0}, "lora_r must be >= 1, got 0"),
-    ({"lora_dropout": 1.5}, "lora_dropout must be in [0, 1)"),
-    ({"lora_target_modules": ["qkv_proj"]}, "Its linear modules are: down_proj, gate_proj, k_proj"),
-    ({"use_peft": False, "load_in_4bit": True}, "set use_peft: true as well"),
-    ({"bnb_4bit_quant_type": "int3", "load_in_4bit": True}, "bnb_4bit_quant_type 'int3' is not one of nf4, fp4"),
-])
-def test_bad_lora_settings_are_one_error_before_loading(tmp_path, overrides, expected, pretrained_tiny_model,
-                                                        small_chat_data, capsys):
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"lora_r": 0}, "lora_r must be >= 1, got 0"),
+        ({"lora_dropout": 1.5}, "lora_dropout must be in [0, 1)"),
+        ({"lora_target_modules": ["qkv_proj"]}, "Its linear modules are: down_proj, gate_proj, k_proj"),
+        ({"use_peft": False, "load_in_4bit": True}, "set use_peft: true as well"),
+        ({"bnb_4bit_quant_type": "int3", "load_in_4bit": True}, "bnb_4bit_quant_type 'int3' is not one of nf4, fp4"),
+    ],
+)
+def test_bad_lora_settings_are_one_error_before_loading(
+    tmp_path, overrides, expected, pretrained_tiny_model, small_chat_data, capsys
+):
     values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out", **overrides)
     assert expected in recipe_error_in_process("sft", tmp_path, values, capsys)
 
@@ -226,7 +272,9 @@ def test_qlora_without_bitsandbytes_is_refused(tmp_path, pretrained_tiny_model, 
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
     values = lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "out", load_in_4bit=True)
     assert "load_in_4bit needs the bitsandbytes package" in recipe_error_in_process("sft", tmp_path, values, capsys)
 
@@ -236,8 +284,9 @@ def test_uint8_4bit_storage_is_refused_under_fsdp(tiny_model_config):
 
     from fsdp_recipes.train.config import TrainingConfig
 
-    config = TrainingConfig(model_name_or_path="m", dataset_name="d", use_peft=True, load_in_4bit=True,
-                            bnb_4bit_quant_storage="uint8")
+    config = TrainingConfig(
+        model_name_or_path="m", dataset_name="d", use_peft=True, load_in_4bit=True, bnb_4bit_quant_storage="uint8"
+    )
     model_config = AutoConfig.from_pretrained(tiny_model_config)
     with pytest.raises(ConfigError, match="FSDP shards only floating-point tensors.*bnb_4bit_quant_storage: bfloat16"):
         adapters.check_before_loading(config, model_config, task="causal-lm", is_fsdp=True)
@@ -257,8 +306,10 @@ def test_the_estimator_counts_the_adapters_peft_creates(tiny_model_config, targe
     model_config = AutoConfig.from_pretrained(tiny_model_config)
     info = model_info_from_config(model_config)
     predicted = sum(p.numel for p in Adapters(rank=4, target_modules=targets, dora=dora).adapter_params(info))
-    model = get_peft_model(meta_model(model_config), LoraConfig(r=4, target_modules=list(targets) if targets else "all-linear",
-                                                                use_dora=dora))
+    model = get_peft_model(
+        meta_model(model_config),
+        LoraConfig(r=4, target_modules=list(targets) if targets else "all-linear", use_dora=dora),
+    )
     assert predicted == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -269,13 +320,21 @@ def test_qlora_on_two_ranks_trains_as_one_process_and_exports(tmp_path, pretrain
     (bf16 compute: rtol 1e-4); each exported adapter, reloaded onto a freshly quantised base, reproduces its trained
     model's logits (checked by the export itself, or the run would have failed)."""
     pytest.importorskip("bitsandbytes")
-    qlora = dict(load_in_4bit=True, max_steps=3, save_steps=None, exact_match_eval_samples=0,
-                 gradient_accumulation_steps=1)
+    qlora = dict(
+        load_in_4bit=True, max_steps=3, save_steps=None, exact_match_eval_samples=0, gradient_accumulation_steps=1
+    )
     alongside(
-        lambda: run_recipe_in_process("sft", tmp_path, "one", lora_values(pretrained_tiny_model, small_chat_data,
-                                                                          tmp_path / "one", **qlora,
-                                                                          per_device_train_batch_size=8)),
-        lambda: run_sft(tmp_path, "two", lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "two", **qlora)),
+        lambda: run_recipe_in_process(
+            "sft",
+            tmp_path,
+            "one",
+            lora_values(
+                pretrained_tiny_model, small_chat_data, tmp_path / "one", **qlora, per_device_train_batch_size=8
+            ),
+        ),
+        lambda: run_sft(
+            tmp_path, "two", lora_values(pretrained_tiny_model, small_chat_data, tmp_path / "two", **qlora)
+        ),
     )
     one, two = summary_of(tmp_path / "one"), summary_of(tmp_path / "two")
     assert one["distributed_type"] == "NO" and two["distributed_type"] == "FSDP" and two["world_size"] == 2
@@ -296,10 +355,16 @@ def test_qlora_on_two_ranks_trains_as_one_process_and_exports(tmp_path, pretrain
     import bitsandbytes
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quantised = AutoModelForCausalLM.from_pretrained(pretrained_tiny_model, dtype=torch.bfloat16, device_map="cpu",
-                                                     quantization_config=BitsAndBytesConfig(
-                                                         load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                         bnb_4bit_quant_storage=torch.bfloat16,
-                                                         bnb_4bit_compute_dtype=torch.bfloat16))
+    quantised = AutoModelForCausalLM.from_pretrained(
+        pretrained_tiny_model,
+        dtype=torch.bfloat16,
+        device_map="cpu",
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_quant_storage=torch.bfloat16,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        ),
+    )
     packed = [m.weight.data for m in quantised.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
     assert packed and sum(int(torch.isnan(weight).sum()) for weight in packed) > 0

@@ -96,7 +96,9 @@ def eval_loss_of_exported_model(folder: Path, data: Path) -> float:
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     tokenizer = AutoTokenizer.from_pretrained(folder)
     eval_raw = load_dataset(str(data))["test"]
-    tokens, _ = tokenize_dataset(eval_raw, tokenizer, assistant_only_loss=True, completion_only_loss=True, max_length=64)
+    tokens, _ = tokenize_dataset(
+        eval_raw, tokenizer, assistant_only_loss=True, completion_only_loss=True, max_length=64
+    )
     rows = build_rows(tokens, max_length=64, packing=False)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -109,7 +111,9 @@ def eval_loss_of_exported_model(folder: Path, data: Path) -> float:
 
 @pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 def test_export_reloads_and_reproduces_the_trained_model(request, state_dict_type, small_chat_data):
-    folder = request.getfixturevalue("reference_run" if state_dict_type == "SHARDED_STATE_DICT" else "full_state_dict_run")
+    folder = request.getfixturevalue(
+        "reference_run" if state_dict_type == "SHARDED_STATE_DICT" else "full_state_dict_run"
+    )
     summary = json.loads((folder / "run_summary.json").read_text())
     assert summary["fsdp"]["state_dict_type"] == state_dict_type
     if state_dict_type == "FULL_STATE_DICT":  # that run also has the performance switches on

@@ -12,8 +12,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from helpers.data import write_tiny_model_config
-from fsdp_recipes.tools import cli
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.launch_checks import (
     ERROR,
@@ -22,9 +21,10 @@ from fsdp_recipes.distributed.launch_checks import (
     exported_environment,
     lint_launch_environment,
 )
+from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.linter import lint_config_file
-from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.tools.topology import CONFIG_DIR, cluster_config, load_topologies, stale_files
+from helpers.data import write_tiny_model_config
 
 TOPOLOGIES = load_topologies()
 BY_FILE = {t.file: t for t in TOPOLOGIES}
@@ -32,25 +32,51 @@ CPU_CONFIG = CONFIG_DIR / "fsdp_2proc_cpu.yaml"
 
 # What each shipped file must make the launcher export: written by hand, not derived from topologies.yaml.
 EXPECTED_ENVIRONMENT = {
-    "fsdp_8gpu.yaml": {"WORLD_SIZE": "8", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
-                       "ACCELERATE_MIXED_PRECISION": "bf16", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
-                       "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_OFFLOAD_PARAMS": "false"},
+    "fsdp_8gpu.yaml": {
+        "WORLD_SIZE": "8",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_OFFLOAD_PARAMS": "false",
+    },
     "fsdp_8gpu_fp16.yaml": {"WORLD_SIZE": "8", "ACCELERATE_MIXED_PRECISION": "fp16"},
     "fsdp_8gpu_shard_grad_op.yaml": {"WORLD_SIZE": "8", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"},
     "ddp_8gpu.yaml": {"WORLD_SIZE": "8", "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_FSDP": None},
     "fsdp_8gpu_offload.yaml": {"FSDP_OFFLOAD_PARAMS": "true", "FSDP_ACTIVATION_CHECKPOINTING": "false"},
-    "fsdp_8gpu_activation_checkpointing.yaml": {"FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_OFFLOAD_PARAMS": "false"},
+    "fsdp_8gpu_activation_checkpointing.yaml": {
+        "FSDP_ACTIVATION_CHECKPOINTING": "true",
+        "FSDP_OFFLOAD_PARAMS": "false",
+    },
     "fsdp1_8gpu.yaml": {"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_USE_ORIG_PARAMS": "true"},
-    "fsdp_2x8gpu.yaml": {"WORLD_SIZE": "16", "FSDP_RESHARD_AFTER_FORWARD": "true",
-                         "ACCELERATE_USE_PARALLELISM_CONFIG": None},
+    "fsdp_2x8gpu.yaml": {
+        "WORLD_SIZE": "16",
+        "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "ACCELERATE_USE_PARALLELISM_CONFIG": None,
+    },
     "fsdp_4x8gpu.yaml": {"WORLD_SIZE": "32"},
-    "hsdp_2x8gpu.yaml": {"WORLD_SIZE": "16", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
-                         "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8"},
-    "fsdp_2proc_cpu.yaml": {"WORLD_SIZE": "2", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
-                            "ACCELERATE_MIXED_PRECISION": "no", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
-                            "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": None},
-    "hsdp_4proc_cpu.yaml": {"WORLD_SIZE": "4", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
-                            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "no"},
+    "hsdp_2x8gpu.yaml": {
+        "WORLD_SIZE": "16",
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+        "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8",
+    },
+    "fsdp_2proc_cpu.yaml": {
+        "WORLD_SIZE": "2",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": None,
+    },
+    "hsdp_4proc_cpu.yaml": {
+        "WORLD_SIZE": "4",
+        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+        "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+        "ACCELERATE_MIXED_PRECISION": "no",
+    },
     "single_gpu.yaml": {"WORLD_SIZE": "1", "ACCELERATE_USE_FSDP": None},
 }
 
@@ -112,8 +138,16 @@ def raw_header(name: str) -> str:
     return (CONFIG_DIR / name).read_text().split("\ncompute_environment:")[0]
 
 
-@pytest.mark.parametrize("name", ["fsdp_8gpu.yaml", "fsdp_8gpu_shard_grad_op.yaml", "fsdp_8gpu_offload.yaml",
-                                  "fsdp_8gpu_activation_checkpointing.yaml", "hsdp_4proc_cpu.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fsdp_8gpu.yaml",
+        "fsdp_8gpu_shard_grad_op.yaml",
+        "fsdp_8gpu_offload.yaml",
+        "fsdp_8gpu_activation_checkpointing.yaml",
+        "hsdp_4proc_cpu.yaml",
+    ],
+)
 def test_fsdp2_plugin_built_from_the_exported_environment_has_the_topologys_settings(name, monkeypatch):
     from accelerate import FullyShardedDataParallelPlugin
 
@@ -132,10 +166,16 @@ def test_fsdp2_plugin_built_from_the_exported_environment_has_the_topologys_sett
 
 def test_topologies_file_errors_are_reported_together_with_the_fix(tmp_path):
     source = tmp_path / "topologies.yaml"
-    source.write_text(yaml.safe_dump({"topologies": [
-        {"file": "a.yaml", "purpose": "p", "when": "w", "sharding": "HYBRID_SHARD", "nodes": 2},
-        {"file": "b.yaml", "purpose": "p", "when": "w", "mixed_precison": "bf16"},
-    ]}))
+    source.write_text(
+        yaml.safe_dump(
+            {
+                "topologies": [
+                    {"file": "a.yaml", "purpose": "p", "when": "w", "sharding": "HYBRID_SHARD", "nodes": 2},
+                    {"file": "b.yaml", "purpose": "p", "when": "w", "mixed_precison": "bf16"},
+                ]
+            }
+        )
+    )
     with pytest.raises(ConfigError) as raised:
         load_topologies(source)
     message = str(raised.value)
@@ -176,7 +216,9 @@ def test_misspelled_fsdp_keys_are_errors_naming_the_closest_key(tmp_path, capsys
     raw = cpu_config(fsdp_offload_params=None, fsdp_backward_prefetch_policy="BACKWARD_PRE", fsdp_ofload_params=True)
     path, findings = lint(tmp_path, raw)
     assert "did you mean 'fsdp_offload_params'?" in only(findings, ERROR, "fsdp_config.fsdp_ofload_params")
-    assert "did you mean 'fsdp_backward_prefetch'?" in only(findings, ERROR, "fsdp_config.fsdp_backward_prefetch_policy")
+    assert "did you mean 'fsdp_backward_prefetch'?" in only(
+        findings, ERROR, "fsdp_config.fsdp_backward_prefetch_policy"
+    )
     assert cli.main(["validate-config", str(path)]) == 1
     assert "drops it without a word" in capsys.readouterr().out
 
@@ -203,7 +245,9 @@ def test_a_strategy_name_under_fsdp2_reshard_key_is_an_error(tmp_path):
 def test_fsdp1_strategy_under_the_reshard_key_is_an_error_naming_the_right_key(tmp_path):
     raw = cpu_config(fsdp_version=1, fsdp_reshard_after_forward="SHARD_GRAD_OP")
     _, findings = lint(tmp_path, raw)
-    assert "write fsdp_sharding_strategy: SHARD_GRAD_OP" in only(findings, ERROR, "fsdp_config.fsdp_reshard_after_forward")
+    assert "write fsdp_sharding_strategy: SHARD_GRAD_OP" in only(
+        findings, ERROR, "fsdp_config.fsdp_reshard_after_forward"
+    )
 
 
 def test_implicit_no_wrap_is_an_error(tmp_path):

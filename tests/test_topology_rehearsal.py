@@ -25,10 +25,25 @@ CONFIGS = REPO / "accelerate_configs"
 GPU_CONFIG_ON_CPU = ["--mixed_precision", "no"]  # a GPU config rehearsed in fp32, for exact comparisons
 
 
-def run_recipe(tmp: Path, name: str, config: Path, *, num_processes: int, rows_per_process: int,
-               tiny_model_config, data, launcher_args=()) -> Path:
-    values = resume_values(tiny_model_config, data, tmp / name, per_device_train_batch_size=rows_per_process,
-                           save_steps=None, exact_match_eval_samples=0)
+def run_recipe(
+    tmp: Path,
+    name: str,
+    config: Path,
+    *,
+    num_processes: int,
+    rows_per_process: int,
+    tiny_model_config,
+    data,
+    launcher_args=(),
+) -> Path:
+    values = resume_values(
+        tiny_model_config,
+        data,
+        tmp / name,
+        per_device_train_batch_size=rows_per_process,
+        save_steps=None,
+        exact_match_eval_samples=0,
+    )
     run_sft(tmp, name, values, num_processes=num_processes, accelerate_config=config, launcher_args=list(launcher_args))
     return tmp / name
 
@@ -56,17 +71,32 @@ def run_on_two_slurm_nodes(tmp: Path, tiny_model_config, data) -> Path:
     replica per node. The launch line each node's launcher got is recorded next to the output folder."""
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    for name, text in [("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
-                       ("accelerate", RECORDING_ACCELERATE.format(accelerate=ACCELERATE))]:
+    for name, text in [
+        ("srun", FAKE_SRUN),
+        ("scontrol", FAKE_SCONTROL),
+        ("accelerate", RECORDING_ACCELERATE.format(accelerate=ACCELERATE)),
+    ]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    values = resume_values(tiny_model_config, data, tmp / "out", per_device_train_batch_size=2,
-                           save_steps=None, exact_match_eval_samples=0)
-    slurm = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]", "GPUS_PER_NODE": "2",
-             "MAIN_PORT": str(free_port()), "LAUNCHES": str(tmp / "launches.txt")}
+    values = resume_values(
+        tiny_model_config, data, tmp / "out", per_device_train_batch_size=2, save_steps=None, exact_match_eval_samples=0
+    )
+    slurm = {
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[0-1]",
+        "GPUS_PER_NODE": "2",
+        "MAIN_PORT": str(free_port()),
+        "LAUNCHES": str(tmp / "launches.txt"),
+    }
     env = {**os.environ, **slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TOKENIZERS_PARALLELISM": "false"}
-    command = ["bash", str(CONFIGS / "slurm_multinode.sbatch"), str(CONFIGS / "hsdp_4proc_cpu.yaml"), "recipes/sft.py",
-               "--config", str(recipe_config(tmp / "two_nodes.yaml", **values))]
+    command = [
+        "bash",
+        str(CONFIGS / "slurm_multinode.sbatch"),
+        str(CONFIGS / "hsdp_4proc_cpu.yaml"),
+        "recipes/sft.py",
+        "--config",
+        str(recipe_config(tmp / "two_nodes.yaml", **values)),
+    ]
     require_success(run_process_group(command, timeout=LAUNCH_TIMEOUT_S, env=env))
     return tmp / "out"
 
@@ -80,10 +110,24 @@ def runs(tmp_path_factory, tiny_model_config, small_chat_data, reference_run):
     hsdp, shard_grad_op, no_shard = concurrently(  # independent launches, side by side
         # HSDP 2 x 2, rehearsed as two "nodes" through the SLURM template (4 processes in all)
         lambda: run_on_two_slurm_nodes(two_nodes, tiny_model_config, small_chat_data),
-        lambda: run_recipe(tmp, "shard_grad_op", CONFIGS / "fsdp_8gpu_shard_grad_op.yaml", num_processes=2,
-                           rows_per_process=4, launcher_args=GPU_CONFIG_ON_CPU, **common),
-        lambda: run_recipe(tmp, "no_shard", CONFIGS / "ddp_8gpu.yaml", num_processes=2, rows_per_process=4,
-                           launcher_args=GPU_CONFIG_ON_CPU, **common),
+        lambda: run_recipe(
+            tmp,
+            "shard_grad_op",
+            CONFIGS / "fsdp_8gpu_shard_grad_op.yaml",
+            num_processes=2,
+            rows_per_process=4,
+            launcher_args=GPU_CONFIG_ON_CPU,
+            **common,
+        ),
+        lambda: run_recipe(
+            tmp,
+            "no_shard",
+            CONFIGS / "ddp_8gpu.yaml",
+            num_processes=2,
+            rows_per_process=4,
+            launcher_args=GPU_CONFIG_ON_CPU,
+            **common,
+        ),
     )
     return {"full_shard": reference_run, "hsdp": hsdp, "shard_grad_op": shard_grad_op, "no_shard": no_shard}
 
@@ -137,8 +181,16 @@ def test_slurm_template_on_two_nodes_launches_each_node_as_slurm_would(runs):
 
 
 def test_slurm_template_refuses_a_missing_recipe_script():
-    result = run_process_group(["bash", str(CONFIGS / "slurm_multinode.sbatch"), str(CONFIGS / "fsdp_2x8gpu.yaml"),
-                                "--config", "recipes/configs/sft/demo_reverse.yaml"], timeout=30)
+    result = run_process_group(
+        [
+            "bash",
+            str(CONFIGS / "slurm_multinode.sbatch"),
+            str(CONFIGS / "fsdp_2x8gpu.yaml"),
+            "--config",
+            "recipes/configs/sft/demo_reverse.yaml",
+        ],
+        timeout=30,
+    )
     assert result.returncode == 2
     assert "RECIPE_SCRIPT is '--config', not a recipe file here" in result.stderr
 

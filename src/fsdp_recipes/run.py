@@ -27,24 +27,15 @@ from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, broadca
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from fsdp_recipes.models import adapters
-from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
-from fsdp_recipes.distributed.launch_checks import check_launch_environment
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.faults import inject_fault
+from fsdp_recipes.common.outputs import output_dir_problem
+from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed.accelerator import build_accelerator, describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
-from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
-from fsdp_recipes.publish.export import export_model_folder, write_model_card
-from fsdp_recipes.common.faults import inject_fault
-from fsdp_recipes.publish.hub import push_folder_to_hub, require_hub_token
-from fsdp_recipes.train.losses import loss_implementation_problem
-from fsdp_recipes.tools.estimator.live import estimate_for_run
-from fsdp_recipes.train.metrics import held_state_bytes
-from fsdp_recipes.train.metrics import MetricsLog, StepLogger, device_name, numeric_fields, peak_flops_per_device
-from fsdp_recipes.common.tables import format_table
-from fsdp_recipes.train.metrics import plot_training_curves
-from fsdp_recipes.common.yaml_json import write_json
+from fsdp_recipes.distributed.launch_checks import check_launch_environment
+from fsdp_recipes.models import adapters
 from fsdp_recipes.models.modeling import (
     activation_checkpointing_mechanism,
     check_one_activation_checkpointing,
@@ -57,11 +48,26 @@ from fsdp_recipes.models.modeling import (
     resolve_attn_implementation,
     resolve_wrap_classes,
 )
-from fsdp_recipes.common.outputs import output_dir_problem
+from fsdp_recipes.publish.export import export_model_folder, write_model_card
+from fsdp_recipes.publish.hub import push_folder_to_hub, require_hub_token
 from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
+from fsdp_recipes.tools.estimator.live import estimate_for_run
+from fsdp_recipes.train import checkpoint as checkpoints_lib
+from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
+from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 from fsdp_recipes.train.loop import BatchStream
+from fsdp_recipes.train.losses import loss_implementation_problem
+from fsdp_recipes.train.metrics import (
+    MetricsLog,
+    StepLogger,
+    device_name,
+    held_state_bytes,
+    numeric_fields,
+    peak_flops_per_device,
+    plot_training_curves,
+)
 
 T = TypeVar("T")
 
@@ -126,16 +132,32 @@ class Run(StartedRun):
 
     def loss_evaluator(self, model, rows, loss_sum: LossSum) -> LossEvaluator:
         """Held-out loss on `rows` (None: no held-out data) every `eval_steps` and at the end, for `begin`."""
-        return LossEvaluator(self.accelerator, model, rows, loss_sum=loss_sum, every=self.config.eval_steps,
-                             batch_size=self.config.per_device_eval_batch_size, pad_token_id=self.tokenizer.pad_token_id)
+        return LossEvaluator(
+            self.accelerator,
+            model,
+            rows,
+            loss_sum=loss_sum,
+            every=self.config.eval_steps,
+            batch_size=self.config.per_device_eval_batch_size,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
 
     def progress_bar(self, first_step: int) -> tqdm:
-        return tqdm(total=self.total_steps, initial=first_step - 1, disable=not self.accelerator.is_main_process,
-                    desc=self.name)
+        return tqdm(
+            total=self.total_steps, initial=first_step - 1, disable=not self.accelerator.is_main_process, desc=self.name
+        )
 
-    def begin(self, model, train_loader, scheduler, *, total_steps: int, evaluator: Evaluation | None = None,
-              summary: dict[str, Any] | None = None,
-              checkpoint_files: dict[str, str] | None = None) -> tuple[BatchStream, int]:
+    def begin(
+        self,
+        model,
+        train_loader,
+        scheduler,
+        *,
+        total_steps: int,
+        evaluator: Evaluation | None = None,
+        summary: dict[str, Any] | None = None,
+        checkpoint_files: dict[str, str] | None = None,
+    ) -> tuple[BatchStream, int]:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
         batch stream at the right data position and the first optimizer step to run.
@@ -153,29 +175,49 @@ class Run(StartedRun):
         if self.checkpoint is not None:
             progress = checkpoints_lib.load_checkpoint(accelerator, self.checkpoint)
             if not per_rank_stream:
-                batches = BatchStream(accelerator, train_loader, epoch=progress.epoch,
-                                      batches_into_epoch=progress.batches_into_epoch_for(
-                                          accelerator.num_processes, config.per_device_train_batch_size))
+                batches = BatchStream(
+                    accelerator,
+                    train_loader,
+                    epoch=progress.epoch,
+                    batches_into_epoch=progress.batches_into_epoch_for(
+                        accelerator.num_processes, config.per_device_train_batch_size
+                    ),
+                )
             first_step = progress.step + 1
 
         adapters.register_generate_as_forward(model)
         self.summary = describe_run(accelerator, model, self.wrap_classes)
         rows = None if per_rank_stream else len(getattr(train_loader, "dataset", None) or [])
         if rows is not None and rows < self.global_batch_rows:  # allowed by repeat_small_dataset (else refused)
-            self.summary["repeated_data"] = (f"{rows} training rows, fewer than one optimizer step takes "
-                                             f"({self.global_batch_rows}): every step repeats rows")
+            self.summary["repeated_data"] = (
+                f"{rows} training rows, fewer than one optimizer step takes "
+                f"({self.global_batch_rows}): every step repeats rows"
+            )
         self.summary.update(
-            recipe=self.name, task=self.task, attn_implementation=self.attention_note, **(summary or {}),
-            **adapters.parameter_counts(model), lora=adapters.describe(config),
-            optimizer_steps=total_steps, global_batch_rows=self.global_batch_rows,
+            recipe=self.name,
+            task=self.task,
+            attn_implementation=self.attention_note,
+            **(summary or {}),
+            **adapters.parameter_counts(model),
+            lora=adapters.describe(config),
+            optimizer_steps=total_steps,
+            global_batch_rows=self.global_batch_rows,
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
-            torch_compile=config.torch_compile, optim=config.optim, device_name=device_name(accelerator.device),
+            torch_compile=config.torch_compile,
+            optim=config.optim,
+            device_name=device_name(accelerator.device),
             memory_estimate=estimate_for_run(
-                accelerator, self.model_config, dataclasses.replace(config, attn_implementation=self.attn_implementation),
+                accelerator,
+                self.model_config,
+                dataclasses.replace(config, attn_implementation=self.attn_implementation),
             ),
         )
-        self.log = MetricsLog(config.output_dir, enabled=accelerator.is_main_process, printer=tqdm.write,
-                              tracker=lambda record: accelerator.log(numeric_fields(record), step=record["step"]))
+        self.log = MetricsLog(
+            config.output_dir,
+            enabled=accelerator.is_main_process,
+            printer=tqdm.write,
+            tracker=lambda record: accelerator.log(numeric_fields(record), step=record["step"]),
+        )
         if accelerator.is_main_process:
             Path(config.output_dir).mkdir(parents=True, exist_ok=True)
             self.log.start(resumed_step=first_step - 1 if self.resumed else None)
@@ -185,31 +227,54 @@ class Run(StartedRun):
         accelerator.init_trackers(self.name, config=numeric_fields(config_to_dict(config), keep_text=True))
         if self.resumed:
             changes = {"config_changes": self.config_changes} if self.config_changes else {}
-            self.log.log({"step": first_step - 1, "event": "resumed", "checkpoint": str(self.checkpoint),
-                          "world_size": accelerator.num_processes, **changes})
+            self.log.log(
+                {
+                    "step": first_step - 1,
+                    "event": "resumed",
+                    "checkpoint": str(self.checkpoint),
+                    "world_size": accelerator.num_processes,
+                    **changes,
+                }
+            )
             for name, (old, new) in self.config_changes.items():
                 accelerator.print(f"warning: resumed with {name} {old!r} -> {new!r} (allow_config_change)")
 
         self.metrics = StepLogger(
-            accelerator, self.log, every=config.logging_steps, total_steps=total_steps, model_config=self.model_config,
+            accelerator,
+            self.log,
+            every=config.logging_steps,
+            total_steps=total_steps,
+            model_config=self.model_config,
             non_embedding_parameters=count_non_embedding_parameters(accelerator.unwrap_model(model)),
             peak_flops=peak_flops_per_device(self.summary["device_name"], config.peak_flops_per_device),
         )
         self.evaluation = evaluator or Evaluation()
         self.evaluation.attach(log=self.log, total_steps=total_steps, pause=self.metrics.window.paused)
         self.checkpoints = checkpoints_lib.Checkpointer(
-            accelerator, config.output_dir, every=config.save_steps, total_steps=total_steps,
-            save_total_limit=config.save_total_limit, pause=self.metrics.window.paused,
+            accelerator,
+            config.output_dir,
+            every=config.save_steps,
+            total_steps=total_steps,
+            save_total_limit=config.save_total_limit,
+            pause=self.metrics.window.paused,
             position=lambda step: checkpoints_lib.TrainingProgress(
-                step=step, epoch=batches.epoch, batches_into_epoch=batches.batches_into_epoch,
-                world_size=accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
-                gradient_accumulation_steps=config.gradient_accumulation_steps, data_state_per_rank=per_rank_stream,
+                step=step,
+                epoch=batches.epoch,
+                batches_into_epoch=batches.batches_into_epoch,
+                world_size=accelerator.num_processes,
+                per_device_train_batch_size=config.per_device_train_batch_size,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+                data_state_per_rank=per_rank_stream,
             ),
-            rank_state=batches.state_dict if per_rank_stream else None, extra_files=checkpoint_files,
+            rank_state=batches.state_dict if per_rank_stream else None,
+            extra_files=checkpoint_files,
             model_files_writer=lambda folder: checkpoints_lib.write_model_files(
-                folder, model_config=self.model_config, tokenizer=self.tokenizer,
+                folder,
+                model_config=self.model_config,
+                tokenizer=self.tokenizer,
                 generation_config=getattr(accelerator.unwrap_model(model), "generation_config", None),
-                recipe_config=config_to_dict(config), accelerate_config=self.accelerate_settings,
+                recipe_config=config_to_dict(config),
+                accelerate_config=self.accelerate_settings,
                 run_info={"recipe": self.name, "task": self.task},
             ),
         )
@@ -223,7 +288,9 @@ class Run(StartedRun):
         def record(*_):
             hook.remove()
             held = held_state_bytes(model, torch_optimizer)
-            self.summary["state_bytes_per_rank"] = gather_object([held]) if self.accelerator.num_processes > 1 else [held]
+            self.summary["state_bytes_per_rank"] = (
+                gather_object([held]) if self.accelerator.num_processes > 1 else [held]
+            )
             if self.accelerator.is_main_process:
                 write_json(Path(self.config.output_dir) / "run_summary.json", self.summary)
 
@@ -242,7 +309,11 @@ class Run(StartedRun):
         """A figure taken before training (e.g. accuracy of the untrained model): measured and logged at step 0 by a
         new run; a resumed run reads it from the main process's log instead of measuring a half-trained model."""
         if self.resumed:
-            return broadcast_object_list([self.log.first(key)])[0] if self.accelerator.num_processes > 1 else self.log.first(key)
+            return (
+                broadcast_object_list([self.log.first(key)])[0]
+                if self.accelerator.num_processes > 1
+                else self.log.first(key)
+            )
         value = measure()
         self.log.log({"step": 0, key: value})
         return value
@@ -256,33 +327,50 @@ class Run(StartedRun):
         self.evaluation.maybe_evaluate(self.total_steps)
         results = {key: value for key, value in (results or {}).items() if value is not None}
         final_metrics = {
-            "train_loss": self.log.last("loss"), "eval_loss": self.log.last("eval_loss"), **results,
+            "train_loss": self.log.last("loss"),
+            "eval_loss": self.log.last("eval_loss"),
+            **results,
             **self.metrics.final_metrics(),
             "estimated_memory_gib_per_gpu": self.summary["memory_estimate"]["predicted_per_gpu_bytes"]["total"] / 2**30,
         }
         if accelerator.is_main_process:
-            accelerator.print("final metrics (speeds: means over logged windows after the first):\n"
-                              + format_table(list(final_metrics.items())))
+            accelerator.print(
+                "final metrics (speeds: means over logged windows after the first):\n"
+                + format_table(list(final_metrics.items()))
+            )
             plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
         card = dict(
-            recipe=self.name, recipe_config=config_to_dict(config), accelerate_config=self.accelerate_settings,
+            recipe=self.name,
+            recipe_config=config_to_dict(config),
+            accelerate_config=self.accelerate_settings,
             metrics={key: value for key, value in final_metrics.items() if value is not None},
-            base_model=config.model_name_or_path, dataset=config.dataset_name, hub_model_id=config.hub_model_id,
-            eval_results=eval_results, task=self.task,
+            base_model=config.model_name_or_path,
+            dataset=config.dataset_name,
+            hub_model_id=config.hub_model_id,
+            eval_results=eval_results,
+            task=self.task,
         )
         if adapters.is_adapter_model(accelerator.unwrap_model(model)):
             folder = adapters.export_adapter_folder(
-                accelerator, model, self.tokenizer, config.output_dir, task=self.task, config=config,
+                accelerator,
+                model,
+                self.tokenizer,
+                config.output_dir,
+                task=self.task,
+                config=config,
                 card_writer=lambda where, library: write_model_card(where, library_name=library, **card),
             )
         else:
-            folder = export_model_folder(accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card)
+            folder = export_model_folder(
+                accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card
+            )
         if accelerator.is_main_process:
             if results:
                 write_json(folder / "eval_results.json", results)
             if config.push_to_hub:
-                url = push_folder_to_hub(folder, config.hub_model_id, token=self.hub_token,
-                                         private=config.hub_private_repo)
+                url = push_folder_to_hub(
+                    folder, config.hub_model_id, token=self.hub_token, private=config.hub_private_repo
+                )
                 accelerator.print(f"pushed to the Hub: {url}")
             accelerator.print(f"model exported to {folder.resolve()}")
         accelerator.end_training()
@@ -299,8 +387,9 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     return Run(config=config, name=name, task=task, accelerator=accelerator, **checks)
 
 
-def start_evaluation(config: RunConfig, *, name: str, task: str | None = None,
-                     base_model_name_or_path: str | None = None) -> EvaluationRun:
+def start_evaluation(
+    config: RunConfig, *, name: str, task: str | None = None, base_model_name_or_path: str | None = None
+) -> EvaluationRun:
     """`start` for a recipe that loads a trained model to measure it: the same accelerator and checks before loading,
     on a model folder, Hub id, LoRA adapter folder or recipe checkpoint; `task` None: the model's own (a
     *ForSequenceClassification is a classifier). output_dir None: the model folder itself. `base_model_name_or_path`:
@@ -311,8 +400,10 @@ def start_evaluation(config: RunConfig, *, name: str, task: str | None = None,
         source = resolve_model_source(config.model_name_or_path, base_model_name_or_path=base_model_name_or_path)
         output_dir = config.output_dir or (str(source.local_folder) if source.local_folder else None)
         if output_dir is None:
-            raise ConfigError("output_dir is required when evaluating a Hub id or a checkpoint: the folder for the "
-                              "results and the card")
+            raise ConfigError(
+                "output_dir is required when evaluating a Hub id or a checkpoint: the folder for the "
+                "results and the card"
+            )
         problem = output_dir_problem(output_dir, overwrite=True)
         hub_model_id = config.hub_model_id or (source.name if source.kind == "hub" else None)
         if config.push_to_hub and not hub_model_id:
@@ -322,12 +413,22 @@ def start_evaluation(config: RunConfig, *, name: str, task: str | None = None,
         hub_token = require_hub_token() if config.push_to_hub else None
         # an adapter folder has no model config of its own (its base's applies) but carries the tokenizer it used
         tokenizer, model_config = load_model_files(
-            config, source.config_files, tokenizer_name_or_path=source.files,
-            model_setting="base_model_name_or_path" if source.kind == "adapter" else "model_name_or_path")
+            config,
+            source.config_files,
+            tokenizer_name_or_path=source.files,
+            model_setting="base_model_name_or_path" if source.kind == "adapter" else "model_name_or_path",
+        )
         model_task = task or model_source_task(source, model_config)
-        return dict(source=source, output_dir=Path(output_dir), hub_model_id=hub_model_id, hub_token=hub_token,
-                    tokenizer=tokenizer, model_config=model_config, task=model_task,
-                    **model_layout(accelerator, config, model_config, model_task))
+        return dict(
+            source=source,
+            output_dir=Path(output_dir),
+            hub_model_id=hub_model_id,
+            hub_token=hub_token,
+            tokenizer=tokenizer,
+            model_config=model_config,
+            task=model_task,
+            **model_layout(accelerator, config, model_config, model_task),
+        )
 
     started = on_every_rank_together(accelerator, checks)
     accelerator.project_configuration.set_directories(str(started["output_dir"]))  # trackers write beside results
@@ -350,26 +451,40 @@ def accelerator_for(config: RunConfig, *, compile_layers: bool = False) -> Accel
     return accelerator
 
 
-def load_model_files(config: RunConfig, model_name_or_path: str | None, model_config_file: str | None = None, *,
-                     tokenizer_name_or_path: str | None = None, model_setting: str = "model_name_or_path"):
+def load_model_files(
+    config: RunConfig,
+    model_name_or_path: str | None,
+    model_config_file: str | None = None,
+    *,
+    tokenizer_name_or_path: str | None = None,
+    model_setting: str = "model_name_or_path",
+):
     """(tokenizer, model config) of the model to load, checked against each other; no weights. The tokenizer is the
     config's `tokenizer_name_or_path`, else `tokenizer_name_or_path`, else the model's own. `model_setting`: the field
     that named `model_name_or_path`, for messages."""
     tokenizer = load_tokenizer(
-        config.tokenizer_name_or_path or tokenizer_name_or_path or model_name_or_path, revision=config.model_revision,
-        trust_remote_code=config.trust_remote_code, chat_template=config.chat_template,
+        config.tokenizer_name_or_path or tokenizer_name_or_path or model_name_or_path,
+        revision=config.model_revision,
+        trust_remote_code=config.trust_remote_code,
+        chat_template=config.chat_template,
         setting="tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path",
     )
-    model_config = load_model_config(model_name_or_path, model_config_file, revision=config.model_revision,
-                                     trust_remote_code=config.trust_remote_code,
-                                     setting=None if model_config_file else model_setting)
+    model_config = load_model_config(
+        model_name_or_path,
+        model_config_file,
+        revision=config.model_revision,
+        trust_remote_code=config.trust_remote_code,
+        setting=None if model_config_file else model_setting,
+    )
     check_tokenizer_fits_model(tokenizer, model_config)
     return tokenizer, model_config
 
 
 def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task: str) -> dict[str, Any]:
     """What the Accelerate config will wrap (checked against the model) and the attention implementation to load."""
-    wrap_classes = resolve_wrap_classes(accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code)
+    wrap_classes = resolve_wrap_classes(
+        accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code
+    )
     attn_implementation, attention_note = resolve_attn_implementation(
         model_config, config.attn_implementation, task=task, trust_remote_code=config.trust_remote_code
     )
@@ -381,7 +496,8 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     if config.resume_from_checkpoint:
         checkpoint = checkpoints_lib.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
         checkpoints_lib.read_progress(checkpoint).check_resumable(
-            world_size=accelerator.num_processes, per_device_train_batch_size=config.per_device_train_batch_size,
+            world_size=accelerator.num_processes,
+            per_device_train_batch_size=config.per_device_train_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
         )
     resuming_here = checkpoint is not None and Path(config.output_dir).resolve() in checkpoint.resolve().parents
@@ -392,8 +508,9 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     hub_token = require_hub_token() if config.push_to_hub else None
     tokenizer, model_config = load_model_files(config, config.model_name_or_path, config.model_config)
     if checkpoint is not None and checkpoints_lib.saved_model_config_path(checkpoint).is_file():
-        saved = load_model_config(None, str(checkpoints_lib.saved_model_config_path(checkpoint)),
-                                  trust_remote_code=config.trust_remote_code)
+        saved = load_model_config(
+            None, str(checkpoints_lib.saved_model_config_path(checkpoint)), trust_remote_code=config.trust_remote_code
+        )
         check_same_shapes(saved, model_config, task=task, trust_remote_code=config.trust_remote_code)
     config_changes = {}
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
@@ -403,10 +520,21 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         check_packing_is_isolated(model_config)
     layout = model_layout(accelerator, config, model_config, task)
     check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
-    adapters.check_before_loading(config, model_config, task=task, is_fsdp=accelerator.distributed_type.value == "FSDP",
-                                  trust_remote_code=config.trust_remote_code)
+    adapters.check_before_loading(
+        config,
+        model_config,
+        task=task,
+        is_fsdp=accelerator.distributed_type.value == "FSDP",
+        trust_remote_code=config.trust_remote_code,
+    )
     problem = loss_implementation_problem(config.loss_implementation, accelerator.device.type)
     if problem:
         raise ConfigError(problem)
-    return dict(checkpoint=checkpoint, hub_token=hub_token, tokenizer=tokenizer, model_config=model_config,
-                config_changes=config_changes, **layout)
+    return dict(
+        checkpoint=checkpoint,
+        hub_token=hub_token,
+        tokenizer=tokenizer,
+        model_config=model_config,
+        config_changes=config_changes,
+        **layout,
+    )

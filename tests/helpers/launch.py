@@ -87,7 +87,9 @@ def free_port() -> int:
 
 def require_success(result: subprocess.CompletedProcess) -> None:
     if result.returncode != 0:
-        pytest.fail(f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
+        pytest.fail(
+            f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+        )
 
 
 def run_launched(script: Path, tmp: Path, name: str, values: dict, *, expect_success: bool = True, **launch_options):

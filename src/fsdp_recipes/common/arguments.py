@@ -73,8 +73,9 @@ def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
     return f"unknown key {key!r} in {where}{hint}"
 
 
-def typed_values(cls, values: dict[str, Any], *, where: str, unknown_keys_are_errors: bool = True
-                 ) -> tuple[dict[str, Any], list[str]]:
+def typed_values(
+    cls, values: dict[str, Any], *, where: str, unknown_keys_are_errors: bool = True
+) -> tuple[dict[str, Any], list[str]]:
     """(each value converted to its field's type, the problems found): values of the wrong type, and keys that are no
     field of `cls` unless told otherwise."""
     kinds = _field_kinds(cls)

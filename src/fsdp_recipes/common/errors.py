@@ -70,8 +70,10 @@ def is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-BUG_NOTE = ("This is a bug in FSDP Recipes or in a library it uses, not a problem with your input: please report it, "
-            "with the traceback above and the command that ran.")
+BUG_NOTE = (
+    "This is a bug in FSDP Recipes or in a library it uses, not a problem with your input: please report it, "
+    "with the traceback above and the command that ran."
+)
 
 
 def exit_on_user_error(main: Callable[[], object]) -> None:

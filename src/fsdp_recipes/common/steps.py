@@ -49,14 +49,19 @@ class Step:
     explain: Callable[[BaseException, Step], Problem | None] | None = None  # the step's own reading of an exception
 
     def point_elsewhere(self, kind: str = "another one") -> str:
-        """"point <setting> at <kind>", for the fixes."""
+        """ "point <setting> at <kind>", for the fixes."""
         return f"point {self.setting} at {kind}" if self.setting else f"give {kind}"
 
 
 @contextlib.contextmanager
-def step(what: str, *, name: str | None = None, setting: str | None = None,
-         explain: Callable[[BaseException, Step], Problem | None] | None = None,
-         met_by_one_rank: bool = False) -> Iterator[Step]:
+def step(
+    what: str,
+    *,
+    name: str | None = None,
+    setting: str | None = None,
+    explain: Callable[[BaseException, Step], Problem | None] | None = None,
+    met_by_one_rank: bool = False,
+) -> Iterator[Step]:
     """Runs the block as the named step: a library exception caused by the input becomes an InputError naming the step,
     the input and the fix; a UserError passes as it is; anything else passes with a note naming the step (a bug).
     `met_by_one_rank`: a step each rank runs on its own input (its part of a stream), whose error that rank reports
@@ -122,9 +127,11 @@ def _not_a_path_nor_a_hub_id(error: BaseException, current: Step, outer: BaseExc
     if "HFValidationError" not in _class_names(error):
         return None
     where = Path(current.name).expanduser().absolute() if current.name else "it"
-    return Problem(f"there is no such local path ({where}), and it cannot be a Hub id either (those look like "
-                   "org/name)", f"Fix the path (a relative path starts from {Path.cwd()}), or "
-                   f"{current.point_elsewhere('an existing folder or a Hub id')}")
+    return Problem(
+        f"there is no such local path ({where}), and it cannot be a Hub id either (those look like org/name)",
+        f"Fix the path (a relative path starts from {Path.cwd()}), or "
+        f"{current.point_elsewhere('an existing folder or a Hub id')}",
+    )
 
 
 def _hub_unreachable(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
@@ -135,46 +142,66 @@ def _hub_unreachable(error: BaseException, current: Step, outer: BaseException) 
 
     local = f", or {current.point_elsewhere('a local folder')}"
     if constants.HF_HUB_OFFLINE:
-        return Problem(f"it is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set, so the Hub was not "
-                       f"asked{_no_local_path(current)}", f"Unset HF_HUB_OFFLINE where the Hub can be reached{local}")
+        return Problem(
+            f"it is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set, so the Hub was not "
+            f"asked{_no_local_path(current)}",
+            f"Unset HF_HUB_OFFLINE where the Hub can be reached{local}",
+        )
     reason = next((f"{type(e).__name__}: {e}" for e in chain(error) if _is_connection_error(e)), None)
-    return Problem(f"the Hugging Face Hub could not be reached{f' ({reason})' if reason else ''} and it is not in the "
-                   f"local cache{_no_local_path(current)}",
-                   f"Check the network and the id (a copy downloaded before loads with HF_HUB_OFFLINE=1){local}")
+    return Problem(
+        f"the Hugging Face Hub could not be reached{f' ({reason})' if reason else ''} and it is not in the "
+        f"local cache{_no_local_path(current)}",
+        f"Check the network and the id (a copy downloaded before loads with HF_HUB_OFFLINE=1){local}",
+    )
 
 
 def _is_connection_error(error: BaseException) -> bool:
-    return bool(_class_names(error) & {"ConnectError", "ConnectionError", "gaierror", "ConnectTimeout", "Timeout",
-                                        "TimeoutError", "ReadTimeout"})
+    return bool(
+        _class_names(error)
+        & {"ConnectError", "ConnectionError", "gaierror", "ConnectTimeout", "Timeout", "TimeoutError", "ReadTimeout"}
+    )
 
 
 def _hub_refused(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
     names = _class_names(error)
     if "GatedRepoError" in names:
-        return Problem("the Hub repository is gated", "Accept its terms on its Hub page, then log in with `hf auth "
-                       f"login` or set HF_TOKEN; or {current.point_elsewhere()}")
+        return Problem(
+            "the Hub repository is gated",
+            "Accept its terms on its Hub page, then log in with `hf auth "
+            f"login` or set HF_TOKEN; or {current.point_elsewhere()}",
+        )
     if "RepositoryNotFoundError" in names:
-        return Problem(f"the Hub has no such repository, or it is private{_no_local_path(current)}",
-                       "Check the id (org/name); if it is private, log in with `hf auth login` or set HF_TOKEN; or "
-                       f"{current.point_elsewhere()}")
+        return Problem(
+            f"the Hub has no such repository, or it is private{_no_local_path(current)}",
+            "Check the id (org/name); if it is private, log in with `hf auth login` or set HF_TOKEN; or "
+            f"{current.point_elsewhere()}",
+        )
     if "RevisionNotFoundError" in names:
-        return Problem("the Hub repository has no such revision (branch, tag or commit)",
-                       "Set model_revision to one it has (main is the default)")
+        return Problem(
+            "the Hub repository has no such revision (branch, tag or commit)",
+            "Set model_revision to one it has (main is the default)",
+        )
     if "HfHubHTTPError" in names:
-        return Problem(f"the Hub refused the request ({' '.join(str(error).split())[:200]})",
-                       f"Check the id and your token (`hf auth login` or HF_TOKEN), or {current.point_elsewhere()}")
+        return Problem(
+            f"the Hub refused the request ({' '.join(str(error).split())[:200]})",
+            f"Check the id and your token (`hf auth login` or HF_TOKEN), or {current.point_elsewhere()}",
+        )
     if _is_connection_error(error):
-        return Problem(f"the Hugging Face Hub could not be reached ({type(error).__name__}: {error})",
-                       f"Check the network (a copy downloaded before loads with HF_HUB_OFFLINE=1), or "
-                       f"{current.point_elsewhere('a local folder')}")
+        return Problem(
+            f"the Hugging Face Hub could not be reached ({type(error).__name__}: {error})",
+            f"Check the network (a copy downloaded before loads with HF_HUB_OFFLINE=1), or "
+            f"{current.point_elsewhere('a local folder')}",
+        )
     return None
 
 
 def _not_text(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
     if not isinstance(error, UnicodeDecodeError):
         return None
-    return Problem(f"it is not UTF-8 text ({error.reason} at byte {error.start}: a binary file?)",
-                   f"Convert it to UTF-8 text, or {current.point_elsewhere()}")
+    return Problem(
+        f"it is not UTF-8 text ({error.reason} at byte {error.start}: a binary file?)",
+        f"Convert it to UTF-8 text, or {current.point_elsewhere()}",
+    )
 
 
 def _file_system(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
@@ -186,7 +213,9 @@ def _file_system(error: BaseException, current: Step, outer: BaseException) -> P
     if isinstance(error, (FileNotFoundError, NotADirectoryError)) and error.filename:
         return Problem(f"there is no {where}", f"Fix the path, or {current.point_elsewhere()}")
     if isinstance(error, IsADirectoryError):
-        return Problem(f"{where} is a folder where a file was expected", f"Name the file, or {current.point_elsewhere()}")
+        return Problem(
+            f"{where} is a folder where a file was expected", f"Name the file, or {current.point_elsewhere()}"
+        )
     return None
 
 
@@ -195,17 +224,27 @@ def _not_json(error: BaseException, current: Step, outer: BaseException) -> Prob
         return None
     # transformers names the file in the exception it raises from this one ("the config file at '...'")
     named = next((found.group(1) for e in chain(outer) if (found := re.search(r" at '([^']+)'", str(e)))), None)
-    return Problem(f"{named or 'a JSON file in it'} is not valid JSON ({error.msg} at line {error.lineno}, column "
-                   f"{error.colno})", f"Fix the file, or {current.point_elsewhere()}")
-
+    return Problem(
+        f"{named or 'a JSON file in it'} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})",
+        f"Fix the file, or {current.point_elsewhere()}",
+    )
 
 
 def _tokenizer_given_non_text(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
     if not (isinstance(error, ValueError) and str(error).startswith("text input must be of type `str`")):
         return None
-    return Problem("its values are not text (the tokenizer takes strings)",
-                   f"{current.point_elsewhere('a column of strings').capitalize()}")
+    return Problem(
+        "its values are not text (the tokenizer takes strings)",
+        f"{current.point_elsewhere('a column of strings').capitalize()}",
+    )
 
 
-_RECOGNISERS = (_not_a_path_nor_a_hub_id, _hub_unreachable, _hub_refused, _not_text, _not_json, _file_system,
-                _tokenizer_given_non_text)
+_RECOGNISERS = (
+    _not_a_path_nor_a_hub_id,
+    _hub_unreachable,
+    _hub_refused,
+    _not_text,
+    _not_json,
+    _file_system,
+    _tokenizer_given_non_text,
+)

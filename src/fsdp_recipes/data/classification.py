@@ -18,8 +18,9 @@ from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data import files
 
 
-def check_columns(dataset: Dataset, *, text_column: str, text_pair_column: str | None, label_column: str | None,
-                  name: str) -> None:
+def check_columns(
+    dataset: Dataset, *, text_column: str, text_pair_column: str | None, label_column: str | None, name: str
+) -> None:
     if len(dataset) == 0:
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
     needed = [text_column] + ([text_pair_column] if text_pair_column else []) + ([label_column] if label_column else [])
@@ -73,8 +74,9 @@ def label_names(train: Dataset, label_column: str) -> list[str]:
     return present
 
 
-def label_ids(dataset: Dataset, label_column: str, label2id: dict[str, int], *, name: str,
-              ids_allowed: bool = False) -> list[int]:
+def label_ids(
+    dataset: Dataset, label_column: str, label2id: dict[str, int], *, name: str, ids_allowed: bool = False
+) -> list[int]:
     """Each row's label id, by label name (case-insensitively if need be). `ids_allowed`: a model whose classes have
     no real names (transformers' LABEL_0, LABEL_1, ...) takes integer labels as ids."""
     texts = _texts_of(dataset, label_column)
@@ -86,7 +88,9 @@ def label_ids(dataset: Dataset, label_column: str, label2id: dict[str, int], *, 
     raw = dataset[label_column]
     if ids_allowed and all(isinstance(value, int) and 0 <= value < len(label2id) for value in raw):
         return list(raw)
-    shown = ", ".join(repr(text) for text in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    shown = ", ".join(repr(text) for text in unknown[:5]) + (
+        f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    )
     kind = "ClassLabel " if isinstance(feature, ClassLabel) else ""
     raise DataError(
         f"the {name} split has {kind}labels the classifier does not know: {shown} (known: "
@@ -95,8 +99,17 @@ def label_ids(dataset: Dataset, label_column: str, label2id: dict[str, int], *, 
     )
 
 
-def tokenize(dataset: Dataset, tokenizer, *, text_column: str, text_pair_column: str | None, labels: list[int],
-             max_length: int, num_proc: int | None = None, name: str = "train") -> tuple[Dataset, dict[str, int]]:
+def tokenize(
+    dataset: Dataset,
+    tokenizer,
+    *,
+    text_column: str,
+    text_pair_column: str | None,
+    labels: list[int],
+    max_length: int,
+    num_proc: int | None = None,
+    name: str = "train",
+) -> tuple[Dataset, dict[str, int]]:
     """`input_ids` (text, or text and pair as the tokenizer joins them, truncated to max_length) and `labels`."""
 
     special = tokenizer.num_special_tokens_to_add(pair=text_pair_column is not None)
@@ -114,8 +127,9 @@ def tokenize(dataset: Dataset, tokenizer, *, text_column: str, text_pair_column:
         return {"input_ids": encoded["input_ids"], "truncated": [len(ids) > max_length for ids in full]}
 
     with files.tokenizing(text_column, split=name, setting="text_column"):
-        tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
-                                desc=f"Tokenizing {name}")
+        tokenized = dataset.map(
+            encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {name}"
+        )
     stats = {"examples": len(dataset), "truncated": int(sum(tokenized["truncated"]))}
     return tokenized.remove_columns("truncated").add_column("labels", list(labels)), stats
 
@@ -131,8 +145,10 @@ def class_weights(labels: list[int], num_labels: int, spec: str | None) -> torch
         return torch.where(counts > 0, len(labels) / (present * counts.clamp(min=1)), 0.0).float()
     weights = [float(value) for value in spec.split(",")]
     if len(weights) != num_labels:
-        raise DataError(f"class_weights gives {len(weights)} weights but the data has {num_labels} classes: give one "
-                        "per class, in label-id order (the run summary lists the labels), or use 'balanced'")
+        raise DataError(
+            f"class_weights gives {len(weights)} weights but the data has {num_labels} classes: give one "
+            "per class, in label-id order (the run summary lists the labels), or use 'balanced'"
+        )
     return torch.tensor(weights)
 
 

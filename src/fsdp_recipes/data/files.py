@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow
-from datasets import Dataset, DatasetDict, IterableDatasetDict, config as datasets_config, load_dataset
+from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+from datasets import config as datasets_config
 from datasets.data_files import EmptyDatasetError
 from datasets.exceptions import DataFilesNotFoundError, DatasetBuildError, DatasetNotFoundError, DatasetsError
 from datasets.table import CastError
@@ -35,8 +36,13 @@ def reading(dataset_name: str, *, met_by_one_rank: bool = False) -> Iterator[ste
     UTF-8, not the format its name says, unreadable) becomes one DataError naming the file. Wrap what reads a stream
     too: a streamed dataset is read only when iterated. `met_by_one_rank`: while each rank reads its own part, so the
     rank that met it says so itself."""
-    with steps.step(f"reading dataset_name {dataset_name!r}", name=dataset_name, setting="dataset_name",
-                    explain=_explain_unreadable(dataset_name), met_by_one_rank=met_by_one_rank) as step:
+    with steps.step(
+        f"reading dataset_name {dataset_name!r}",
+        name=dataset_name,
+        setting="dataset_name",
+        explain=_explain_unreadable(dataset_name),
+        met_by_one_rank=met_by_one_rank,
+    ) as step:
         yield step
 
 
@@ -49,7 +55,9 @@ def _explain_unreadable(dataset_name: str):
         for file in paths:
             problem = _file_problem(file)
             if problem is not None:
-                fix = "Fix it, or move it out of the folder" if len(paths) > 1 else f"Fix it, or {step.point_elsewhere()}"
+                fix = (
+                    "Fix it, or move it out of the folder" if len(paths) > 1 else f"Fix it, or {step.point_elsewhere()}"
+                )
                 return steps.Problem(f"{file}: {problem}", fix)
         return None
 
@@ -77,9 +85,15 @@ def check_text_column_type(dataset, column: str, *, split: str, setting: str) ->
         if value is None or isinstance(value, str):
             return
         kind = _value_kind(value)
-    raise DataError(f"column {column!r} of the {split} split holds {kind}, not text: point {setting} at a column of "
-                    "strings" + (" (conversations go in a 'messages' column, read as chat where a recipe takes chat)"
-                                 if "turns" in kind else ""))
+    raise DataError(
+        f"column {column!r} of the {split} split holds {kind}, not text: point {setting} at a column of "
+        "strings"
+        + (
+            " (conversations go in a 'messages' column, read as chat where a recipe takes chat)"
+            if "turns" in kind
+            else ""
+        )
+    )
 
 
 def _feature_kind(feature) -> str:
@@ -96,18 +110,22 @@ def _feature_kind(feature) -> str:
 def _value_kind(value) -> str:
     if isinstance(value, list) and value and all(isinstance(v, dict) and "role" in v for v in value):
         return "chat turns (lists of role/content)"
-    return {list: "lists", dict: "records", bool: "booleans", int: "numbers", float: "numbers"}.get(type(value),
-                                                                                                     type(value).__name__)
+    return {list: "lists", dict: "records", bool: "booleans", int: "numbers", float: "numbers"}.get(
+        type(value), type(value).__name__
+    )
 
 
-def load_raw_dataset(dataset_name: str, dataset_config: str | None = None, *,
-                     streaming: bool = False) -> DatasetDict | IterableDatasetDict:
+def load_raw_dataset(
+    dataset_name: str, dataset_config: str | None = None, *, streaming: bool = False
+) -> DatasetDict | IterableDatasetDict:
     """A Hub dataset id, a local data file, or a local folder of data files (all splits it has)."""
     with reading(dataset_name):
         return _load_raw_dataset(dataset_name, dataset_config, streaming)
 
 
-def _load_raw_dataset(dataset_name: str, dataset_config: str | None, streaming: bool) -> DatasetDict | IterableDatasetDict:
+def _load_raw_dataset(
+    dataset_name: str, dataset_config: str | None, streaming: bool
+) -> DatasetDict | IterableDatasetDict:
     path = Path(dataset_name).expanduser()
     if path.is_file():
         return _load_file(dataset_name, path, streaming)
@@ -178,8 +196,10 @@ def _load_from_hub(dataset_name: str, dataset_config: str | None, streaming: boo
 def _data_files_in(folder: Path) -> list[Path]:
     """The data files datasets reads from a folder: hidden files and folders are skipped, as datasets does."""
     return sorted(
-        path for path in folder.rglob("*")
-        if path.suffix.lower() in _LOCAL_FORMATS and path.is_file()
+        path
+        for path in folder.rglob("*")
+        if path.suffix.lower() in _LOCAL_FORMATS
+        and path.is_file()
         and not any(part.startswith(".") for part in path.relative_to(folder).parts)
     )
 
@@ -308,8 +328,6 @@ def split_train_eval(
         parts = train.train_test_split(test_size=eval_split_size, seed=seed)
         return parts["train"], parts["test"]
     return train, None
-
-
 
 
 def evaluation_split(raw: DatasetDict, split: str) -> tuple[Dataset, str]:

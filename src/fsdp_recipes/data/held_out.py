@@ -20,14 +20,22 @@ def _chat_format(columns: list[str]) -> bool:
     return "messages" in columns or ("prompt" in columns and "completion" in columns)
 
 
-def loss_rows(dataset: Dataset, tokenizer, *, text_column: str, max_length: int,
-              num_proc: int | None = None) -> tuple[Dataset, dict[str, int]]:
+def loss_rows(
+    dataset: Dataset, tokenizer, *, text_column: str, max_length: int, num_proc: int | None = None
+) -> tuple[Dataset, dict[str, int]]:
     """Unpacked rows (`fsdp_recipes.data.rows`) for `evaluation.evaluate_loss`, and what was truncated or dropped."""
     if len(dataset) == 0:
         raise DataError("the eval split is empty: there is nothing to evaluate")
     if _chat_format(dataset.column_names):
-        tokens, stats = chat.tokenize_dataset(dataset, tokenizer, assistant_only_loss=True, completion_only_loss=True,
-                                              max_length=max_length, num_proc=num_proc, name="eval")
+        tokens, stats = chat.tokenize_dataset(
+            dataset,
+            tokenizer,
+            assistant_only_loss=True,
+            completion_only_loss=True,
+            max_length=max_length,
+            num_proc=num_proc,
+            name="eval",
+        )
         return rows.build_rows(tokens, max_length=max_length, packing=False), stats
     if text_column not in dataset.column_names:
         raise DataError(
@@ -42,8 +50,9 @@ def loss_rows(dataset: Dataset, tokenizer, *, text_column: str, max_length: int,
         return {"input_ids": ids, "loss_mask": [[1] * len(row) for row in ids]}
 
     with files.tokenizing(text_column, split="eval", setting="text_column"):
-        tokens = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
-                             desc="Tokenizing eval")
+        tokens = dataset.map(
+            encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="Tokenizing eval"
+        )
     with_target = tokens.filter(lambda ids: len(ids) > 1, input_columns="input_ids")  # one token predicts nothing
     if len(with_target) == 0:
         raise DataError(f"no eval text has two tokens or more in column {text_column!r}: nothing to predict")

@@ -28,10 +28,7 @@ from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data.chat import TemplatePrefixError, conversation_problem, tokenize_example
 from fsdp_recipes.data.rows import collate_rows, shifted_targets
 
-FORMATS = {
-    "explicit": ("prompt", "chosen", "rejected"),
-    "implicit": ("chosen", "rejected"),
-}
+FORMATS = {"explicit": ("prompt", "chosen", "rejected"), "implicit": ("chosen", "rejected")}
 
 
 def detect_format(column_names: list[str]) -> str:
@@ -66,13 +63,16 @@ def pair_problem(prompt: Any, chosen: Any, rejected: Any, *, implicit: bool = Fa
     """What makes a pair unusable, or None. An empty answer is one: it would train on the end-of-text token alone."""
     kinds = {type(value) for value in (prompt, chosen, rejected)}
     if kinds not in ({str}, {list}):
-        return ("'prompt', 'chosen' and 'rejected' must all be strings or all lists of turns, got "
-                f"{', '.join(type(v).__name__ for v in (prompt, chosen, rejected))}")
+        return (
+            "'prompt', 'chosen' and 'rejected' must all be strings or all lists of turns, got "
+            f"{', '.join(type(v).__name__ for v in (prompt, chosen, rejected))}"
+        )
     for column, answer in (("chosen", chosen), ("rejected", rejected)):
         if isinstance(answer, str) and not answer and chosen != rejected:
             other = "rejected" if column == "chosen" else "chosen"
-            return f"{column!r} is empty" + (f": all of it is the start of {other!r}, so it is taken as the prompt"
-                                               if implicit else "")
+            return f"{column!r} is empty" + (
+                f": all of it is the start of {other!r}, so it is taken as the prompt" if implicit else ""
+            )
     if isinstance(chosen, list):
         for column, answer in (("chosen", chosen), ("rejected", rejected)):
             problem = conversation_problem(prompt + answer, column, assistant_from=len(prompt))
@@ -83,11 +83,19 @@ def pair_problem(prompt: Any, chosen: Any, rejected: Any, *, implicit: bool = Fa
     return None
 
 
-def _side(tokenizer, prompt, completion, *, max_length: int, max_prompt_length: int | None) -> tuple[list[int], list[int]]:
+def _side(
+    tokenizer, prompt, completion, *, max_length: int, max_prompt_length: int | None
+) -> tuple[list[int], list[int]]:
     """Tokens and loss mask of prompt + completion: the prompt cut from the left to max_prompt_length, then the
     whole cut from the right to max_length."""
-    tokens = tokenize_example({"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion",
-                              assistant_only_loss=True, completion_only_loss=True, max_length=1 << 30)
+    tokens = tokenize_example(
+        {"prompt": prompt, "completion": completion},
+        tokenizer,
+        "prompt_completion",
+        assistant_only_loss=True,
+        completion_only_loss=True,
+        max_length=1 << 30,
+    )
     ids, mask = tokens["input_ids"], tokens["loss_mask"]
     prompt_length = next((i for i, keep in enumerate(mask) if keep), len(mask))
     if max_prompt_length is not None and prompt_length > max_prompt_length:
@@ -96,8 +104,16 @@ def _side(tokenizer, prompt, completion, *, max_length: int, max_prompt_length: 
     return ids[:max_length], mask[:max_length]
 
 
-def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, *, data_format: str,
-                  max_length: int, max_prompt_length: int | None, name: str) -> dict[str, Any]:
+def tokenize_pair(
+    example: dict[str, Any],
+    index: int,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    data_format: str,
+    max_length: int,
+    max_prompt_length: int | None,
+    name: str,
+) -> dict[str, Any]:
     if data_format == "explicit":
         prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
     else:
@@ -108,8 +124,10 @@ def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedToke
     problem = pair_problem(prompt, chosen, rejected, implicit=data_format == "implicit")
     if problem is None:
         try:
-            sides = [_side(tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length)
-                     for answer in (chosen, rejected)]
+            sides = [
+                _side(tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length)
+                for answer in (chosen, rejected)
+            ]
         except TemplateError as error:
             problem = f"the chat template refused it: {error}"
         except TemplatePrefixError:
@@ -125,7 +143,8 @@ def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedToke
         if sum(mask[1:]) == 0:
             raise DataError(
                 f"pair {index} of the {name} split: its {side} answer has no token left after truncation to "
-                f"max_length={max_length}" + (f" with max_prompt_length={max_prompt_length}" if max_prompt_length else "")
+                f"max_length={max_length}"
+                + (f" with max_prompt_length={max_prompt_length}" if max_prompt_length else "")
                 + ". Raise max_length, set (or lower) max_prompt_length, or remove that pair."
             )
         row[f"{side}_input_ids"] = ids
@@ -137,14 +156,22 @@ def tokenize_pair(example: dict[str, Any], index: int, tokenizer: PreTrainedToke
 
 def content_key(pair: dict[str, Any]) -> int:
     """A signed 64-bit hash of what a pair's reference values depend on: both rows' token ids and targets."""
-    content = json.dumps([list(pair[f"{side}_{part}"]) for side in ("chosen", "rejected")
-                          for part in ("input_ids", "targets")], separators=(",", ":"))
+    content = json.dumps(
+        [list(pair[f"{side}_{part}"]) for side in ("chosen", "rejected") for part in ("input_ids", "targets")],
+        separators=(",", ":"),
+    )
     return int.from_bytes(hashlib.blake2b(content.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def tokenize_pairs(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, *, max_length: int,
-                   max_prompt_length: int | None = None, num_proc: int | None = None,
-                   name: str = "train") -> tuple[Dataset, dict[str, Any]]:
+def tokenize_pairs(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    max_prompt_length: int | None = None,
+    num_proc: int | None = None,
+    name: str = "train",
+) -> tuple[Dataset, dict[str, Any]]:
     """Pairs as `chosen_input_ids`, `chosen_targets`, `rejected_input_ids`, `rejected_targets` (targets shifted,
     IGNORE_INDEX outside the completion), `index` (the pair's position in `dataset`), `key` (`content_key`) and
     `length` (the longer row), with counts for the run summary."""
@@ -158,14 +185,26 @@ def tokenize_pairs(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, *, max_
             "chat_template in the recipe config to a Jinja template (a path to a .jinja file or the text itself)."
         )
     pairs = dataset.map(
-        tokenize_pair, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
-        fn_kwargs=dict(tokenizer=tokenizer, data_format=data_format, max_length=max_length,
-                       max_prompt_length=max_prompt_length, name=name),
+        tokenize_pair,
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        fn_kwargs=dict(
+            tokenizer=tokenizer,
+            data_format=data_format,
+            max_length=max_length,
+            max_prompt_length=max_prompt_length,
+            name=name,
+        ),
         desc=f"Tokenizing {name} pairs",
     )
     lengths = pairs["length"]
-    stats = {"pairs": len(pairs), "format": data_format, "longest_row": max(lengths),
-             "mean_row_tokens": round(sum(lengths) / len(lengths), 1)}
+    stats = {
+        "pairs": len(pairs),
+        "format": data_format,
+        "longest_row": max(lengths),
+        "mean_row_tokens": round(sum(lengths) / len(lengths), 1),
+    }
     return pairs, stats
 
 
@@ -181,9 +220,15 @@ class PairCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        rows = [{"input_ids": pair[f"{side}_input_ids"], "targets": pair[f"{side}_targets"],
-                 "position_ids": list(range(len(pair[f"{side}_input_ids"])))}
-                for side in ("chosen", "rejected") for pair in pairs]
+        rows = [
+            {
+                "input_ids": pair[f"{side}_input_ids"],
+                "targets": pair[f"{side}_targets"],
+                "position_ids": list(range(len(pair[f"{side}_input_ids"]))),
+            }
+            for side in ("chosen", "rejected")
+            for pair in pairs
+        ]
         batch = collate_rows(rows, self.pad_token_id)
         batch["pair_index"] = torch.tensor([pair["index"] for pair in pairs], dtype=torch.long)
         batch["pair_key"] = torch.tensor([pair["key"] for pair in pairs], dtype=torch.long)

@@ -20,7 +20,6 @@ from fsdp_recipes.common.errors import DataError
 IGNORE_INDEX = -100  # targets that carry no loss (prompt tokens, padding, the last token of each example)
 
 
-
 def shifted_targets(input_ids: list[int], loss_mask: list[int]) -> list[int]:
     """targets[i] is the token position i must predict (input_ids[i + 1]) or IGNORE_INDEX; the last position of an
     example predicts nothing, so packed neighbours never leak into each other's loss."""
@@ -50,7 +49,9 @@ def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
 def build_rows(tokenized: Dataset, *, max_length: int, packing: bool) -> Dataset:
     """Training rows: `input_ids`, `targets` (shifted, IGNORE_INDEX where no loss) and `position_ids`."""
     input_ids, loss_masks = tokenized["input_ids"], tokenized["loss_mask"]
-    groups = pack_lengths([len(ids) for ids in input_ids], max_length) if packing else [[i] for i in range(len(input_ids))]
+    groups = (
+        pack_lengths([len(ids) for ids in input_ids], max_length) if packing else [[i] for i in range(len(input_ids))]
+    )
     rows: dict[str, list[list[int]]] = {"input_ids": [], "targets": [], "position_ids": []}
     for group in groups:
         row_ids, row_targets, row_positions = [], [], []
@@ -139,8 +140,9 @@ def check_one_step_of_data(count: int, *, per_step: int, unit: str, batch: str, 
     )
 
 
-def train_dataloader(rows: Dataset, config, *, num_processes: int, pad_token_id: int, collate_fn=None,
-                     unit: str = "rows") -> torch.utils.data.DataLoader:
+def train_dataloader(
+    rows: Dataset, config, *, num_processes: int, pad_token_id: int, collate_fn=None, unit: str = "rows"
+) -> torch.utils.data.DataLoader:
     """Batches of `config.per_device_train_batch_size` rows, ordered by `config.train_sampling_strategy`: grouped by
     length (less padding) or shuffled (accelerate then makes the order depend only on seed and epoch). Pass it to
     `accelerator.prepare`, which splits it across ranks. `collate_fn`: for rows of another kind than token rows
@@ -148,16 +150,25 @@ def train_dataloader(rows: Dataset, config, *, num_processes: int, pad_token_id:
     grouped by their `length` column if they have one, else by the length of `input_ids`. Fewer rows than one optimizer
     step takes are refused unless `config.repeat_small_dataset` (`unit`: what a row is, for the message)."""
     check_one_step_of_data(
-        len(rows), per_step=config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps,
-        unit=unit, allowed=config.repeat_small_dataset,
+        len(rows),
+        per_step=config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps,
+        unit=unit,
+        allowed=config.repeat_small_dataset,
         batch=f"per_device_train_batch_size {config.per_device_train_batch_size} x {num_processes} processes x "
-              f"gradient_accumulation_steps {config.gradient_accumulation_steps}")
+        f"gradient_accumulation_steps {config.gradient_accumulation_steps}",
+    )
     sampler = None
     if config.train_sampling_strategy == "group_by_length":
         lengths = rows["length"] if "length" in rows.column_names else [len(ids) for ids in rows["input_ids"]]
-        sampler = LengthGroupedSampler(lengths, seed=config.seed,
-                                       group_size=config.per_device_train_batch_size * num_processes)
+        sampler = LengthGroupedSampler(
+            lengths, seed=config.seed, group_size=config.per_device_train_batch_size * num_processes
+        )
     return torch.utils.data.DataLoader(
-        rows, batch_size=config.per_device_train_batch_size, shuffle=sampler is None, sampler=sampler,
-        collate_fn=collate_fn or RowCollator(pad_token_id), drop_last=False, num_workers=config.dataloader_num_workers,
+        rows,
+        batch_size=config.per_device_train_batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        collate_fn=collate_fn or RowCollator(pad_token_id),
+        drop_last=False,
+        num_workers=config.dataloader_num_workers,
     )

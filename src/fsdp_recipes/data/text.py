@@ -38,9 +38,9 @@ from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data.rows import IGNORE_INDEX
 from fsdp_recipes.data import files
 from fsdp_recipes.data import rows as rows_lib
+from fsdp_recipes.data.rows import IGNORE_INDEX
 
 PACKING_STRATEGIES = ("wrapped", "bfd")
 _WINDOW_ROWS = 64  # bfd fits the documents of about this many rows at once: a larger window pads less, but holds more
@@ -60,8 +60,17 @@ def prepare_tokenizer(tokenizer) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def load_corpus(dataset_name: str, dataset_config: str | None, *, text_field: str, streaming: bool, train_split: str,
-                test_split: str | None, eval_split_size: float, seed: int):
+def load_corpus(
+    dataset_name: str,
+    dataset_config: str | None,
+    *,
+    text_field: str,
+    streaming: bool,
+    train_split: str,
+    test_split: str | None,
+    eval_split_size: float,
+    seed: int,
+):
     """(train, held-out or None), each with its text column checked: Datasets, or IterableDatasets when streaming.
     A stream has no held-out part unless it has a test split (carving one out would need its length)."""
     with files.reading(dataset_name):  # a stream's first example may be read here
@@ -99,8 +108,9 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, text_field: str) -> dict[
     return {"input_ids": documents, "length": [len(ids) for ids in documents]}
 
 
-def tokenize(dataset: Dataset | IterableDataset, tokenizer, text_field: str, *, num_proc: int | None = None,
-             name: str = "train") -> Dataset | IterableDataset:
+def tokenize(
+    dataset: Dataset | IterableDataset, tokenizer, text_field: str, *, num_proc: int | None = None, name: str = "train"
+) -> Dataset | IterableDataset:
     """Documents -> `input_ids` and `length`: on the fly for a stream, once (and cached) for a map-style dataset."""
     options = dict(function=_tokenize_batch, batched=True, fn_kwargs=dict(tokenizer=tokenizer, text_field=text_field))
     if isinstance(dataset, IterableDataset):
@@ -109,8 +119,17 @@ def tokenize(dataset: Dataset | IterableDataset, tokenizer, text_field: str, *, 
         return dataset.map(remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {name}", **options)
 
 
-def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_size: int, seed: int, max_length: int,
-                   rows_per_step: int = 1, repeat_small_dataset: bool = False, dataset_name: str | None = None):
+def rank_documents(
+    tokenized: Dataset | IterableDataset,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    max_length: int,
+    rows_per_step: int = 1,
+    repeat_small_dataset: bool = False,
+    dataset_name: str | None = None,
+):
     """This rank's part of the corpus as an endless document source, and how the corpus was divided (for the run
     summary). DataError if a rank's part holds less than one row of tokens (a row would repeat documents), or less than
     the `rows_per_step` rows one optimizer step takes of each rank (every step would repeat documents) unless
@@ -120,16 +139,21 @@ def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_siz
     step_tokens = rows_per_step * max_length
     if isinstance(tokenized, IterableDataset):
         shards = tokenized.num_shards
-        split = {"split": f"{shards // world_size} whole shard(s) of {shards} per rank" if shards % world_size == 0
-                 else f"one document in {world_size} ({shards} shards do not divide among {world_size} processes)"}
+        split = {
+            "split": f"{shards // world_size} whole shard(s) of {shards} per rank"
+            if shards % world_size == 0
+            else f"one document in {world_size} ({shards} shards do not divide among {world_size} processes)"
+        }
         with _reading(dataset_name, met_by_one_rank=True):
             tokens = {rank: _first_tokens(part, step_tokens)}
         source = StreamedDocuments(part, dataset_name=dataset_name)
     else:
         parts = [split_dataset_by_node(tokenized, rank=r, world_size=world_size) for r in range(world_size)]
-        split = {"split": "a contiguous block of documents per rank, in a new seeded order each epoch",
-                 "documents_per_rank": [len(p) for p in parts],
-                 "tokens_per_rank": [int(sum(p["length"])) for p in parts]}
+        split = {
+            "split": "a contiguous block of documents per rank, in a new seeded order each epoch",
+            "documents_per_rank": [len(p) for p in parts],
+            "tokens_per_rank": [int(sum(p["length"])) for p in parts],
+        }
         tokens = dict(enumerate(split["tokens_per_rank"]))
         source = IndexedDocuments(part, seed=seed)
     smallest = min(tokens, key=tokens.get)
@@ -150,8 +174,10 @@ def rank_documents(tokenized: Dataset | IterableDataset, *, rank: int, world_siz
                 "or max_length, or fewer processes; or set repeat_small_dataset: true to train on repeated copies "
                 "(noted in the run summary)"
             )
-        split["repeated_data"] = (f"rank {smallest}'s part holds {fewest} tokens, less than one step's {step_tokens}: "
-                                  "every step repeats documents")
+        split["repeated_data"] = (
+            f"rank {smallest}'s part holds {fewest} tokens, less than one step's {step_tokens}: "
+            "every step repeats documents"
+        )
     return source, split
 
 
@@ -314,8 +340,12 @@ class Packer:
             self.window.append(row.build())
 
     def state_dict(self) -> dict:
-        return {"pending": self.pending, "window_start": self.window_start, "emitted": self.emitted,
-                "documents_read": self.documents_read}
+        return {
+            "pending": self.pending,
+            "window_start": self.window_start,
+            "emitted": self.emitted,
+            "documents_read": self.documents_read,
+        }
 
     def load_state_dict(self, state: dict, source) -> None:
         self.pending = list(state["pending"])
@@ -350,8 +380,9 @@ class PackedStream:
         return batches
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        batch = rows_lib.collate_rows([self.packer.next_row(self.source) for _ in range(self.batch_size)],
-                                      self.pad_token_id)
+        batch = rows_lib.collate_rows(
+            [self.packer.next_row(self.source) for _ in range(self.batch_size)], self.pad_token_id
+        )
         if self.source.epoch != self._batch_epoch:
             self._batch_epoch, self.batches_into_epoch = self.source.epoch, 0
         self.batches_into_epoch += 1
@@ -364,14 +395,22 @@ class PackedStream:
         return {"documents": self.packer.documents_read, "rows": self.rows, "tokens": self.tokens}
 
     def state_dict(self) -> dict:
-        return {"settings": self.settings, "source": self.source.state_dict(), "packer": self.packer.state_dict(),
-                "rows": self.rows, "tokens": self.tokens, "batch_epoch": self._batch_epoch,
-                "batches_into_epoch": self.batches_into_epoch}
+        return {
+            "settings": self.settings,
+            "source": self.source.state_dict(),
+            "packer": self.packer.state_dict(),
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "batch_epoch": self._batch_epoch,
+            "batches_into_epoch": self.batches_into_epoch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        changed = [f"{key}: {state['settings'].get(key)!r} then, {self.settings.get(key)!r} now"
-                   for key in sorted(set(self.settings) | set(state["settings"]))
-                   if state["settings"].get(key) != self.settings.get(key)]
+        changed = [
+            f"{key}: {state['settings'].get(key)!r} then, {self.settings.get(key)!r} now"
+            for key in sorted(set(self.settings) | set(state["settings"]))
+            if state["settings"].get(key) != self.settings.get(key)
+        ]
         if changed:
             raise DataError(
                 f"the checkpoint's data position belongs to other data settings ({'; '.join(changed)}), so the run "
@@ -384,12 +423,22 @@ class PackedStream:
         self._batch_epoch, self.batches_into_epoch = state["batch_epoch"], state["batches_into_epoch"]
 
 
-def eval_rows(tokenized: Dataset | IterableDataset, *, max_length: int, strategy: str, cross_document_attention: bool,
-              limit: int | None, dataset_name: str | None = None) -> list[dict[str, list[int]]] | None:
+def eval_rows(
+    tokenized: Dataset | IterableDataset,
+    *,
+    max_length: int,
+    strategy: str,
+    cross_document_attention: bool,
+    limit: int | None,
+    dataset_name: str | None = None,
+) -> list[dict[str, list[int]]] | None:
     """Held-out rows packed as for training, at most `limit` of them (None: all); the same on every rank, which
     evaluate in turn on their share. None if there are none. `dataset_name`: named if a file cannot be read."""
-    source, packer, rows = _OnePass(example["input_ids"] for example in tokenized), Packer(
-        max_length, strategy, cross_document_attention=cross_document_attention), []
+    source, packer, rows = (
+        _OnePass(example["input_ids"] for example in tokenized),
+        Packer(max_length, strategy, cross_document_attention=cross_document_attention),
+        [],
+    )
     while limit is None or len(rows) < limit:
         with _reading(dataset_name):
             row = packer.next_row(source)

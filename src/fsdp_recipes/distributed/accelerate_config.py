@@ -58,7 +58,10 @@ def read_accelerate_yaml(path: str | os.PathLike) -> dict[str, Any]:
 def fsdp_settings(raw: dict) -> dict[str, Any]:
     """The `fsdp_config` block with every key under its `fsdp_` name: the launcher prefixes the keys that lack it,
     so `version: 2` means `fsdp_version: 2`."""
-    return {key if key.startswith("fsdp_") else f"fsdp_{key}": value for key, value in (raw.get("fsdp_config") or {}).items()}
+    return {
+        key if key.startswith("fsdp_") else f"fsdp_{key}": value
+        for key, value in (raw.get("fsdp_config") or {}).items()
+    }
 
 
 def wrap_class_names(value: Any) -> tuple[str, ...] | None:
@@ -101,8 +104,14 @@ class LaunchLayout:
     def data_parallel(cls, world_size: int, num_machines: int = 1, mixed_precision: str = "no") -> LaunchLayout:
         """DDP over `world_size` processes, or one process (distributed_type NO) when there is one."""
         kind = "NO" if world_size == 1 else "MULTI_GPU"
-        return cls(world_size=world_size, num_machines=num_machines, distributed_type=kind, shard_size=1,
-                   mixed_precision=mixed_precision, wrap_policy="NO_WRAP")
+        return cls(
+            world_size=world_size,
+            num_machines=num_machines,
+            distributed_type=kind,
+            shard_size=1,
+            mixed_precision=mixed_precision,
+            wrap_policy="NO_WRAP",
+        )
 
     # --- what follows from it ---------------------------------------------------------------------------------------
     @property
@@ -181,9 +190,17 @@ class LaunchLayout:
         shard_size, reshard = world, True
         if version == 2:
             value = fsdp.get("fsdp_reshard_after_forward", True)
-            strategies = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False}
-            reshard = strategies[str(value).upper()] if str(value).upper() in strategies else as_bool(
-                value, "fsdp_reshard_after_forward")
+            strategies = {
+                "FULL_SHARD": True,
+                "HYBRID_SHARD": True,
+                "SHARD_GRAD_OP": False,
+                "_HYBRID_SHARD_ZERO2": False,
+            }
+            reshard = (
+                strategies[str(value).upper()]
+                if str(value).upper() in strategies
+                else as_bool(value, "fsdp_reshard_after_forward")
+            )
         else:  # the launcher always exports FSDP_SHARDING_STRATEGY from fsdp_sharding_strategy (default FULL_SHARD)
             strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
             if strategy.isdigit():
@@ -193,7 +210,9 @@ class LaunchLayout:
                 shard_size = 1
             elif "HYBRID" in strategy:
                 shard_size = max(1, world // machines)
-        parallelism = {k.removeprefix("parallelism_config_"): v for k, v in (raw.get("parallelism_config") or {}).items()}
+        parallelism = {
+            k.removeprefix("parallelism_config_"): v for k, v in (raw.get("parallelism_config") or {}).items()
+        }
         replicate = int(parallelism.get("dp_replicate_size", 1) or 1)
         if replicate > 1:
             shard = int(parallelism.get("dp_shard_size", -1) or -1)
@@ -205,15 +224,24 @@ class LaunchLayout:
                 )
             shard_size = shard
         # FSDP1 saves full state dicts unless told otherwise, FSDP2 sharded ones (the plugin's defaults).
-        state_dict_type = fsdp.get("fsdp_state_dict_type") or ("FULL_STATE_DICT" if version == 1 else "SHARDED_STATE_DICT")
+        state_dict_type = fsdp.get("fsdp_state_dict_type") or (
+            "FULL_STATE_DICT" if version == 1 else "SHARDED_STATE_DICT"
+        )
         return cls(
-            world_size=world, num_machines=machines, distributed_type="FSDP", fsdp_version=version,
-            reshard_after_forward=reshard, shard_size=shard_size,
+            world_size=world,
+            num_machines=machines,
+            distributed_type="FSDP",
+            fsdp_version=version,
+            reshard_after_forward=reshard,
+            shard_size=shard_size,
             cpu_offload=as_bool(fsdp.get("fsdp_offload_params", False), "fsdp_offload_params"),
             mixed_precision=mixed,
-            activation_checkpointing=as_bool(fsdp.get("fsdp_activation_checkpointing", False),
-                                             "fsdp_activation_checkpointing"),
-            wrap_policy=str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(),  # the launcher's default when omitted
+            activation_checkpointing=as_bool(
+                fsdp.get("fsdp_activation_checkpointing", False), "fsdp_activation_checkpointing"
+            ),
+            wrap_policy=str(
+                fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")
+            ).upper(),  # the launcher's default when omitted
             wrap_classes=wrap_class_names(fsdp.get("fsdp_transformer_layer_cls_to_wrap")),
             min_num_params=int(float(fsdp.get("fsdp_min_num_params", DEFAULT_MIN_NUM_PARAMS))),
             prefetch=version == 2 or str(fsdp.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper() != "NO_PREFETCH",
@@ -229,14 +257,24 @@ class LaunchLayout:
         mixed = str(accelerator.mixed_precision)
         if distributed != "FSDP":
             return cls.from_mapping(
-                {"distributed_type": "MULTI_GPU" if world > 1 else "NO", "num_processes": world,
-                 "num_machines": machines, "mixed_precision": mixed})
+                {
+                    "distributed_type": "MULTI_GPU" if world > 1 else "NO",
+                    "num_processes": world,
+                    "num_machines": machines,
+                    "mixed_precision": mixed,
+                }
+            )
         plugin = accelerator.state.fsdp_plugin
         policy = plugin.auto_wrap_policy
         policy = getattr(policy, "func", policy)
         name = policy if isinstance(policy, str) else getattr(policy, "__name__", "")
-        wrap = ("TRANSFORMER_BASED_WRAP" if "transformer" in str(name).lower()
-                else "SIZE_BASED_WRAP" if "size" in str(name).lower() else "NO_WRAP")
+        wrap = (
+            "TRANSFORMER_BASED_WRAP"
+            if "transformer" in str(name).lower()
+            else "SIZE_BASED_WRAP"
+            if "size" in str(name).lower()
+            else "NO_WRAP"
+        )
         fsdp: dict[str, Any] = {
             "fsdp_version": plugin.fsdp_version,
             "fsdp_offload_params": type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
@@ -252,10 +290,17 @@ class LaunchLayout:
             fsdp["fsdp_reshard_after_forward"] = bool(plugin.reshard_after_forward)
         else:
             fsdp["fsdp_sharding_strategy"] = getattr(plugin.sharding_strategy, "name", str(plugin.sharding_strategy))
-        raw = {"distributed_type": "FSDP", "num_processes": world, "num_machines": machines, "mixed_precision": mixed,
-               "fsdp_config": fsdp}
+        raw = {
+            "distributed_type": "FSDP",
+            "num_processes": world,
+            "num_machines": machines,
+            "mixed_precision": mixed,
+            "fsdp_config": fsdp,
+        }
         parallelism = getattr(accelerator, "parallelism_config", None)
         if parallelism is not None and getattr(parallelism, "dp_replicate_size", 1) > 1:
-            raw["parallelism_config"] = {"dp_replicate_size": parallelism.dp_replicate_size,
-                                         "dp_shard_size": parallelism.dp_shard_size}
+            raw["parallelism_config"] = {
+                "dp_replicate_size": parallelism.dp_replicate_size,
+                "dp_shard_size": parallelism.dp_shard_size,
+            }
         return cls.from_mapping(raw, where="the running launch")

@@ -19,8 +19,9 @@ T = TypeVar("T")
 __all__ = ["PeerRankFailed", "on_every_rank_together", "sum_over_ranks", "values_of_all_ranks"]
 
 
-def on_every_rank_together(accelerator: Accelerator, step: Callable[[], T], *, main_process_first: bool = False,
-                           what: str | None = None) -> T:
+def on_every_rank_together(
+    accelerator: Accelerator, step: Callable[[], T], *, main_process_first: bool = False, what: str | None = None
+) -> T:
     """Runs `step` on every rank (the main process first, e.g. to fill the datasets cache, if asked); if it fails on
     any rank, it fails on every rank, with the failing rank's message. Without this, one rank raising while the others
     enter the next collective leaves them waiting until the collective timeout (30 minutes by default).
@@ -63,6 +64,7 @@ def sum_over_ranks(accelerator: Accelerator, value: float | int) -> float:
     """Collective: the sum of `value` over all ranks (float64, so token counts stay exact)."""
     tensor = torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
     return float(accelerator.reduce(tensor, reduction="sum")) if accelerator.num_processes > 1 else float(tensor)
+
 
 def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
     """Collective: `value` from every rank, in rank order."""

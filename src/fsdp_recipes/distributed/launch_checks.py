@@ -20,7 +20,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from unittest import mock
 
-
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
@@ -77,10 +76,13 @@ def lint_config_dict(raw: dict) -> list[Finding]:
     if distributed_type == "FSDP":
         findings += _lint_fsdp_keys(fsdp)
     elif fsdp:
-        findings.append(Finding(
-            WARNING, "fsdp_config",
-            f"ignored: distributed_type is {distributed_type or 'missing'}; set distributed_type: FSDP or remove it",
-        ))
+        findings.append(
+            Finding(
+                WARNING,
+                "fsdp_config",
+                f"ignored: distributed_type is {distributed_type or 'missing'}; set distributed_type: FSDP or remove it",
+            )
+        )
     findings += _lint_parallelism_keys(raw.get("parallelism_config") or {}, fsdp, distributed_type)
     findings += _lint_machines(raw)
     return findings
@@ -96,62 +98,91 @@ def _lint_fsdp_keys(keys: dict) -> list[Finding]:
         "(parallelism_config_dp_replicate_size, parallelism_config_dp_shard_size)",
     }
     findings = [
-        Finding(ERROR, f"fsdp_config.{key}", f"unknown key: accelerate drops it without a word; {_closest(key, valid, hints)}")
+        Finding(
+            ERROR,
+            f"fsdp_config.{key}",
+            f"unknown key: accelerate drops it without a word; {_closest(key, valid, hints)}",
+        )
         for key in sorted(set(keys) - valid)
     ]
     version = str(keys.get("fsdp_version", "1"))
     if "fsdp_version" not in keys:
-        findings.append(Finding(
-            WARNING, "fsdp_config.fsdp_version", "omitted: the launcher then uses FSDP1; write fsdp_version: 2 (or 1)"
-        ))
+        findings.append(
+            Finding(
+                WARNING,
+                "fsdp_config.fsdp_version",
+                "omitted: the launcher then uses FSDP1; write fsdp_version: 2 (or 1)",
+            )
+        )
     if "fsdp_auto_wrap_policy" not in keys:
-        findings.append(Finding(
-            ERROR, "fsdp_config.fsdp_auto_wrap_policy",
-            "omitted, so NO_WRAP: the whole model becomes one FSDP unit (FSDP2: only the root is sharded) and every "
-            "step gathers all parameters at once; write fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP (or NO_WRAP if "
-            "that is really meant)",
-        ))
+        findings.append(
+            Finding(
+                ERROR,
+                "fsdp_config.fsdp_auto_wrap_policy",
+                "omitted, so NO_WRAP: the whole model becomes one FSDP unit (FSDP2: only the root is sharded) and every "
+                "step gathers all parameters at once; write fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP (or NO_WRAP if "
+                "that is really meant)",
+            )
+        )
     reshard = keys.get("fsdp_reshard_after_forward")
     if version == "1":
         if isinstance(reshard, str) and reshard.upper() in FSDP1_STRATEGIES and reshard.upper() != "FULL_SHARD":
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_reshard_after_forward",
-                f"{reshard} is ignored under FSDP1: the launcher always exports FSDP_SHARDING_STRATEGY (default "
-                f"FULL_SHARD), which wins; write fsdp_sharding_strategy: {reshard.upper()} instead",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "fsdp_config.fsdp_reshard_after_forward",
+                    f"{reshard} is ignored under FSDP1: the launcher always exports FSDP_SHARDING_STRATEGY (default "
+                    f"FULL_SHARD), which wins; write fsdp_sharding_strategy: {reshard.upper()} instead",
+                )
+            )
         if keys.get("fsdp_activation_checkpointing_offload") is True:
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_activation_checkpointing_offload",
-                "needs FSDP2 (accelerate raises): set fsdp_version: 2 or remove the key",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "fsdp_config.fsdp_activation_checkpointing_offload",
+                    "needs FSDP2 (accelerate raises): set fsdp_version: 2 or remove the key",
+                )
+            )
     else:
         for key, fix in FSDP2_IGNORED.items():
             if key in keys:
                 findings.append(Finding(WARNING, f"fsdp_config.{key}", f"ignored by FSDP2: {fix}"))
     if keys.get("fsdp_sync_module_states") is False and keys.get("fsdp_cpu_ram_efficient_loading", True) is not False:
-        findings.append(Finding(
-            ERROR, "fsdp_config.fsdp_sync_module_states",
-            "false while fsdp_cpu_ram_efficient_loading is true (its launcher default when omitted): accelerate launch "
-            "refuses this; set fsdp_sync_module_states: true, or fsdp_cpu_ram_efficient_loading: false explicitly",
-        ))
+        findings.append(
+            Finding(
+                ERROR,
+                "fsdp_config.fsdp_sync_module_states",
+                "false while fsdp_cpu_ram_efficient_loading is true (its launcher default when omitted): accelerate launch "
+                "refuses this; set fsdp_sync_module_states: true, or fsdp_cpu_ram_efficient_loading: false explicitly",
+            )
+        )
     for key in ("fsdp_cpu_ram_efficient_loading", "fsdp_state_dict_type", "fsdp_offload_params"):
         if key not in keys:
-            findings.append(Finding(
-                WARNING, f"fsdp_config.{key}",
-                "omitted: the launcher's default applies, which is not the plugin's; write it explicitly",
-            ))
+            findings.append(
+                Finding(
+                    WARNING,
+                    f"fsdp_config.{key}",
+                    "omitted: the launcher's default applies, which is not the plugin's; write it explicitly",
+                )
+            )
     policy = str(keys.get("fsdp_auto_wrap_policy", "")).upper()
     if policy == "SIZE_BASED_WRAP" and "fsdp_min_num_params" not in keys:
-        findings.append(Finding(
-            WARNING, "fsdp_config.fsdp_min_num_params",
-            "omitted with SIZE_BASED_WRAP: the launcher's default is 1e8 parameters per unit; write the value you want",
-        ))
+        findings.append(
+            Finding(
+                WARNING,
+                "fsdp_config.fsdp_min_num_params",
+                "omitted with SIZE_BASED_WRAP: the launcher's default is 1e8 parameters per unit; write the value you want",
+            )
+        )
     if "fsdp_transformer_layer_cls_to_wrap" in keys and policy and policy != "TRANSFORMER_BASED_WRAP":
-        findings.append(Finding(
-            WARNING, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-            f"ignored with fsdp_auto_wrap_policy {policy}; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP or "
-            "remove the key",
-        ))
+        findings.append(
+            Finding(
+                WARNING,
+                "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                f"ignored with fsdp_auto_wrap_policy {policy}; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP or "
+                "remove the key",
+            )
+        )
     return findings
 
 
@@ -161,16 +192,22 @@ def _lint_parallelism_keys(parallelism: dict, fsdp: dict, distributed_type: str)
     valid = _launcher_keys("parallelism_config_")
     findings = []
     for key in sorted(set(parallelism) - valid):
-        hint = (f"the keys need the prefix: parallelism_config_{key}" if f"parallelism_config_{key}" in valid
-                else _closest(key, valid))
+        hint = (
+            f"the keys need the prefix: parallelism_config_{key}"
+            if f"parallelism_config_{key}" in valid
+            else _closest(key, valid)
+        )
         findings.append(Finding(ERROR, f"parallelism_config.{key}", f"unknown key: the launcher ignores it; {hint}"))
     version = str(fsdp.get("fsdp_version", "1"))
     if distributed_type != "FSDP" or version != "2":
-        findings.append(Finding(
-            ERROR, "parallelism_config",
-            "needs distributed_type: FSDP with fsdp_version: 2 (accelerate launch refuses it otherwise); for FSDP1 "
-            "hybrid sharding write fsdp_sharding_strategy: HYBRID_SHARD instead",
-        ))
+        findings.append(
+            Finding(
+                ERROR,
+                "parallelism_config",
+                "needs distributed_type: FSDP with fsdp_version: 2 (accelerate launch refuses it otherwise); for FSDP1 "
+                "hybrid sharding write fsdp_sharding_strategy: HYBRID_SHARD instead",
+            )
+        )
     return findings
 
 
@@ -179,11 +216,14 @@ def _lint_machines(raw: dict) -> list[Finding]:
     if not isinstance(processes, int) or processes < 1:
         return [Finding(ERROR, "num_processes", "missing: write the total number of processes over all nodes")]
     if processes % machines:
-        return [Finding(
-            ERROR, "num_processes",
-            f"{processes} processes over {machines} machines: the launcher starts {processes // machines} per node "
-            f"and silently drops the rest; num_processes is the GLOBAL count, nodes x GPUs per node",
-        )]
+        return [
+            Finding(
+                ERROR,
+                "num_processes",
+                f"{processes} processes over {machines} machines: the launcher starts {processes // machines} per node "
+                f"and silently drops the rest; num_processes is the GLOBAL count, nodes x GPUs per node",
+            )
+        ]
     return []
 
 
@@ -213,31 +253,42 @@ def lint_launch_environment(environ: Mapping[str, str], *, local_device_count: i
     if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         findings += _lint_fsdp_environment(environ)
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
-        sizes = {name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
-                 for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+        sizes = {
+            name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
+            for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+        }
         product = 1
         for size in sizes.values():
             product *= size
         if product != world_size:
             shown = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "1"
-            findings.append(Finding(
-                ERROR, "parallelism_config",
-                f"{shown} = {product} processes, but the launch has {world_size}: make "
-                f"parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size = {world_size} "
-                "(num_processes is the global count over all nodes)",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "parallelism_config",
+                    f"{shown} = {product} processes, but the launch has {world_size}: make "
+                    f"parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size = {world_size} "
+                    "(num_processes is the global count over all nodes)",
+                )
+            )
         elif sizes["dp_shard"] == 1 and environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-            findings.append(Finding(
-                ERROR, "parallelism_config.parallelism_config_dp_shard_size",
-                "is 1: FSDP has nothing to shard over; for HSDP set it to the GPUs per replica (e.g. GPUs per node)",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "parallelism_config.parallelism_config_dp_shard_size",
+                    "is 1: FSDP has nothing to shard over; for HSDP set it to the GPUs per replica (e.g. GPUs per node)",
+                )
+            )
     local_world = environ.get("LOCAL_WORLD_SIZE")
     if local_device_count and local_world and int(local_world) > local_device_count:
-        findings.append(Finding(
-            ERROR, "num_processes",
-            f"{local_world} processes on a node with {local_device_count} accelerators: num_processes is the GLOBAL "
-            "count; set it to nodes x GPUs per node and num_machines to the number of nodes",
-        ))
+        findings.append(
+            Finding(
+                ERROR,
+                "num_processes",
+                f"{local_world} processes on a node with {local_device_count} accelerators: num_processes is the GLOBAL "
+                "count; set it to nodes x GPUs per node and num_machines to the number of nodes",
+            )
+        )
     return findings
 
 
@@ -246,32 +297,47 @@ def _lint_fsdp_environment(environ: Mapping[str, str]) -> list[Finding]:
     version = environ.get("FSDP_VERSION", "1")
     policy = environ.get("FSDP_AUTO_WRAP_POLICY")
     if policy is None:
-        findings.append(Finding(
-            ERROR, "fsdp_config.fsdp_auto_wrap_policy",
-            "not set, so NO_WRAP: the whole model is one FSDP unit; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP "
-            "in the Accelerate config (or NO_WRAP explicitly if that is really meant)",
-        ))
+        findings.append(
+            Finding(
+                ERROR,
+                "fsdp_config.fsdp_auto_wrap_policy",
+                "not set, so NO_WRAP: the whole model is one FSDP unit; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP "
+                "in the Accelerate config (or NO_WRAP explicitly if that is really meant)",
+            )
+        )
     elif policy.upper() not in WRAP_POLICIES:
-        findings.append(Finding(
-            ERROR, "fsdp_config.fsdp_auto_wrap_policy", f"{policy!r} is not a policy; use one of {', '.join(WRAP_POLICIES)}"
-        ))
+        findings.append(
+            Finding(
+                ERROR,
+                "fsdp_config.fsdp_auto_wrap_policy",
+                f"{policy!r} is not a policy; use one of {', '.join(WRAP_POLICIES)}",
+            )
+        )
     state_dict_type = environ.get("FSDP_STATE_DICT_TYPE")
     if state_dict_type is not None and state_dict_type.upper() not in STATE_DICT_TYPES:
-        findings.append(Finding(
-            ERROR, "fsdp_config.fsdp_state_dict_type",
-            f"{state_dict_type!r} is not a state-dict type; use SHARDED_STATE_DICT or FULL_STATE_DICT",
-        ))
+        findings.append(
+            Finding(
+                ERROR,
+                "fsdp_config.fsdp_state_dict_type",
+                f"{state_dict_type!r} is not a state-dict type; use SHARDED_STATE_DICT or FULL_STATE_DICT",
+            )
+        )
     reshard = environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
     if version == "2":
         if reshard not in ("true", "false"):
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_reshard_after_forward",
-                f"{reshard.upper()} under FSDP2, which takes a bool: write true (FULL_SHARD) or false (SHARD_GRAD_OP)",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "fsdp_config.fsdp_reshard_after_forward",
+                    f"{reshard.upper()} under FSDP2, which takes a bool: write true (FULL_SHARD) or false (SHARD_GRAD_OP)",
+                )
+            )
         if (state_dict_type or "").upper() == "LOCAL_STATE_DICT":
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_state_dict_type", "FSDP2 has no LOCAL_STATE_DICT; use SHARDED_STATE_DICT"
-            ))
+            findings.append(
+                Finding(
+                    ERROR, "fsdp_config.fsdp_state_dict_type", "FSDP2 has no LOCAL_STATE_DICT; use SHARDED_STATE_DICT"
+                )
+            )
         if environ.get("FSDP_BACKWARD_PREFETCH", "NO_PREFETCH").upper() != "NO_PREFETCH":
             findings.append(Finding(WARNING, "fsdp_config.fsdp_backward_prefetch", "ignored by FSDP2; remove the key"))
         if environ.get("FSDP_FORWARD_PREFETCH", "false").lower() == "true":
@@ -279,21 +345,29 @@ def _lint_fsdp_environment(environ: Mapping[str, str]) -> list[Finding]:
     else:
         strategy = environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
         if reshard.upper() in FSDP1_STRATEGIES and reshard.upper() != strategy:
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_reshard_after_forward",
-                f"{reshard.upper()} is ignored under FSDP1 and {strategy} is used; write fsdp_sharding_strategy: "
-                f"{reshard.upper()} instead",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "fsdp_config.fsdp_reshard_after_forward",
+                    f"{reshard.upper()} is ignored under FSDP1 and {strategy} is used; write fsdp_sharding_strategy: "
+                    f"{reshard.upper()} instead",
+                )
+            )
         if environ.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false").lower() == "true":
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_activation_checkpointing_offload", "needs FSDP2: set fsdp_version: 2"
-            ))
-    if (environ.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false").lower() == "true"
-            and environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() != "true"):
-        findings.append(Finding(
-            ERROR, "fsdp_config.fsdp_activation_checkpointing_offload",
-            "needs fsdp_activation_checkpointing: true (accelerate raises)",
-        ))
+            findings.append(
+                Finding(ERROR, "fsdp_config.fsdp_activation_checkpointing_offload", "needs FSDP2: set fsdp_version: 2")
+            )
+    if (
+        environ.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false").lower() == "true"
+        and environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() != "true"
+    ):
+        findings.append(
+            Finding(
+                ERROR,
+                "fsdp_config.fsdp_activation_checkpointing_offload",
+                "needs fsdp_activation_checkpointing: true (accelerate raises)",
+            )
+        )
     return findings
 
 
@@ -305,9 +379,9 @@ def check_launch_environment(environ: Mapping[str, str] | None = None) -> list[F
     environ = os.environ if environ is None else environ
     device_count = torch.accelerator.device_count() if torch.accelerator.is_available() else None
     findings = lint_launch_environment(environ, local_device_count=device_count)
-    errors = [f"the Accelerate config: {finding.key}: {finding.message}" for finding in findings if finding.severity == ERROR]
+    errors = [
+        f"the Accelerate config: {finding.key}: {finding.message}" for finding in findings if finding.severity == ERROR
+    ]
     if errors:
         raise ConfigError(errors)
     return [finding for finding in findings if finding.severity == WARNING]
-
-

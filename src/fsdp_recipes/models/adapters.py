@@ -40,13 +40,17 @@ def adapter_config_problems(config) -> list[str]:
     """Problems with the LoRA/QLoRA values themselves (no files read), for `TrainingConfig.validate`."""
     problems = []
     if config.load_in_4bit and not config.use_peft:
-        problems.append("load_in_4bit quantises a frozen base for QLoRA: set use_peft: true as well (4-bit weights "
-                        "cannot be trained in full)")
+        problems.append(
+            "load_in_4bit quantises a frozen base for QLoRA: set use_peft: true as well (4-bit weights "
+            "cannot be trained in full)"
+        )
     if config.export_merged_model and not config.use_peft:
         problems.append("export_merged_model merges LoRA adapters: it needs use_peft: true")
     if not config.use_peft and (config.lora_target_modules or config.lora_modules_to_save):
-        problems.append("lora_target_modules and lora_modules_to_save choose what LoRA adapts: set use_peft: true, or "
-                        "remove them (without LoRA every weight is trained)")
+        problems.append(
+            "lora_target_modules and lora_modules_to_save choose what LoRA adapts: set use_peft: true, or "
+            "remove them (without LoRA every weight is trained)"
+        )
     if not config.use_peft:
         return problems
     if config.lora_r < 1:
@@ -56,19 +60,29 @@ def adapter_config_problems(config) -> list[str]:
     if not 0 <= config.lora_dropout < 1:
         problems.append(f"lora_dropout must be in [0, 1), got {config.lora_dropout}")
     if config.model_name_or_path is None:
-        problems.append("use_peft adapts pretrained weights: set model_name_or_path to a model folder or Hub id (a "
-                        "model built from model_config has random weights that no adapter folder could be loaded onto)")
+        problems.append(
+            "use_peft adapts pretrained weights: set model_name_or_path to a model folder or Hub id (a "
+            "model built from model_config has random weights that no adapter folder could be loaded onto)"
+        )
     if config.lora_target_modules is not None and not config.lora_target_modules:
-        problems.append("lora_target_modules is an empty list: name modules (e.g. [q_proj, v_proj]) or null for every "
-                        "linear layer of the decoder blocks")
+        problems.append(
+            "lora_target_modules is an empty list: name modules (e.g. [q_proj, v_proj]) or null for every "
+            "linear layer of the decoder blocks"
+        )
     if config.load_in_4bit:
         if config.bnb_4bit_quant_type not in QUANT_TYPES:
-            problems.append(f"bnb_4bit_quant_type {config.bnb_4bit_quant_type!r} is not one of {', '.join(QUANT_TYPES)}")
+            problems.append(
+                f"bnb_4bit_quant_type {config.bnb_4bit_quant_type!r} is not one of {', '.join(QUANT_TYPES)}"
+            )
         if config.bnb_4bit_compute_dtype not in DTYPES:
-            problems.append(f"bnb_4bit_compute_dtype {config.bnb_4bit_compute_dtype!r} is not one of {', '.join(DTYPES)}")
+            problems.append(
+                f"bnb_4bit_compute_dtype {config.bnb_4bit_compute_dtype!r} is not one of {', '.join(DTYPES)}"
+            )
         if config.bnb_4bit_quant_storage not in (None, *QUANT_STORAGE):
-            problems.append(f"bnb_4bit_quant_storage {config.bnb_4bit_quant_storage!r} is not null or one of "
-                            f"{', '.join(QUANT_STORAGE)}")
+            problems.append(
+                f"bnb_4bit_quant_storage {config.bnb_4bit_quant_storage!r} is not null or one of "
+                f"{', '.join(QUANT_STORAGE)}"
+            )
     return problems
 
 
@@ -81,10 +95,13 @@ def check_before_loading(config, model_config, *, task: str, is_fsdp: bool, trus
             raise ConfigError(
                 "bnb_4bit_quant_storage uint8 under FSDP: FSDP shards only floating-point tensors, so the 4-bit "
                 "weights would stay whole on every rank (and are reported to train silently wrong). Set "
-                f"bnb_4bit_quant_storage: {config.bnb_4bit_compute_dtype} (or null: the compute dtype)")
+                f"bnb_4bit_quant_storage: {config.bnb_4bit_compute_dtype} (or null: the compute dtype)"
+            )
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("load_in_4bit needs the bitsandbytes package: pip install -r requirements-qlora.txt "
-                              "(or train LoRA without quantisation: load_in_4bit: false)")
+            raise ConfigError(
+                "load_in_4bit needs the bitsandbytes package: pip install -r requirements-qlora.txt "
+                "(or train LoRA without quantisation: load_in_4bit: false)"
+            )
     from fsdp_recipes.models.modeling import meta_model
 
     base = meta_model(model_config, task=task, trust_remote_code=trust_remote_code)
@@ -104,18 +121,28 @@ def check_module_names(model: torch.nn.Module, config) -> None:
     problems = []
     missing_targets = unmatched(config.lora_target_modules)
     if missing_targets:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, torch.nn.Linear)})
-        problems.append(f"lora_target_modules names {', '.join(map(repr, missing_targets))}, which match no module of "
-                        f"this {model.config.model_type} model. Its linear modules are: {', '.join(linear)}; set "
-                        "lora_target_modules to some of them (or null for all of them)")
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        )
+        problems.append(
+            f"lora_target_modules names {', '.join(map(repr, missing_targets))}, which match no module of "
+            f"this {model.config.model_type} model. Its linear modules are: {', '.join(linear)}; set "
+            "lora_target_modules to some of them (or null for all of them)"
+        )
     missing_saved = unmatched(config.lora_modules_to_save)
     if missing_saved:
-        owners = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if name and any(True for _ in module.parameters(recurse=False))})
-        problems.append(f"lora_modules_to_save names {', '.join(map(repr, missing_saved))}, which match no module of "
-                        f"this {model.config.model_type} model (it would be reported as trained in full, and is not). "
-                        f"Its modules with weights are: {', '.join(owners)}; name some of them, or null")
+        owners = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in model.named_modules()
+                if name and any(True for _ in module.parameters(recurse=False))
+            }
+        )
+        problems.append(
+            f"lora_modules_to_save names {', '.join(map(repr, missing_saved))}, which match no module of "
+            f"this {model.config.model_type} model (it would be reported as trained in full, and is not). "
+            f"Its modules with weights are: {', '.join(owners)}; name some of them, or null"
+        )
     if problems:
         raise ConfigError(problems)
 
@@ -127,21 +154,29 @@ def _peft_model(model: torch.nn.Module, config, task: str):
     try:
         return get_peft_model(model, lora_config(config, task))
     except (NoMatchingPeftModuleError, ValueError) as error:
-        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                        if isinstance(module, torch.nn.Linear)})
+        names = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        )
         message = str(error).strip().splitlines()[0]
-        raise ConfigError(f"LoRA cannot be applied to this {model.config.model_type} model: {message}. Its linear "
-                          f"modules are: {', '.join(names)}; set lora_target_modules to some of them (or null for "
-                          "all of them)") from None
+        raise ConfigError(
+            f"LoRA cannot be applied to this {model.config.model_type} model: {message}. Its linear "
+            f"modules are: {', '.join(names)}; set lora_target_modules to some of them (or null for "
+            "all of them)"
+        ) from None
 
 
 def lora_config(config, task: str):
     from peft import LoraConfig
 
     return LoraConfig(
-        task_type=_PEFT_TASK[task], r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-        target_modules=config.lora_target_modules or "all-linear", modules_to_save=config.lora_modules_to_save,
-        use_rslora=config.use_rslora, use_dora=config.use_dora,
+        task_type=_PEFT_TASK[task],
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules or "all-linear",
+        modules_to_save=config.lora_modules_to_save,
+        use_rslora=config.use_rslora,
+        use_dora=config.use_dora,
     )
 
 
@@ -154,7 +189,9 @@ def quantization_config(config):
     compute = DTYPES[config.bnb_4bit_compute_dtype]
     storage = config.bnb_4bit_quant_storage or config.bnb_4bit_compute_dtype
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=config.bnb_4bit_quant_type, bnb_4bit_compute_dtype=compute,
+        load_in_4bit=True,
+        bnb_4bit_quant_type=config.bnb_4bit_quant_type,
+        bnb_4bit_compute_dtype=compute,
         bnb_4bit_use_double_quant=config.use_bnb_nested_quant,
         bnb_4bit_quant_storage=torch.uint8 if storage == "uint8" else DTYPES[storage],
     )
@@ -173,8 +210,11 @@ def base_dtype(config, mixed_precision: str) -> torch.dtype:
 
 def loading_options(config, accelerator) -> dict[str, Any]:
     """`modeling.load_model` keywords for this config: the base's dtype, and QLoRA's quantisation."""
-    return dict(dtype=base_dtype(config, accelerator.mixed_precision), quantization_config=quantization_config(config),
-                device=accelerator.device)
+    return dict(
+        dtype=base_dtype(config, accelerator.mixed_precision),
+        quantization_config=quantization_config(config),
+        device=accelerator.device,
+    )
 
 
 def apply(model: torch.nn.Module, config, *, task: str) -> torch.nn.Module:
@@ -211,8 +251,10 @@ def describe(config) -> str | None:
         line += f", {', '.join(config.lora_modules_to_save)} trained in full"
     if config.load_in_4bit:
         storage = config.bnb_4bit_quant_storage or config.bnb_4bit_compute_dtype
-        line += (f"; base in 4 bits (QLoRA {config.bnb_4bit_quant_type}, compute {config.bnb_4bit_compute_dtype}, "
-                 f"storage {storage}{', nested' if config.use_bnb_nested_quant else ''})")
+        line += (
+            f"; base in 4 bits (QLoRA {config.bnb_4bit_quant_type}, compute {config.bnb_4bit_compute_dtype}, "
+            f"storage {storage}{', nested' if config.use_bnb_nested_quant else ''})"
+        )
     return line
 
 
@@ -242,7 +284,8 @@ def checkpoint_state_filter(accelerator):
 
     prepared = getattr(accelerator, "_models", [])  # what save_state saves: the models given to prepare
     if accelerator.distributed_type != DistributedType.FSDP or not any(
-            is_adapter_model(accelerator.unwrap_model(model)) for model in prepared):
+        is_adapter_model(accelerator.unwrap_model(model)) for model in prepared
+    ):
         yield
         return
     saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
@@ -271,8 +314,9 @@ def gathered_trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     if not torch.distributed.is_initialized():
         return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                               ignore_frozen_params=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    )
 
 
 def verification_inputs(vocab_size: int, *, rows: int = 2, width: int = 16, seed: int = 0) -> torch.Tensor:
@@ -303,13 +347,23 @@ def compare_logits(expected: torch.Tensor, actual: torch.Tensor, *, tolerance: f
     scale = max(expected.abs().max().item(), 1.0)
     difference = (expected - actual).abs().max().item() / scale
     if not difference <= tolerance:
-        raise AdapterVerificationError(f"{what}: its logits differ from the trained model's by {difference:.3g} "
-                                       f"(relative; tolerance {tolerance:g})")
+        raise AdapterVerificationError(
+            f"{what}: its logits differ from the trained model's by {difference:.3g} "
+            f"(relative; tolerance {tolerance:g})"
+        )
     return difference
 
 
-def load_base(model_name_or_path: str, *, task: str, revision: str = "main", trust_remote_code: bool = False,
-              model_config=None, quantization_config=None, device=None):
+def load_base(
+    model_name_or_path: str,
+    *,
+    task: str,
+    revision: str = "main",
+    trust_remote_code: bool = False,
+    model_config=None,
+    quantization_config=None,
+    device=None,
+):
     from fsdp_recipes.models.modeling import auto_model_class
 
     options: dict[str, Any] = {}
@@ -319,12 +373,16 @@ def load_base(model_name_or_path: str, *, task: str, revision: str = "main", tru
             del model_config.quantization_config
         options["config"] = model_config
     if quantization_config is not None:
-        options.update(quantization_config=quantization_config, device_map={"": device or "cpu"},
-                       dtype=quantization_config.bnb_4bit_compute_dtype)
+        options.update(
+            quantization_config=quantization_config,
+            device_map={"": device or "cpu"},
+            dtype=quantization_config.bnb_4bit_compute_dtype,
+        )
     else:
         options["dtype"] = torch.float32
-    return auto_model_class(task).from_pretrained(model_name_or_path, revision=revision,
-                                                  trust_remote_code=trust_remote_code, **options)
+    return auto_model_class(task).from_pretrained(
+        model_name_or_path, revision=revision, trust_remote_code=trust_remote_code, **options
+    )
 
 
 def write_adapter_folder(unwrapped, state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
@@ -339,15 +397,19 @@ def write_adapter_folder(unwrapped, state: dict[str, torch.Tensor], folder: Path
     on_disk = load_file(folder / "adapter_model.safetensors")
     problems = [f"{key}: missing from the file" for key in sorted(expected.keys() - on_disk.keys())]
     problems += [f"{key}: not in the trained adapter" for key in sorted(on_disk.keys() - expected.keys())]
-    problems += [f"{key}: values on disk differ from the trained ones" for key in sorted(expected.keys() & on_disk.keys())
-                 if not torch.equal(expected[key].cpu(), on_disk[key])]
+    problems += [
+        f"{key}: values on disk differ from the trained ones"
+        for key in sorted(expected.keys() & on_disk.keys())
+        if not torch.equal(expected[key].cpu(), on_disk[key])
+    ]
     if problems:
         raise AdapterVerificationError("adapter export verification failed:\n  " + "\n  ".join(problems))
     return on_disk
 
 
-def export_adapter_folder(accelerator, model: torch.nn.Module, tokenizer, output_dir: str | Path, *, task: str,
-                          config, card_writer) -> Path | None:
+def export_adapter_folder(
+    accelerator, model: torch.nn.Module, tokenizer, output_dir: str | Path, *, task: str, config, card_writer
+) -> Path | None:
     """Collective. `output_dir` becomes a peft adapter folder (adapter_config.json, adapter_model.safetensors,
     tokenizer, card with base_model and library_name: peft), and with `export_merged_model` also `output_dir/merged`,
     a plain transformers model. Before returning, both are loaded back from disk onto a fresh base and must reproduce
@@ -364,10 +426,20 @@ def export_adapter_folder(accelerator, model: torch.nn.Module, tokenizer, output
         tokenizer.save_pretrained(output_dir)
         tolerance = logits_tolerance(accelerator.mixed_precision)
         trained_config = unwrapped.get_base_model().config
-        reloaded = reload_adapter(output_dir, config, task=task, model_config=trained_config,
-                                  quantized=config.load_in_4bit, device=accelerator.device)
-        compare_logits(trained_logits, logits_of(reloaded, inputs), tolerance=tolerance,
-                       what=f"the adapter in {output_dir} loaded onto {config.model_name_or_path}")
+        reloaded = reload_adapter(
+            output_dir,
+            config,
+            task=task,
+            model_config=trained_config,
+            quantized=config.load_in_4bit,
+            device=accelerator.device,
+        )
+        compare_logits(
+            trained_logits,
+            logits_of(reloaded, inputs),
+            tolerance=tolerance,
+            what=f"the adapter in {output_dir} loaded onto {config.model_name_or_path}",
+        )
         if config.export_merged_model:
             merged_dir = output_dir / MERGED_FOLDER
             if config.load_in_4bit:  # merge into the full-precision base, not into re-quantised 4-bit weights
@@ -376,8 +448,9 @@ def export_adapter_folder(accelerator, model: torch.nn.Module, tokenizer, output
             reloaded.merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)
             tokenizer.save_pretrained(merged_dir)
             merged = load_base(str(merged_dir), task=task, trust_remote_code=config.trust_remote_code)
-            compare_logits(expected, logits_of(merged, inputs), tolerance=1e-4,
-                           what=f"the merged model in {merged_dir}")
+            compare_logits(
+                expected, logits_of(merged, inputs), tolerance=1e-4, what=f"the merged model in {merged_dir}"
+            )
             card_writer(merged_dir, "transformers")
         card_writer(output_dir, "peft")
     accelerator.wait_for_everyone()
@@ -390,9 +463,15 @@ def reload_adapter(folder: str | Path, config, *, task: str, model_config, quant
     labels and pad token are not in the base's)."""
     from peft import PeftModel
 
-    base = load_base(config.model_name_or_path, task=task, revision=config.model_revision,
-                     trust_remote_code=config.trust_remote_code, model_config=model_config,
-                     quantization_config=quantization_config(config) if quantized else None, device=device)
+    base = load_base(
+        config.model_name_or_path,
+        task=task,
+        revision=config.model_revision,
+        trust_remote_code=config.trust_remote_code,
+        model_config=model_config,
+        quantization_config=quantization_config(config) if quantized else None,
+        device=device,
+    )
     return PeftModel.from_pretrained(base, str(folder))
 
 

@@ -40,8 +40,13 @@ def pipeline_tag(task: str) -> str:
     return TASKS[task][1]
 
 
-def meta_model(config: PretrainedConfig, *, task: str = "causal-lm", attn_implementation: str | None = None,
-               trust_remote_code: bool = False) -> torch.nn.Module:
+def meta_model(
+    config: PretrainedConfig,
+    *,
+    task: str = "causal-lm",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
     """A weightless copy of the model (on the meta device): its structure, for checks before any weights load. The
     config is copied: from_config writes the attention implementation it settles on into the config it is given."""
     with torch.device("meta"):
@@ -61,8 +66,12 @@ def load_tokenizer(
     """The tokenizer, with the config's chat template if given (else its own, if any) and a pad token. Data that
     needs a template and finds none is refused when it is tokenised (fsdp_recipes.data.chat). `setting`: the config
     field that named it, for the message if it cannot be loaded."""
-    with steps.step(f"loading the tokenizer from {name_or_path!r} ({setting})", name=name_or_path, setting=setting,
-                    explain=_model_files_problem):
+    with steps.step(
+        f"loading the tokenizer from {name_or_path!r} ({setting})",
+        name=name_or_path,
+        setting=setting,
+        explain=_model_files_problem,
+    ):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if chat_template is not None:
         template_path = Path(chat_template)
@@ -75,15 +84,20 @@ def load_tokenizer(
 
 
 def load_model_config(
-    model_name_or_path: str | None, model_config: str | None, *, revision: str = "main", trust_remote_code: bool = False,
+    model_name_or_path: str | None,
+    model_config: str | None,
+    *,
+    revision: str = "main",
+    trust_remote_code: bool = False,
     setting: str | None = None,
 ) -> PretrainedConfig:
     """The model's config (no weights): from `model_config` (a config.json) if given, else from `model_name_or_path`
     (a folder or Hub id). `setting`: the config field that named it, for the message if it cannot be loaded."""
     name = model_config if model_config is not None else model_name_or_path
     setting = setting or ("model_config" if model_config is not None else "model_name_or_path")
-    with steps.step(f"loading the model config from {name!r} ({setting})", name=name, setting=setting,
-                    explain=_model_files_problem):
+    with steps.step(
+        f"loading the model config from {name!r} ({setting})", name=name, setting=setting, explain=_model_files_problem
+    ):
         if model_config is not None:
             return AutoConfig.from_pretrained(model_config, trust_remote_code=trust_remote_code)
         return AutoConfig.from_pretrained(model_name_or_path, revision=revision, trust_remote_code=trust_remote_code)
@@ -93,29 +107,38 @@ def _model_files_problem(error: BaseException, step: steps.Step) -> steps.Proble
     """What transformers says of a local folder that holds no model config or no tokenizer."""
     text = " ".join(str(error).split())
     if isinstance(error, ValueError) and text.startswith("Couldn't instantiate the backend tokenizer"):
-        fix = ("Set tokenizer_name_or_path to the tokenizer the model was trained with (a folder or Hub id)"
-               if step.setting != "tokenizer_name_or_path" else "Point tokenizer_name_or_path at a folder with one")
-        return steps.Problem("it holds no tokenizer files (tokenizer.json, or a vocabulary its tokenizer_config.json "
-                             "names)", fix)
+        fix = (
+            "Set tokenizer_name_or_path to the tokenizer the model was trained with (a folder or Hub id)"
+            if step.setting != "tokenizer_name_or_path"
+            else "Point tokenizer_name_or_path at a folder with one"
+        )
+        return steps.Problem(
+            "it holds no tokenizer files (tokenizer.json, or a vocabulary its tokenizer_config.json names)", fix
+        )
     if isinstance(error, ValueError) and text.startswith("Unrecognized model in"):
-        return steps.Problem("it has no config.json naming a model_type, so it is not a model folder",
-                             f"Point {step.setting} at a model folder (with config.json) or a Hub id")
+        return steps.Problem(
+            "it has no config.json naming a model_type, so it is not a model folder",
+            f"Point {step.setting} at a model folder (with config.json) or a Hub id",
+        )
     if isinstance(error, OSError) and "does not appear to have a file named" in text:
-        return steps.Problem(text.split(". Checkout")[0].rstrip("."), f"Point {step.setting} at a complete model "
-                             "folder or Hub id")
+        return steps.Problem(
+            text.split(". Checkout")[0].rstrip("."), f"Point {step.setting} at a complete model folder or Hub id"
+        )
     return None
 
 
-def module_class_names(config: PretrainedConfig, *, task: str = "causal-lm",
-                       trust_remote_code: bool = False) -> tuple[set[str], list[str]]:
+def module_class_names(
+    config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
+) -> tuple[set[str], list[str]]:
     """(class names of every submodule, the model's `_no_split_modules`) from a weightless copy on the meta device."""
     model = meta_model(config, task=task, trust_remote_code=trust_remote_code)
     names = {type(module).__name__ for module in model.modules()}
     return names, list(getattr(model, "_no_split_modules", None) or [])
 
 
-def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, task: str = "causal-lm",
-                         trust_remote_code: bool = False):
+def resolve_wrap_classes(
+    accelerator: Accelerator, config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
+):
     """The transformer-layer classes FSDP will wrap, checked against the model. Raises ConfigError before any weights
     load if the Accelerate config names a class the model does not contain. None when not wrapping by class."""
     if accelerator.distributed_type != DistributedType.FSDP:
@@ -143,15 +166,17 @@ def resolve_wrap_classes(accelerator: Accelerator, config: PretrainedConfig, *, 
     return list(requested)
 
 
-def parameter_shapes(config: PretrainedConfig, *, task: str = "causal-lm",
-                     trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+def parameter_shapes(
+    config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every parameter and buffer, from a weightless copy (what a checkpoint must match)."""
     model = meta_model(config, task=task, trust_remote_code=trust_remote_code)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def check_same_shapes(saved: PretrainedConfig, current: PretrainedConfig, *, task: str = "causal-lm",
-                      trust_remote_code: bool = False) -> None:
+def check_same_shapes(
+    saved: PretrainedConfig, current: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
+) -> None:
     """ConfigError naming the first differences if a model of `current` cannot load weights saved from `saved`.
     A classifier's head rows follow the classes of its data, which are read later: the recipe checks those itself."""
     if task == "sequence-classification":
@@ -159,8 +184,11 @@ def check_same_shapes(saved: PretrainedConfig, current: PretrainedConfig, *, tas
         current.num_labels = saved.num_labels
     before = parameter_shapes(saved, task=task, trust_remote_code=trust_remote_code)
     now = parameter_shapes(current, task=task, trust_remote_code=trust_remote_code)
-    differences = [f"{name}: {before.get(name)} in the checkpoint, {now.get(name)} now"
-                   for name in sorted(before.keys() | now.keys()) if before.get(name) != now.get(name)]
+    differences = [
+        f"{name}: {before.get(name)} in the checkpoint, {now.get(name)} now"
+        for name in sorted(before.keys() | now.keys())
+        if before.get(name) != now.get(name)
+    ]
     if differences:
         shown = "; ".join(differences[:3]) + (f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
         raise ConfigError(
@@ -170,7 +198,9 @@ def check_same_shapes(saved: PretrainedConfig, current: PretrainedConfig, *, tas
         )
 
 
-def tied_duplicate_names(config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False) -> set[str]:
+def tied_duplicate_names(
+    config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
+) -> set[str]:
     """State-dict names that share storage with an earlier name (tied embeddings): written once, as save_pretrained
     does for an unsharded model. Gathered FSDP state dicts hold them as separate copies, so they are found on a
     weightless copy of the model instead."""
@@ -206,8 +236,11 @@ def load_model(
         return model_class.from_config(
             config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, dtype=dtype
         )
-    quantized = {} if quantization_config is None else dict(
-        quantization_config=quantization_config, device_map={"": device if device is not None else "cpu"})
+    quantized = (
+        {}
+        if quantization_config is None
+        else dict(quantization_config=quantization_config, device_map={"": device if device is not None else "cpu"})
+    )
     return model_class.from_pretrained(
         model_name_or_path,
         config=config,
@@ -223,10 +256,18 @@ def load_model(
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 # name -> (module, transformers' usability check, what it needs, how to install it)
 _FLASH = {
-    "flash_attention_2": ("flash_attn", is_flash_attn_2_available, "flash-attn 2.3.3 or newer",
-                          "pip install flash-attn --no-build-isolation"),
-    "flash_attention_3": ("flash_attn_interface", is_flash_attn_3_available, "the flash-attn-3 build",
-                          "build it from flash-attention's hopper/ folder"),
+    "flash_attention_2": (
+        "flash_attn",
+        is_flash_attn_2_available,
+        "flash-attn 2.3.3 or newer",
+        "pip install flash-attn --no-build-isolation",
+    ),
+    "flash_attention_3": (
+        "flash_attn_interface",
+        is_flash_attn_3_available,
+        "the flash-attn-3 build",
+        "build it from flash-attention's hopper/ folder",
+    ),
 }
 
 
@@ -272,8 +313,12 @@ def resolve_attn_implementation(
 
 
 def _supported_attn_implementations(model: torch.nn.Module) -> list[str]:
-    flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
-             "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+    flags = {
+        "sdpa": "_supports_sdpa",
+        "flex_attention": "_supports_flex_attn",
+        "flash_attention_2": "_supports_flash_attn",
+        "flash_attention_3": "_supports_flash_attn",
+    }
     return ["eager"] + [name for name, flag in flags.items() if getattr(model, flag, False)]
 
 
@@ -300,8 +345,10 @@ def _check_flash_attention(name: str) -> None:
 
 # Architectures whose attention ignores position_ids, so packed examples would attend to each other whatever the
 # implementation: OPT builds its causal mask without them, Bloom's ALiBi bias is computed from the row.
-_PACKING_NOT_ISOLATED = {"opt": "OPT builds its causal mask without position_ids",
-                         "bloom": "Bloom's ALiBi bias ignores position_ids"}
+_PACKING_NOT_ISOLATED = {
+    "opt": "OPT builds its causal mask without position_ids",
+    "bloom": "Bloom's ALiBi bias ignores position_ids",
+}
 
 
 def check_packing_is_isolated(config: PretrainedConfig) -> None:
@@ -314,7 +361,9 @@ def check_packing_is_isolated(config: PretrainedConfig) -> None:
 
 
 def fsdp_activation_checkpointing(accelerator: Accelerator) -> bool:
-    return accelerator.distributed_type == DistributedType.FSDP and bool(accelerator.state.fsdp_plugin.activation_checkpointing)
+    return accelerator.distributed_type == DistributedType.FSDP and bool(
+        accelerator.state.fsdp_plugin.activation_checkpointing
+    )
 
 
 def check_one_activation_checkpointing(accelerator: Accelerator, *, model_gradient_checkpointing: bool) -> None:

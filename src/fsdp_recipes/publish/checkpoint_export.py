@@ -18,11 +18,11 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from fsdp_recipes.train.checkpoint import MODEL_FILES, RUN_INFO, read_progress
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.publish.export import ExportVerificationError, write_model_card
-from fsdp_recipes.models.modeling import meta_model, tied_duplicate_names
 from fsdp_recipes.common.outputs import output_dir_problem
+from fsdp_recipes.models.modeling import meta_model, tied_duplicate_names
+from fsdp_recipes.publish.export import ExportVerificationError, write_model_card
+from fsdp_recipes.train.checkpoint import MODEL_FILES, RUN_INFO, read_progress
 
 SHARDED_MODEL = "pytorch_model_fsdp_0"
 FULL_MODEL = "pytorch_model_fsdp.bin"
@@ -31,7 +31,11 @@ _DCP_PREFIX = "model."  # accelerate saves {"model": state_dict}; DCP flattens t
 
 
 def export_checkpoint(
-    checkpoint: str | Path, output_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
     merged: bool = False,
 ) -> Path:
     """A LoRA checkpoint becomes a peft adapter folder (and with `merged`, also OUTPUT_DIR/merged: the base from the
@@ -70,21 +74,29 @@ def export_checkpoint(
     config.save_pretrained(output_dir)
     generation = model_files / "generation_config.json"
     generation_config = (
-        GenerationConfig.from_pretrained(model_files) if generation.is_file() else GenerationConfig.from_model_config(config)
+        GenerationConfig.from_pretrained(model_files)
+        if generation.is_file()
+        else GenerationConfig.from_model_config(config)
     )
     generation_config.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(model_files).save_pretrained(output_dir)
     progress = read_progress(checkpoint)
     write_model_card(
-        output_dir, recipe=run_info.get("recipe", "export"), task=task, recipe_config=_json_or_empty(model_files / "recipe_config.json"),
+        output_dir,
+        recipe=run_info.get("recipe", "export"),
+        task=task,
+        recipe_config=_json_or_empty(model_files / "recipe_config.json"),
         accelerate_config=_json_or_empty(model_files / "accelerate_config.json"),
-        metrics={"step": progress.step, "exported_from": str(checkpoint)}, base_model=None, dataset=None,
+        metrics={"step": progress.step, "exported_from": str(checkpoint)},
+        base_model=None,
+        dataset=None,
     )
     return output_dir
 
 
-def _export_adapter_checkpoint(checkpoint: Path, output_dir: Path, tensors, recipe_config: dict, task: str, *,
-                               merged: bool) -> Path:
+def _export_adapter_checkpoint(
+    checkpoint: Path, output_dir: Path, tensors, recipe_config: dict, task: str, *, merged: bool
+) -> Path:
     """The adapter tensors (stored under peft's own names) as adapter_model.safetensors, the LoRA settings of the run
     as adapter_config.json, the tokenizer and a card."""
     from types import SimpleNamespace
@@ -103,10 +115,15 @@ def _export_adapter_checkpoint(checkpoint: Path, output_dir: Path, tensors, reci
     adapter_config.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(checkpoint / MODEL_FILES).save_pretrained(output_dir)
     progress = read_progress(checkpoint)
-    card = dict(recipe=_json_or_empty(checkpoint / MODEL_FILES / RUN_INFO).get("recipe", "export"), task=task,
-                recipe_config=recipe_config, accelerate_config=_json_or_empty(checkpoint / MODEL_FILES / "accelerate_config.json"),
-                metrics={"step": progress.step, "exported_from": str(checkpoint)}, base_model=settings.model_name_or_path,
-                dataset=None)
+    card = dict(
+        recipe=_json_or_empty(checkpoint / MODEL_FILES / RUN_INFO).get("recipe", "export"),
+        task=task,
+        recipe_config=recipe_config,
+        accelerate_config=_json_or_empty(checkpoint / MODEL_FILES / "accelerate_config.json"),
+        metrics={"step": progress.step, "exported_from": str(checkpoint)},
+        base_model=settings.model_name_or_path,
+        dataset=None,
+    )
     write_model_card(output_dir, library_name="peft", **card)
     if merged:
         model_config = AutoConfig.from_pretrained(checkpoint / MODEL_FILES)
@@ -125,7 +142,7 @@ class _DcpTensors:
         self.metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
 
     def names(self) -> list[str]:
-        return [key[len(_DCP_PREFIX):] for key in self.metadata if key.startswith(_DCP_PREFIX)]
+        return [key[len(_DCP_PREFIX) :] for key in self.metadata if key.startswith(_DCP_PREFIX)]
 
     def nbytes(self, name: str) -> int:
         meta = self.metadata[_DCP_PREFIX + name]
@@ -159,8 +176,11 @@ class _SafetensorsTensors:
         self.file = file
         with file.open("rb") as handle:  # the header alone: 8 bytes of length, then JSON with each tensor's offsets
             header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        self.sizes = {name: entry["data_offsets"][1] - entry["data_offsets"][0]
-                      for name, entry in header.items() if name != "__metadata__"}
+        self.sizes = {
+            name: entry["data_offsets"][1] - entry["data_offsets"][0]
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
 
     def names(self) -> list[str]:
         return list(self.sizes)

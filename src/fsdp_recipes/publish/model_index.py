@@ -40,8 +40,9 @@ def dataset_id(dataset: str) -> str:
     return Path(dataset).name if Path(dataset).exists() else dataset
 
 
-def eval_results(results: dict[str, Any], *, task: str, dataset: str, dataset_config: str | None = None,
-                 split: str | None = None) -> list[EvalResult]:
+def eval_results(
+    results: dict[str, Any], *, task: str, dataset: str, dataset_config: str | None = None, split: str | None = None
+) -> list[EvalResult]:
     """One EvalResult per number in `results` (keys with or without the `eval_` prefix); lists, texts and the
     example count are not results. `task` is the Hub pipeline tag (text-classification, text-generation)."""
     found = []
@@ -52,36 +53,57 @@ def eval_results(results: dict[str, Any], *, task: str, dataset: str, dataset_co
         if not math.isfinite(value):
             continue
         metric_type, metric_name, metric_args = _KNOWN.get(name, (name, name, None))
-        found.append(EvalResult(
-            task_type=task, task_name=_TASK_NAMES.get(task), dataset_type=dataset_id(dataset),
-            dataset_name=dataset_id(dataset), dataset_config=dataset_config, dataset_split=split,
-            metric_type=metric_type, metric_name=metric_name, metric_args=metric_args, metric_value=float(value),
-        ))
+        found.append(
+            EvalResult(
+                task_type=task,
+                task_name=_TASK_NAMES.get(task),
+                dataset_type=dataset_id(dataset),
+                dataset_name=dataset_id(dataset),
+                dataset_config=dataset_config,
+                dataset_split=split,
+                metric_type=metric_type,
+                metric_name=metric_name,
+                metric_args=metric_args,
+                metric_value=float(value),
+            )
+        )
     return found
 
 
 def _key(result: EvalResult) -> tuple:
-    return (result.task_type, result.dataset_type, result.dataset_config, result.dataset_split, result.metric_type,
-            result.metric_name)
+    return (
+        result.task_type,
+        result.dataset_type,
+        result.dataset_config,
+        result.dataset_split,
+        result.metric_type,
+        result.metric_name,
+    )
 
 
 def results_table(results: list[EvalResult]) -> str:
-    rows = [f"| {r.dataset_name} | {r.dataset_split or ''} | {r.metric_name or r.metric_type} | {r.metric_value:.4g} |"
-            for r in results]
+    rows = [
+        f"| {r.dataset_name} | {r.dataset_split or ''} | {r.metric_name or r.metric_type} | {r.metric_value:.4g} |"
+        for r in results
+    ]
     return "| dataset | split | metric | value |\n|---|---|---|---|\n" + "\n".join(rows)
 
 
-def update_card(folder: str | Path, results: list[EvalResult], *, model_name: str, pipeline_tag: str,
-                base_model: str | None = None) -> Path:
+def update_card(
+    folder: str | Path, results: list[EvalResult], *, model_name: str, pipeline_tag: str, base_model: str | None = None
+) -> Path:
     """Merges `results` into `folder/README.md`'s model-index (writing a short card if there is none) and rewrites
     the card's evaluation table from the merged results."""
     path = Path(folder) / "README.md"
     if path.is_file():
         card = ModelCard.load(path)
     else:
-        data = ModelCardData(library_name="transformers", pipeline_tag=pipeline_tag, tags=["fsdp-recipes"],
-                             base_model=base_model)
-        card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n# {model_name}\n\nEvaluated with the FSDP Recipes `eval` recipe.\n")
+        data = ModelCardData(
+            library_name="transformers", pipeline_tag=pipeline_tag, tags=["fsdp-recipes"], base_model=base_model
+        )
+        card = ModelCard(
+            f"---\n{data.to_yaml()}\n---\n\n# {model_name}\n\nEvaluated with the FSDP Recipes `eval` recipe.\n"
+        )
     new_keys = {_key(result) for result in results}
     merged = [r for r in (card.data.eval_results or []) if _key(r) not in new_keys] + list(results)
     card.data.eval_results = merged

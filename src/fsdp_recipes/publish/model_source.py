@@ -13,11 +13,11 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from fsdp_recipes.train.checkpoint import MODEL_FILES, PROGRESS, RUN_INFO
-from fsdp_recipes.publish.checkpoint_export import export_checkpoint
-from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.steps import looks_like_hub_id
+from fsdp_recipes.distributed.collectives import on_every_rank_together
+from fsdp_recipes.publish.checkpoint_export import export_checkpoint
+from fsdp_recipes.train.checkpoint import MODEL_FILES, PROGRESS, RUN_INFO
 
 
 @dataclasses.dataclass
@@ -46,12 +46,16 @@ def resolve(name: str, *, base_model_name_or_path: str | None = None) -> ModelSo
     source = _resolve(name, path)
     if base_model_name_or_path is not None:
         if source.base is None:
-            raise ConfigError(f"base_model_name_or_path is for LoRA adapters, and {name!r} is not one ({source.kind}): "
-                              "remove it")
+            raise ConfigError(
+                f"base_model_name_or_path is for LoRA adapters, and {name!r} is not one ({source.kind}): remove it"
+            )
         return dataclasses.replace(source, base=base_model_name_or_path)
     if source.base is not None and not looks_like_hub_id(source.base) and not Path(source.base).expanduser().exists():
-        recorded = ("its adapter_config.json's base_model_name_or_path" if source.kind == "adapter" else
-                    "the model_name_or_path of the run that wrote it")
+        recorded = (
+            "its adapter_config.json's base_model_name_or_path"
+            if source.kind == "adapter"
+            else "the model_name_or_path of the run that wrote it"
+        )
         raise ConfigError(
             f"{name!r} is a LoRA adapter for the base model {source.base!r} ({recorded}), which does not exist here "
             f"({Path(source.base).expanduser().absolute()}). Set --base_model_name_or_path to that base model's folder "
@@ -66,9 +70,11 @@ def _resolve(name: str, path: Path) -> ModelSource:
     if (path / "adapter_config.json").is_file():
         base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
-            raise ConfigError(f"{name!r} is a LoRA adapter folder whose adapter_config.json names no "
-                              "base_model_name_or_path: set --base_model_name_or_path to the base model's folder or "
-                              "Hub id")
+            raise ConfigError(
+                f"{name!r} is a LoRA adapter folder whose adapter_config.json names no "
+                "base_model_name_or_path: set --base_model_name_or_path to the base model's folder or "
+                "Hub id"
+            )
         return ModelSource(name=name, kind="adapter", files=name, base=base)
     if (path / "config.json").is_file():
         return ModelSource(name=name, kind="folder", files=name)
@@ -93,16 +99,22 @@ def task_of(source: ModelSource, model_config) -> str:
     if source.kind == "adapter":
         task_type = json.loads((Path(source.name) / "adapter_config.json").read_text()).get("task_type")
         if task_type == "SEQ_CLS":
-            raise ConfigError(f"{source.name} is a classifier's LoRA adapter: its labels are not in its base's config. "
-                              "Evaluate the merged model (export_merged_model: true writes it to <output_dir>/merged) "
-                              "or the run's checkpoint")
+            raise ConfigError(
+                f"{source.name} is a classifier's LoRA adapter: its labels are not in its base's config. "
+                "Evaluate the merged model (export_merged_model: true writes it to <output_dir>/merged) "
+                "or the run's checkpoint"
+            )
         return "causal-lm"
     if source.kind == "checkpoint":
         run_info = Path(source.files) / RUN_INFO
         if run_info.is_file():
             return json.loads(run_info.read_text()).get("task", "causal-lm")
     architectures = getattr(model_config, "architectures", None) or []
-    return "sequence-classification" if any(a.endswith("ForSequenceClassification") for a in architectures) else "causal-lm"
+    return (
+        "sequence-classification"
+        if any(a.endswith("ForSequenceClassification") for a in architectures)
+        else "causal-lm"
+    )
 
 
 @contextlib.contextmanager

@@ -103,7 +103,7 @@ def gpu_memory_line(comment: list[str]) -> str:
     return DEFAULT_GPU_MEMORY
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_info(config_file: Path):
     """The estimator's shapes of a model config.json, built once per process (a weightless model per call)."""
     # Imported here, not above: the estimator imports torch, transformers and peft (seconds), which `cp` never needs.
@@ -123,12 +123,18 @@ class Catalog:
         return path.relative_to(self.root) if path.is_relative_to(self.root) else path
 
     def recipes(self) -> list[Recipe]:
-        return [Recipe(path.stem, path, read_summary(path)) for path in sorted((self.root / "recipes").glob("*.py"))
-                if not path.name.startswith("_")]
+        return [
+            Recipe(path.stem, path, read_summary(path))
+            for path in sorted((self.root / "recipes").glob("*.py"))
+            if not path.name.startswith("_")
+        ]
 
     def configs(self, recipe: str | None = None) -> list[RecipeConfig]:
-        folders = [self.root / "recipes" / "configs" / recipe] if recipe else sorted(
-            (self.root / "recipes" / "configs").glob("*"))
+        folders = (
+            [self.root / "recipes" / "configs" / recipe]
+            if recipe
+            else sorted((self.root / "recipes" / "configs").glob("*"))
+        )
         found = []
         for folder in folders:
             for path in sorted(folder.glob("*.yaml")):
@@ -143,8 +149,14 @@ class Catalog:
         except yaml.YAMLError as error:
             raise ConfigError(f"{where} is not valid YAML: {error}") from None
         comment = opening_comment(text)
-        return RecipeConfig(recipe, path.stem, path, values if isinstance(values, dict) else {},
-                            parse_launch_command(comment, where=where), gpu_memory_line(comment))
+        return RecipeConfig(
+            recipe,
+            path.stem,
+            path,
+            values if isinstance(values, dict) else {},
+            parse_launch_command(comment, where=where),
+            gpu_memory_line(comment),
+        )
 
     def find(self, name: str) -> Recipe | RecipeConfig:
         """`sft` (a recipe), `sft/demo_reverse` or `demo_reverse` (a config, if only one recipe has that name); a
@@ -160,10 +172,12 @@ class Catalog:
         if len(by_name) == 1:
             return by_name[0]
         if by_name:
-            raise UserError(f"{name!r} is a config of several recipes: name one of "
-                            f"{', '.join(config.key for config in by_name)}")
-        close = ([key for key in configs if wanted in key][:3]
-                 or difflib.get_close_matches(wanted, [*recipes, *configs], n=3))
+            raise UserError(
+                f"{name!r} is a config of several recipes: name one of {', '.join(config.key for config in by_name)}"
+            )
+        close = [key for key in configs if wanted in key][:3] or difflib.get_close_matches(
+            wanted, [*recipes, *configs], n=3
+        )
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
         raise UserError(f"no recipe or config named {name!r}; {hint}`fsdp-recipes ls` lists them")
 
@@ -176,8 +190,9 @@ class Catalog:
             raise ConfigError(f"{config.key}: its opening comment has no `accelerate launch --config_file ...` line")
         path = self.root / launch.accelerate_config
         if not path.is_file():
-            raise ConfigError(f"{config.key}: its launch command names {launch.accelerate_config}, which does not "
-                              "exist")
+            raise ConfigError(
+                f"{config.key}: its launch command names {launch.accelerate_config}, which does not exist"
+            )
         raw = read_accelerate_yaml(path)
         fsdp = fsdp_settings(raw)
         top_level = {f.name for f in dataclasses.fields(ClusterConfig)}
@@ -210,13 +225,16 @@ class Catalog:
 
         model = self.model_file(config)
         if model is None:
-            raise ConfigError(f"no local config.json for model {config.model!r}: add {self.shown(MODEL_SHAPES)}/"
-                              f"{config.model}/config.json, or run `fsdp-recipes estimate` where the Hub is reachable")
+            raise ConfigError(
+                f"no local config.json for model {config.model!r}: add {self.shown(MODEL_SHAPES)}/"
+                f"{config.model}/config.json, or run `fsdp-recipes estimate` where the Hub is reachable"
+            )
         layout = LaunchLayout.from_mapping(self.accelerate_settings(config), where=f"{config.key}'s Accelerate config")
         script = next((recipe.path for recipe in self.recipes() if recipe.name == config.recipe), None)
         recipe = recipe_config(config.values, script=script, where=config.key)
-        return estimate_for_recipe(model_info(model), layout, recipe, gpu_memory=parse_size(config.gpu_memory),
-                                   model_name=str(config.model))
+        return estimate_for_recipe(
+            model_info(model), layout, recipe, gpu_memory=parse_size(config.gpu_memory), model_name=str(config.model)
+        )
 
     def problems(self, config: RecipeConfig) -> list[str]:
         """Why the config would not run as its opening comment says: the command names another recipe or config,
@@ -242,15 +260,17 @@ class Catalog:
             return found + [str(error)]
         model = self.model_file(config)
         if model is None:
-            return found + [f"no local config.json for model {config.model!r} (add {self.shown(MODEL_SHAPES)}/<hub id>/"
-                            "config.json)"]
+            return found + [
+                f"no local config.json for model {config.model!r} (add {self.shown(MODEL_SHAPES)}/<hub id>/config.json)"
+            ]
         with tempfile.TemporaryDirectory() as folder:
             effective = Path(folder) / "accelerate.yaml"
             effective.write_text(yaml.safe_dump(settings))
             for finding in lint_config_file(effective, model=str(model)):
                 if finding.severity == ERROR:
-                    found.append(f"{launch.accelerate_config} (with the command's flags): {finding.key}: "
-                                 f"{finding.message}")
+                    found.append(
+                        f"{launch.accelerate_config} (with the command's flags): {finding.key}: {finding.message}"
+                    )
         if found:
             return found
         try:
@@ -258,8 +278,10 @@ class Catalog:
         except ConfigError as error:
             return [str(error)]
         if not estimate.fits:
-            found.append(f"estimated {estimate.total / 2**30:.1f} GiB per GPU, over the {estimate.usable / 2**30:.1f} "
-                         f"GiB usable of {config.gpu_memory} (fsdp-recipes estimate shows what to change)")
+            found.append(
+                f"estimated {estimate.total / 2**30:.1f} GiB per GPU, over the {estimate.usable / 2**30:.1f} "
+                f"GiB usable of {config.gpu_memory} (fsdp-recipes estimate shows what to change)"
+            )
         return found
 
     # --- copies --------------------------------------------------------------------------------------------------
@@ -275,8 +297,11 @@ class Catalog:
             if source.is_file():
                 found.append((Path(value), f"{config.name}.yaml names it as {key}"))
             elif source.is_dir() and value.strip("./"):
-                found += [(path.relative_to(self.root), f"{config.name}.yaml names {value} as {key}")
-                          for path in sorted(source.rglob("*")) if path.is_file() and "__pycache__" not in path.parts]
+                found += [
+                    (path.relative_to(self.root), f"{config.name}.yaml names {value} as {key}")
+                    for path in sorted(source.rglob("*"))
+                    if path.is_file() and "__pycache__" not in path.parts
+                ]
         return found
 
     def copy_plan(self, item: Recipe | RecipeConfig) -> list[tuple[Path, str, bool]]:
@@ -286,8 +311,10 @@ class Catalog:
             plan = [(item.path.relative_to(self.root), "the recipe", True)]
             configs = self.configs(item.name)
         else:
-            plan = [(item.path.relative_to(self.root), "the config", True),
-                    (Path("recipes") / f"{item.recipe}.py", "the recipe its launch command runs", False)]
+            plan = [
+                (item.path.relative_to(self.root), "the config", True),
+                (Path("recipes") / f"{item.recipe}.py", "the recipe its launch command runs", False),
+            ]
             configs = [item]
         for config in configs:
             if isinstance(item, Recipe):
@@ -309,11 +336,16 @@ class Catalog:
         if dest.exists() and not dest.is_dir():
             raise UserError(f"{dest} is a file: give a folder to copy into (or a .py/.yaml path for one file)")
         plan = self.copy_plan(item)
-        conflicts = [path for path, _, primary in plan
-                     if primary and (dest / path).exists() and not filecmp.cmp(self.root / path, dest / path, shallow=False)]
+        conflicts = [
+            path
+            for path, _, primary in plan
+            if primary and (dest / path).exists() and not filecmp.cmp(self.root / path, dest / path, shallow=False)
+        ]
         if conflicts and not force:
-            raise UserError(f"{', '.join(str(dest / path) for path in conflicts)} exists and differs from the packaged "
-                            "file: pass --force to overwrite it, or copy into another folder (nothing was copied)")
+            raise UserError(
+                f"{', '.join(str(dest / path) for path in conflicts)} exists and differs from the packaged "
+                "file: pass --force to overwrite it, or copy into another folder (nothing was copied)"
+            )
         report = [f"into {dest}/:"]
         for path, why, primary in plan:
             target = dest / path
@@ -339,11 +371,15 @@ class Catalog:
         if isinstance(item, RecipeConfig):
             needs = self.needs(item)
             if needs:
-                report.append("it names these files, relative to the folder you launch from (copy them too with "
-                              f"`fsdp-recipes cp {item.key} FOLDER`, or edit the paths):")
+                report.append(
+                    "it names these files, relative to the folder you launch from (copy them too with "
+                    f"`fsdp-recipes cp {item.key} FOLDER`, or edit the paths):"
+                )
                 report += [f"  {path}  (packaged at {self.root / path})" for path, _ in needs]
-            report.append(f"its launch command runs recipes/{item.recipe}.py and passes --config "
-                          f"{item.path.relative_to(self.root)}: adjust both to where your copies are")
+            report.append(
+                f"its launch command runs recipes/{item.recipe}.py and passes --config "
+                f"{item.path.relative_to(self.root)}: adjust both to where your copies are"
+            )
         return report
 
     def _how_to_run(self, item: Recipe | RecipeConfig, dest: Path) -> list[str]:
@@ -351,12 +387,26 @@ class Catalog:
         if config is None or config.launch is None or config.launch.accelerate_config is None:
             return []
         launch = config.launch
-        command = shlex.join(["accelerate", "launch", "--config_file", launch.accelerate_config,
-                              *_flags(launch.overrides), launch.script, *launch.script_args])
-        lines = [f"run from {dest}/ (the recipe imports fsdp_recipes: keep the package installed), e.g.:",
-                 f"  cd {dest} && {command}"]
-        hub = [str(config.values[key]) for key in ("model_name_or_path", "tokenizer_name_or_path", "dataset_name")
-               if isinstance(config.values.get(key), str) and not (self.root / config.values[key]).exists()]
+        command = shlex.join(
+            [
+                "accelerate",
+                "launch",
+                "--config_file",
+                launch.accelerate_config,
+                *_flags(launch.overrides),
+                launch.script,
+                *launch.script_args,
+            ]
+        )
+        lines = [
+            f"run from {dest}/ (the recipe imports fsdp_recipes: keep the package installed), e.g.:",
+            f"  cd {dest} && {command}",
+        ]
+        hub = [
+            str(config.values[key])
+            for key in ("model_name_or_path", "tokenizer_name_or_path", "dataset_name")
+            if isinstance(config.values.get(key), str) and not (self.root / config.values[key]).exists()
+        ]
         if isinstance(item, RecipeConfig) and hub:
             lines.append(f"fetched from the Hub at run time (gated models need `hf auth login`): {', '.join(hub)}")
         return lines
@@ -409,9 +459,13 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
             lines += format_table(rows).splitlines()
     if not lines:
         return [f"no recipe or config name contains {text!r}"]
-    lines += ["", "Estimates: parameters, gradients, AdamW state, activations of one micro-batch and FSDP buffers on the "
-              "most loaded GPU, 10% kept free (docs/memory-estimator.md), with the frozen model copy a recipe keeps "
-              "(a DPO reference).", "Copy one to adapt it: fsdp-recipes cp RECIPE_OR_CONFIG FOLDER"]
+    lines += [
+        "",
+        "Estimates: parameters, gradients, AdamW state, activations of one micro-batch and FSDP buffers on the "
+        "most loaded GPU, 10% kept free (docs/memory-estimator.md), with the frozen model copy a recipe keeps "
+        "(a DPO reference).",
+        "Copy one to adapt it: fsdp-recipes cp RECIPE_OR_CONFIG FOLDER",
+    ]
     if notes:
         lines += ["", "Not estimated:"] + [f"  {note}" for note in notes]
     return lines[1:]

@@ -58,11 +58,17 @@ def configs_command(parser: argparse.ArgumentParser) -> Runner:
 @subcommand("validate-config", help="report what is wrong with an Accelerate YAML, and how to fix it")
 def validate_config_command(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("config_file", type=Path, metavar="FILE", help="an Accelerate config YAML")
-    parser.add_argument("--model", metavar="NAME_OR_PATH_OR_CONFIG",
-                        help="also check wrap classes and tied embeddings against this model (Hub id, folder, config.json)")
+    parser.add_argument(
+        "--model",
+        metavar="NAME_OR_PATH_OR_CONFIG",
+        help="also check wrap classes and tied embeddings against this model (Hub id, folder, config.json)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--print-env", action="store_true",
-                        help="also print the FSDP_*/ACCELERATE_* variables `accelerate launch` would export (for torchrun)")
+    parser.add_argument(
+        "--print-env",
+        action="store_true",
+        help="also print the FSDP_*/ACCELERATE_* variables `accelerate launch` would export (for torchrun)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from fsdp_recipes.distributed.launch_checks import ERROR, exported_environment
@@ -95,21 +101,35 @@ def estimate_command(parser: argparse.ArgumentParser) -> Runner:
 
 @subcommand("export", help="turn a training checkpoint into a Hugging Face model folder, on one CPU process")
 def export_command(parser: argparse.ArgumentParser) -> Runner:
-    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
-                        help="a checkpoints/step-* folder (or OUTPUT_DIR/checkpoints/latest's target)")
+    parser.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="a checkpoints/step-* folder (or OUTPUT_DIR/checkpoints/latest's target)",
+    )
     parser.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR", help="an empty or new folder")
-    parser.add_argument("--max-shard-size", type=parse_bytes, default="5GB",
-                        help="largest safetensors file to write, e.g. 5GB, 500MB (RAM use is about one file)")
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_bytes,
+        default="5GB",
+        help="largest safetensors file to write, e.g. 5GB, 500MB (RAM use is about one file)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUTPUT_DIR")
-    parser.add_argument("--merged", action="store_true",
-                        help="LoRA checkpoints: also write OUTPUT_DIR/merged, the base with the adapter merged in (loads "
-                        "the base model named in the checkpoint's recipe config)")
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="LoRA checkpoints: also write OUTPUT_DIR/merged, the base with the adapter merged in (loads "
+        "the base model named in the checkpoint's recipe config)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from fsdp_recipes.publish.checkpoint_export import export_checkpoint
 
         folder = export_checkpoint(
-            args.checkpoint, args.output_dir, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+            args.checkpoint,
+            args.output_dir,
+            max_shard_bytes=args.max_shard_size,
+            overwrite=args.overwrite,
             merged=args.merged,
         )
         print(f"exported {args.checkpoint} to {folder}")
@@ -121,9 +141,12 @@ def export_command(parser: argparse.ArgumentParser) -> Runner:
 @subcommand("ls", help="every recipe and config: model, Accelerate config, estimated memory per GPU")
 def ls_command(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("text", nargs="?", help="only recipes and configs whose names contain this text")
-    parser.add_argument("--check", action="store_true",
-                        help="also check each config as the tests do (its launch command, the Accelerate config with "
-                        "the linter, the model's wrap classes, the memory estimate); exit 1 on a problem")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also check each config as the tests do (its launch command, the Accelerate config with "
+        "the linter, the model's wrap classes, the memory estimate); exit 1 on a problem",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from fsdp_recipes.tools.catalog import Catalog, listing
@@ -132,8 +155,12 @@ def ls_command(parser: argparse.ArgumentParser) -> Runner:
         print("\n".join(listing(catalog, args.text)))
         if not args.check:
             return 0
-        problems = [f"{config.key}: {problem}" for config in catalog.configs()
-                    if not args.text or args.text in config.key for problem in catalog.problems(config)]
+        problems = [
+            f"{config.key}: {problem}"
+            for config in catalog.configs()
+            if not args.text or args.text in config.key
+            for problem in catalog.problems(config)
+        ]
         print("\n" + ("\n".join(problems) if problems else "every config passes its checks"))
         return 1 if problems else 0
 
@@ -142,12 +169,19 @@ def ls_command(parser: argparse.ArgumentParser) -> Runner:
 
 @subcommand("cp", help="copy a recipe or a config, with what it needs, to adapt it")
 def cp_command(parser: argparse.ArgumentParser) -> Runner:
-    parser.add_argument("name", metavar="NAME",
-                        help="a recipe (sft: the script and all its configs) or a config (sft/demo_reverse, or "
-                        "demo_reverse: the config, its recipe and the files it names)")
-    parser.add_argument("dest", type=Path, metavar="DEST",
-                        help="a folder (files keep their relative paths, so the commands in them run from there), or a "
-                        ".py/.yaml path to copy only the recipe or config itself")
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        help="a recipe (sft: the script and all its configs) or a config (sft/demo_reverse, or "
+        "demo_reverse: the config, its recipe and the files it names)",
+    )
+    parser.add_argument(
+        "dest",
+        type=Path,
+        metavar="DEST",
+        help="a folder (files keep their relative paths, so the commands in them run from there), or a "
+        ".py/.yaml path to copy only the recipe or config itself",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite copied files that exist and differ")
 
     def run(args: argparse.Namespace) -> int:

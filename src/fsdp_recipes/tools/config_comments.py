@@ -65,11 +65,16 @@ def parse_launch_command(comment: list[str], *, where: str) -> LaunchCommand | N
         with contextlib.redirect_stderr(io.StringIO()) as stderr:
             args = parser.parse_args(tokens[2:])
     except SystemExit:
-        raise ConfigError(f"{where}: the launch command in its opening comment is not one accelerate launch "
-                          f"accepts ({stderr.getvalue().strip().splitlines()[-1]})") from None
-    written = {token.split("=")[0] for token in tokens[2:tokens.index(args.training_script)]}
-    overrides = {action.dest: getattr(args, action.dest) for action in parser._actions
-                 if written & set(action.option_strings) and action.dest != "config_file"}
+        raise ConfigError(
+            f"{where}: the launch command in its opening comment is not one accelerate launch "
+            f"accepts ({stderr.getvalue().strip().splitlines()[-1]})"
+        ) from None
+    written = {token.split("=")[0] for token in tokens[2 : tokens.index(args.training_script)]}
+    overrides = {
+        action.dest: getattr(args, action.dest)
+        for action in parser._actions
+        if written & set(action.option_strings) and action.dest != "config_file"
+    }
     return LaunchCommand(args.config_file, overrides, args.training_script, list(args.training_script_args))
 
 

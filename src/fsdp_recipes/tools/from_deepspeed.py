@@ -145,8 +145,10 @@ def load_deepspeed_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}): "
-                          "fix the file (a DeepSpeed config is one JSON object)") from None
+        raise ConfigError(
+            f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}): "
+            "fix the file (a DeepSpeed config is one JSON object)"
+        ) from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not the object of settings DeepSpeed reads")
     return config
@@ -185,7 +187,7 @@ def _as_int(value: Any, key: str) -> int | None:
     if value is None or value == AUTO:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 0:
-        raise ConfigError(f"{key} is {value!r}: expected a whole number or \"auto\"")
+        raise ConfigError(f'{key} is {value!r}: expected a whole number or "auto"')
     return int(value)
 
 
@@ -205,19 +207,27 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         if num_processes is None:
             num_processes, remainder = divmod(total, micro * accumulation)
             if remainder or num_processes < 1:
-                problems.append(f"train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu {micro} "
-                                f"x gradient_accumulation_steps {accumulation}")
+                problems.append(
+                    f"train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu {micro} "
+                    f"x gradient_accumulation_steps {accumulation}"
+                )
             else:
-                mapped.append(f"train_batch_size {total} = {micro} x {accumulation} x {num_processes} processes -> "
-                              f"num_processes: {num_processes}")
+                mapped.append(
+                    f"train_batch_size {total} = {micro} x {accumulation} x {num_processes} processes -> "
+                    f"num_processes: {num_processes}"
+                )
         elif micro * accumulation * num_processes != total:
-            problems.append(f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
-                            f"gradient_accumulation_steps {accumulation} x {num_processes} processes: fix the file, "
-                            "or pass the --num-processes it was written for")
+            problems.append(
+                f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+                f"gradient_accumulation_steps {accumulation} x {num_processes} processes: fix the file, "
+                "or pass the --num-processes it was written for"
+            )
     if num_processes is None:
         num_processes = 8 * num_machines
-        auto.append(f"the number of processes is not in the file: assumed 8 per node ({num_processes}); pass "
-                    "--num-processes (the global count) to choose")
+        auto.append(
+            f"the number of processes is not in the file: assumed 8 per node ({num_processes}); pass "
+            "--num-processes (the global count) to choose"
+        )
     if total is not None and (micro is None) != (accumulation is None):
         known = micro if micro is not None else accumulation
         rest, remainder = divmod(total, known * num_processes)
@@ -225,14 +235,20 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
             problems.append(f"train_batch_size {total} is not a multiple of {known} x {num_processes} processes")
         elif micro is None:
             micro = rest
-            mapped.append(f"train_batch_size {total} / ({accumulation} x {num_processes} processes) -> "
-                          f"per_device_train_batch_size: {micro}")
+            mapped.append(
+                f"train_batch_size {total} / ({accumulation} x {num_processes} processes) -> "
+                f"per_device_train_batch_size: {micro}"
+            )
         else:
             accumulation = rest
-            mapped.append(f"train_batch_size {total} / ({micro} x {num_processes} processes) -> "
-                          f"gradient_accumulation_steps: {accumulation}")
-    for key, field, value in (("train_micro_batch_size_per_gpu", "per_device_train_batch_size", micro),
-                              ("gradient_accumulation_steps", "gradient_accumulation_steps", accumulation)):
+            mapped.append(
+                f"train_batch_size {total} / ({micro} x {num_processes} processes) -> "
+                f"gradient_accumulation_steps: {accumulation}"
+            )
+    for key, field, value in (
+        ("train_micro_batch_size_per_gpu", "per_device_train_batch_size", micro),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps", accumulation),
+    ):
         if value is not None:
             fields[field] = value
             if ds.has(key) and ds.get(key) != AUTO:
@@ -240,8 +256,10 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         elif ds.get(key) == AUTO:
             auto.append(f"{key} is auto: keep the recipe config's {field}")
     if ds.get("train_batch_size") == AUTO:
-        auto.append("train_batch_size is auto: the recipe's global batch is per_device_train_batch_size x processes x "
-                    "gradient_accumulation_steps")
+        auto.append(
+            "train_batch_size is auto: the recipe's global batch is per_device_train_batch_size x processes x "
+            "gradient_accumulation_steps"
+        )
 
     # --- sharding: the ZeRO stage -------------------------------------------------------------------------------
     stage = ds.get("zero_optimization.stage", 0)
@@ -249,14 +267,20 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         raise ConfigError(f"zero_optimization.stage is {stage!r}: DeepSpeed has stages 0, 1, 2 and 3")
     sharding = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}[stage]
     if stage == 0:
-        mapped.append("zero_optimization.stage 0 (plain data parallelism) -> NO_SHARD: DDP (distributed_type MULTI_GPU)")
+        mapped.append(
+            "zero_optimization.stage 0 (plain data parallelism) -> NO_SHARD: DDP (distributed_type MULTI_GPU)"
+        )
     elif stage == 1:
-        approximated.append("zero_optimization.stage 1 -> SHARD_GRAD_OP (fsdp_reshard_after_forward: false): FSDP has "
-                            "no optimizer-only sharding; SHARD_GRAD_OP also shards gradients and, between steps, "
-                            "parameters, so each rank holds less than under ZeRO-1, for one parameter all-gather per step")
+        approximated.append(
+            "zero_optimization.stage 1 -> SHARD_GRAD_OP (fsdp_reshard_after_forward: false): FSDP has "
+            "no optimizer-only sharding; SHARD_GRAD_OP also shards gradients and, between steps, "
+            "parameters, so each rank holds less than under ZeRO-1, for one parameter all-gather per step"
+        )
     elif stage == 2:
-        mapped.append("zero_optimization.stage 2 -> SHARD_GRAD_OP (fsdp_reshard_after_forward: false): parameters "
-                      "stay gathered from forward to backward; gradients and optimizer state sharded")
+        mapped.append(
+            "zero_optimization.stage 2 -> SHARD_GRAD_OP (fsdp_reshard_after_forward: false): parameters "
+            "stay gathered from forward to backward; gradients and optimizer state sharded"
+        )
     else:
         mapped.append("zero_optimization.stage 3 -> FULL_SHARD (fsdp_reshard_after_forward: true)")
     replicate = None
@@ -267,15 +291,20 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         elif mics >= num_processes:
             mapped.append(f"zero_optimization.mics_shard_size {mics} (all {num_processes} processes) -> FULL_SHARD")
         elif num_processes % mics or mics < 2:
-            problems.append(f"zero_optimization.mics_shard_size {mics} must be >= 2 and divide the {num_processes} "
-                            "processes (HSDP shards each replica over that many)")
+            problems.append(
+                f"zero_optimization.mics_shard_size {mics} must be >= 2 and divide the {num_processes} "
+                "processes (HSDP shards each replica over that many)"
+            )
         else:
             sharding, replicate = "HYBRID_SHARD", num_processes // mics
-            mapped.append(f"zero_optimization.mics_shard_size {mics} -> HSDP: {replicate} replicas x {mics} shards "
-                          "(parallelism_config)")
+            mapped.append(
+                f"zero_optimization.mics_shard_size {mics} -> HSDP: {replicate} replicas x {mics} shards "
+                "(parallelism_config)"
+            )
     if sharding != "NO_SHARD" and num_processes < 2:
-        problems.append(f"ZeRO stage {stage} shards over processes, but the launch has {num_processes}: "
-                        "pass --num-processes >= 2")
+        problems.append(
+            f"ZeRO stage {stage} shards over processes, but the launch has {num_processes}: pass --num-processes >= 2"
+        )
 
     # --- offload ---------------------------------------------------------------------------------------------
     offload = False
@@ -285,11 +314,13 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
             continue
         key = f"zero_optimization.{part}.device"
         if device == "nvme":
-            raise ConfigError(f"{key} is nvme: FSDP2 offloads to CPU memory only (fsdp_offload_params). Use device "
-                              "\"cpu\" if the host has the memory (16 bytes per parameter over the node), or shard over "
-                              "more GPUs instead")
+            raise ConfigError(
+                f"{key} is nvme: FSDP2 offloads to CPU memory only (fsdp_offload_params). Use device "
+                '"cpu" if the host has the memory (16 bytes per parameter over the node), or shard over '
+                "more GPUs instead"
+            )
         if device != "cpu":
-            raise ConfigError(f"{key} is {device!r}: DeepSpeed offloads to \"cpu\", \"nvme\" or \"none\"")
+            raise ConfigError(f'{key} is {device!r}: DeepSpeed offloads to "cpu", "nvme" or "none"')
         if part == "offload_param" and stage != 3:
             not_carried.append(f"{key}: parameter offload needs ZeRO stage 3 (DeepSpeed ignores it here)")
             continue
@@ -299,16 +330,23 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         offload = True
         ratio = ds.get("zero_optimization.offload_optimizer.ratio", 1) if part == "offload_optimizer" else 1
         if ratio != 1:
-            not_carried.append(f"zero_optimization.offload_optimizer.ratio {ratio}: FSDP2 offloads all of the optimizer "
-                               "state or none of it")
+            not_carried.append(
+                f"zero_optimization.offload_optimizer.ratio {ratio}: FSDP2 offloads all of the optimizer "
+                "state or none of it"
+            )
     if offload:
-        keys = " and ".join(f"zero_optimization.{part}.device" for part in ("offload_param", "offload_optimizer")
-                            if ds.get(f"zero_optimization.{part}.device") == "cpu")
+        keys = " and ".join(
+            f"zero_optimization.{part}.device"
+            for part in ("offload_param", "offload_optimizer")
+            if ds.get(f"zero_optimization.{part}.device") == "cpu"
+        )
         if ds.get("zero_optimization.offload_param.device") == "cpu":
             mapped.append(f"{keys} cpu -> fsdp_offload_params: true")
         else:
-            approximated.append(f"{keys} cpu -> fsdp_offload_params: true: FSDP2 offloads parameters and gradients "
-                                "with the optimizer state (less GPU memory than ZeRO-Offload, more host traffic)")
+            approximated.append(
+                f"{keys} cpu -> fsdp_offload_params: true: FSDP2 offloads parameters and gradients "
+                "with the optimizer state (less GPU memory than ZeRO-Offload, more host traffic)"
+            )
 
     # --- precision and loss scaling ------------------------------------------------------------------------------
     bf16_key = "bfloat16" if ds.has("bfloat16.enabled") else "bf16"  # DeepSpeed's older name for the section
@@ -317,29 +355,40 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         raise ConfigError("fp16.enabled and bf16.enabled are both true: DeepSpeed refuses that too; enable one")
     if AUTO in (fp16, bf16) and True not in (fp16, bf16):
         precision = "bf16"
-        auto.append("fp16.enabled / bf16.enabled are auto: written as mixed_precision bf16 (the Trainer would take it "
-                    "from --bf16 / --fp16); on GPUs without bf16 (V100, T4) use fp16 (accelerate_configs/"
-                    "fsdp_8gpu_fp16.yaml)")
+        auto.append(
+            "fp16.enabled / bf16.enabled are auto: written as mixed_precision bf16 (the Trainer would take it "
+            "from --bf16 / --fp16); on GPUs without bf16 (V100, T4) use fp16 (accelerate_configs/"
+            "fsdp_8gpu_fp16.yaml)"
+        )
     else:
         precision = "fp16" if fp16 is True else "bf16" if bf16 is True else "no"
-        mapped.append(f"{'fp16' if fp16 is True else bf16_key}.enabled true -> mixed_precision: {precision}"
-                      if precision != "no" else "fp16.enabled / bf16.enabled not true -> mixed_precision: no (fp32)")
+        mapped.append(
+            f"{'fp16' if fp16 is True else bf16_key}.enabled true -> mixed_precision: {precision}"
+            if precision != "no"
+            else "fp16.enabled / bf16.enabled not true -> mixed_precision: no (fp32)"
+        )
     if precision == "fp16":
         scale = ds.get("fp16.loss_scale", 0)
         if scale not in (0, AUTO):
-            not_carried.append(f"fp16.loss_scale {scale}: a static loss scale; accelerate's gradient scaler is "
-                               "dynamic (it starts at 2**16 and adapts)")
+            not_carried.append(
+                f"fp16.loss_scale {scale}: a static loss scale; accelerate's gradient scaler is "
+                "dynamic (it starts at 2**16 and adapts)"
+            )
         else:
             mapped.append("fp16.loss_scale 0 (dynamic) -> accelerate's dynamic gradient scaler, added for fp16")
         power = ds.get("fp16.initial_scale_power", 16)
         if power not in (16, AUTO):
-            not_carried.append(f"fp16.initial_scale_power {power}: accelerate's scaler starts at 2**16; another start "
-                               f"needs GradScalerKwargs(init_scale=2**{power}) in the recipe's Accelerator")
+            not_carried.append(
+                f"fp16.initial_scale_power {power}: accelerate's scaler starts at 2**16; another start "
+                f"needs GradScalerKwargs(init_scale=2**{power}) in the recipe's Accelerator"
+            )
         window = ds.get("fp16.loss_scale_window")
         if window not in (None, AUTO):
-            not_carried.append(f"fp16.loss_scale_window {window}: accelerate's scaler doubles the scale after 2000 "
-                               "steps without overflow; another window needs GradScalerKwargs(growth_interval=...) in "
-                               "the recipe's Accelerator")
+            not_carried.append(
+                f"fp16.loss_scale_window {window}: accelerate's scaler doubles the scale after 2000 "
+                "steps without overflow; another window needs GradScalerKwargs(growth_interval=...) in "
+                "the recipe's Accelerator"
+            )
     else:
         ignored = [path for path in ds.leaves if path.startswith("fp16.") and path not in ds.used]
         if ignored:
@@ -351,8 +400,10 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         if str(dtype) in compute:
             mapped.append(f"communication_data_type {dtype}: FSDP reduces gradients in the compute dtype already")
         else:
-            not_carried.append(f"communication_data_type {dtype}: FSDP2 under accelerate reduces gradients in the "
-                               "compute dtype; another needs a MixedPrecisionPolicy(reduce_dtype=...) in code")
+            not_carried.append(
+                f"communication_data_type {dtype}: FSDP2 under accelerate reduces gradients in the "
+                "compute dtype; another needs a MixedPrecisionPolicy(reduce_dtype=...) in code"
+            )
 
     # --- optimizer and schedule --------------------------------------------------------------------------------
     clip = ds.get("gradient_clipping")
@@ -364,13 +415,19 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
     optimizer = ds.get("optimizer.type")
     if optimizer is not None:
         if str(optimizer).lower() not in ("adam", "adamw"):
-            not_carried.append(f"optimizer.type {optimizer}: the recipes train with torch AdamW; another optimizer "
-                               "means editing training.build_optimizer in a copy")
+            not_carried.append(
+                f"optimizer.type {optimizer}: the recipes train with torch AdamW; another optimizer "
+                "means editing training.build_optimizer in a copy"
+            )
         elif ds.get("optimizer.params.adam_w_mode", True) is False and str(optimizer).lower() == "adam":
-            not_carried.append("optimizer.params.adam_w_mode false: Adam with L2 regularisation; the recipes use "
-                               "AdamW's decoupled weight decay")
+            not_carried.append(
+                "optimizer.params.adam_w_mode false: Adam with L2 regularisation; the recipes use "
+                "AdamW's decoupled weight decay"
+            )
         else:
-            mapped.append(f"optimizer.type {optimizer} -> AdamW (torch; optim: adamw_torch, or adamw_torch_fused on GPU)")
+            mapped.append(
+                f"optimizer.type {optimizer} -> AdamW (torch; optim: adamw_torch, or adamw_torch_fused on GPU)"
+            )
         params = {"lr": "learning_rate", "eps": "adam_epsilon", "weight_decay": "weight_decay"}
         for key, field in params.items():
             value = ds.get(f"optimizer.params.{key}")
@@ -420,23 +477,31 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         layout = LaunchLayout.data_parallel(num_processes, num_machines, precision)
     else:
         layout = LaunchLayout(
-            world_size=num_processes, num_machines=num_machines, distributed_type="FSDP", fsdp_version=2,
+            world_size=num_processes,
+            num_machines=num_machines,
+            distributed_type="FSDP",
+            fsdp_version=2,
             reshard_after_forward=sharding != "SHARD_GRAD_OP",
-            shard_size=num_processes // replicate if replicate else num_processes, cpu_offload=offload,
-            mixed_precision=precision, wrap_policy="TRANSFORMER_BASED_WRAP",
+            shard_size=num_processes // replicate if replicate else num_processes,
+            cpu_offload=offload,
+            mixed_precision=precision,
+            wrap_policy="TRANSFORMER_BASED_WRAP",
         )
     return Translation(layout, fields, mapped, approximated, not_carried, auto)
 
 
-def _translate_scheduler(ds: _Reader, fields: dict, mapped: list, approximated: list, not_carried: list,
-                         auto: list) -> None:
+def _translate_scheduler(
+    ds: _Reader, fields: dict, mapped: list, approximated: list, not_carried: list, auto: list
+) -> None:
     kind = ds.get("scheduler.type")
     if kind is None:
         return
     schedules = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
     if kind not in schedules:
-        not_carried.append(f"scheduler.type {kind}: the recipes take transformers schedules (lr_scheduler_type) with a "
-                           "linear warm-up; WarmupLR, WarmupDecayLR and WarmupCosineLR have counterparts")
+        not_carried.append(
+            f"scheduler.type {kind}: the recipes take transformers schedules (lr_scheduler_type) with a "
+            "linear warm-up; WarmupLR, WarmupDecayLR and WarmupCosineLR have counterparts"
+        )
         params = [path for path in ds.leaves if path.startswith("scheduler.params.")]
         if params:
             not_carried.append(f"{', '.join(params)}: settings of {kind}")
@@ -456,8 +521,10 @@ def _translate_scheduler(ds: _Reader, fields: dict, mapped: list, approximated: 
         auto.append("scheduler.params.warmup_max_lr is auto: keep the recipe config's learning_rate")
     elif peak is not None:
         if fields.get("learning_rate", float(peak)) != float(peak):
-            not_carried.append(f"scheduler.params.warmup_max_lr {peak}: differs from optimizer.params.lr; the recipe "
-                               "warms up to learning_rate")
+            not_carried.append(
+                f"scheduler.params.warmup_max_lr {peak}: differs from optimizer.params.lr; the recipe "
+                "warms up to learning_rate"
+            )
         else:
             fields["learning_rate"] = float(peak)
             mapped.append(f"scheduler.params.warmup_max_lr {peak} -> learning_rate: {float(peak)}")
@@ -466,13 +533,16 @@ def _translate_scheduler(ds: _Reader, fields: dict, mapped: list, approximated: 
         if value == AUTO:
             auto.append(f"scheduler.params.{key} is auto: the recipe's schedules start the warm-up at 0")
         elif value not in (None, 0, 0.0):
-            approximated.append(f"scheduler.params.{key} {value}: the recipe's schedules start the warm-up at 0 and "
-                                "decay to 0")
+            approximated.append(
+                f"scheduler.params.{key} {value}: the recipe's schedules start the warm-up at 0 and decay to 0"
+            )
     warmup_type = ds.get("scheduler.params.warmup_type", "log")
     if warmup_type != "linear":
-        approximated.append(f"scheduler.params.warmup_type {warmup_type}"
-                            f"{' (DeepSpeed default)' if not ds.has('scheduler.params.warmup_type') else ''}: the "
-                            "recipe warms up linearly")
+        approximated.append(
+            f"scheduler.params.warmup_type {warmup_type}"
+            f"{' (DeepSpeed default)' if not ds.has('scheduler.params.warmup_type') else ''}: the "
+            "recipe warms up linearly"
+        )
 
 
 def render(translation: Translation, *, output: Path, source: Path) -> str:
@@ -493,8 +563,11 @@ def render(translation: Translation, *, output: Path, source: Path) -> str:
     if translation.recipe_fields:
         header.append("# Set in the recipe config (FSDP settings stay here; these are the recipe's):")
         header += [f"#   {line}" for line in recipe_fields_yaml(translation.recipe_fields).splitlines()]
-    for title, items in (("Approximated", translation.approximated), ("'auto' values", translation.auto),
-                         ("Not carried over (no FSDP equivalent)", translation.not_carried)):
+    for title, items in (
+        ("Approximated", translation.approximated),
+        ("'auto' values", translation.auto),
+        ("Not carried over (no FSDP equivalent)", translation.not_carried),
+    ):
         if items:
             header.append(f"# {title}:")
             header += [f"#   - {item}" for item in items]
@@ -508,10 +581,15 @@ def recipe_fields_yaml(fields: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ds_config", type=Path, metavar="DS_CONFIG", help="a DeepSpeed config JSON")
-    parser.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
-                        help="the Accelerate config YAML to write")
-    parser.add_argument("--num-processes", type=int, metavar="N",
-                        help="processes over all nodes (default: from train_batch_size, else 8 per node)")
+    parser.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="FILE", help="the Accelerate config YAML to write"
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        metavar="N",
+        help="processes over all nodes (default: from train_batch_size, else 8 per node)",
+    )
     parser.add_argument("--num-machines", type=int, default=1, metavar="M", help="nodes (default 1)")
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
 
@@ -520,12 +598,15 @@ def run(args: argparse.Namespace) -> int:
     if args.num_machines < 1 or (args.num_processes is not None and args.num_processes < 1):
         raise ConfigError("--num-processes and --num-machines must be >= 1")
     if args.num_processes is not None and args.num_processes % args.num_machines:
-        raise ConfigError(f"--num-processes {args.num_processes} is the global count: it must be a multiple of "
-                          f"--num-machines {args.num_machines}")
+        raise ConfigError(
+            f"--num-processes {args.num_processes} is the global count: it must be a multiple of "
+            f"--num-machines {args.num_machines}"
+        )
     if args.output.exists() and not args.force:
         raise UserError(f"{args.output} exists: pass --force to overwrite it, or choose another -o")
-    translation = translate(load_deepspeed_config(args.ds_config), num_processes=args.num_processes,
-                            num_machines=args.num_machines)
+    translation = translate(
+        load_deepspeed_config(args.ds_config), num_processes=args.num_processes, num_machines=args.num_machines
+    )
     layout = translation.layout
     if layout.world_size % layout.num_machines:
         raise ConfigError(f"{layout.world_size} processes do not split evenly over {layout.num_machines} machines")
@@ -533,8 +614,12 @@ def run(args: argparse.Namespace) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     print(f"wrote {args.output}: {describe_hardware(layout)}")
-    for title, items in (("mapped", translation.mapped), ("approximated", translation.approximated),
-                         ("'auto' values", translation.auto), ("not carried over", translation.not_carried)):
+    for title, items in (
+        ("mapped", translation.mapped),
+        ("approximated", translation.approximated),
+        ("'auto' values", translation.auto),
+        ("not carried over", translation.not_carried),
+    ):
         if items:
             print(f"\n{title}:")
             print("\n".join(f"  - {item}" for item in items))

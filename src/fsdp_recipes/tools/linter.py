@@ -32,8 +32,9 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
     if str(raw.get("distributed_type")) != "FSDP":
         return []
     is_config_file = Path(model).is_file()
-    config = load_model_config(None if is_config_file else model, model if is_config_file else None,
-                               trust_remote_code=trust_remote_code)
+    config = load_model_config(
+        None if is_config_file else model, model if is_config_file else None, trust_remote_code=trust_remote_code
+    )
     with torch.device("meta"):
         instance = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     present = {type(module).__name__ for module in instance.modules()}
@@ -45,26 +46,36 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
         missing = [name for name in requested if name not in present]
         if missing:
             fix = f"set it to {', '.join(no_split)}" if no_split else "set it to the model's decoder layer class"
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                f"{', '.join(missing)} not in this {config.model_type} model; {fix}, or remove the key to use the "
-                "model's _no_split_modules",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                    f"{', '.join(missing)} not in this {config.model_type} model; {fix}, or remove the key to use the "
+                    "model's _no_split_modules",
+                )
+            )
         absent = sorted(name for name in no_split if name not in present) if not requested else []
         if absent:  # accelerate wraps every class _no_split_modules names, and raises for one the model lacks
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                f"not set, so accelerate wraps the model's _no_split_modules, which name {', '.join(absent)}: not in "
-                f"this {config.model_type} model (accelerate raises); set it to "
-                f"{','.join(sorted(name for name in no_split if name in present))}",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                    f"not set, so accelerate wraps the model's _no_split_modules, which name {', '.join(absent)}: not in "
+                    f"this {config.model_type} model (accelerate raises); set it to "
+                    f"{','.join(sorted(name for name in no_split if name in present))}",
+                )
+            )
         if not requested and not no_split:
-            findings.append(Finding(
-                ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                f"not set and {config.model_type} models declare no _no_split_modules: name the decoder layer class",
-            ))
+            findings.append(
+                Finding(
+                    ERROR,
+                    "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                    f"not set and {config.model_type} models declare no _no_split_modules: name the decoder layer class",
+                )
+            )
     findings += _tied_embedding_findings(instance, policy, requested)
     return findings
+
 
 def _tied_embedding_findings(model, policy: str, requested: list[str]) -> list[Finding]:
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
@@ -74,19 +85,26 @@ def _tied_embedding_findings(model, policy: str, requested: list[str]) -> list[F
     # embedding or the output head in a unit of its own splits it.
     split_classes = {type(inputs).__name__, type(outputs).__name__} & set(requested)
     if policy == "TRANSFORMER_BASED_WRAP" and split_classes:
-        return [Finding(
-            ERROR, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-            f"wraps {', '.join(sorted(split_classes))}, but the input embedding and the output head share one weight "
-            "(tie_word_embeddings): wrapping either on its own splits it between FSDP units; wrap only the decoder "
-            "layer class",
-        )]
+        return [
+            Finding(
+                ERROR,
+                "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+                f"wraps {', '.join(sorted(split_classes))}, but the input embedding and the output head share one weight "
+                "(tie_word_embeddings): wrapping either on its own splits it between FSDP units; wrap only the decoder "
+                "layer class",
+            )
+        ]
     if policy == "SIZE_BASED_WRAP":
-        return [Finding(
-            WARNING, "fsdp_config.fsdp_auto_wrap_policy",
-            "SIZE_BASED_WRAP with tied embeddings (tie_word_embeddings): the size policy can put the embedding and the "
-            "output head in different FSDP units; use TRANSFORMER_BASED_WRAP, which leaves both in the root unit",
-        )]
+        return [
+            Finding(
+                WARNING,
+                "fsdp_config.fsdp_auto_wrap_policy",
+                "SIZE_BASED_WRAP with tied embeddings (tie_word_embeddings): the size policy can put the embedding and the "
+                "output head in different FSDP units; use TRANSFORMER_BASED_WRAP, which leaves both in the root unit",
+            )
+        ]
     return []
+
 
 # --- all of it ---------------------------------------------------------------------------------------------------
 def lint_config_file(path: str | Path, *, model: str | None = None, trust_remote_code: bool = False) -> list[Finding]:

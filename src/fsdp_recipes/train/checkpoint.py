@@ -34,9 +34,9 @@ from typing import Any
 from accelerate import Accelerator
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp_recipes.models.adapters import checkpoint_state_filter
 from fsdp_recipes.common.errors import ConfigError, DiskFullError
 from fsdp_recipes.common.faults import inject_fault
+from fsdp_recipes.models.adapters import checkpoint_state_filter
 from fsdp_recipes.train.cadence import Cadence
 
 CHECKPOINTS = "checkpoints"
@@ -67,12 +67,15 @@ class TrainingProgress:
         """Rows of the epoch already consumed by all ranks together: what survives a change of world size."""
         return self.batches_into_epoch * self.per_device_train_batch_size * self.world_size
 
-    def check_resumable(self, *, world_size: int, per_device_train_batch_size: int,
-                        gradient_accumulation_steps: int) -> None:
+    def check_resumable(
+        self, *, world_size: int, per_device_train_batch_size: int, gradient_accumulation_steps: int
+    ) -> None:
         """ConfigError unless this launch continues the same training: the same global batch (so the same schedule
         and a data position it can reproduce), whatever its split into processes unless the position is per rank."""
         if self.data_state_per_rank and (world_size, per_device_train_batch_size) != (
-                self.world_size, self.per_device_train_batch_size):
+            self.world_size,
+            self.per_device_train_batch_size,
+        ):
             raise ConfigError(
                 f"the checkpoint was written by {self.world_size} processes x {self.per_device_train_batch_size} rows, "
                 f"each process keeping its own position in its part of the data (its shards or documents, and the "
@@ -105,9 +108,20 @@ class Checkpointer:
     that `position()` gives at that moment, and each rank's own `rank_state()` if given. Save time is left out of the
     throughput figures (`pause`)."""
 
-    def __init__(self, accelerator: Accelerator, output_dir: str | Path, *, every: int | None, total_steps: int,
-                 save_total_limit: int | None, position, model_files_writer=None, pause=contextlib.nullcontext,
-                 rank_state=None, extra_files: dict[str, str] | None = None):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        output_dir: str | Path,
+        *,
+        every: int | None,
+        total_steps: int,
+        save_total_limit: int | None,
+        position,
+        model_files_writer=None,
+        pause=contextlib.nullcontext,
+        rank_state=None,
+        extra_files: dict[str, str] | None = None,
+    ):
         self.accelerator, self.output_dir = accelerator, output_dir
         self.cadence = Cadence(every, total_steps, at_last_step=every is not None)
         self.save_total_limit, self.position, self.model_files_writer = save_total_limit, position, model_files_writer
@@ -117,10 +131,15 @@ class Checkpointer:
         if not self.cadence.due(step):
             return None
         with self.pause():
-            return save_checkpoint(self.accelerator, self.output_dir, self.position(step),
-                                   save_total_limit=self.save_total_limit, model_files_writer=self.model_files_writer,
-                                   rank_state=self.rank_state() if self.rank_state else None,
-                                   extra_files=self.extra_files)
+            return save_checkpoint(
+                self.accelerator,
+                self.output_dir,
+                self.position(step),
+                save_total_limit=self.save_total_limit,
+                model_files_writer=self.model_files_writer,
+                rank_state=self.rank_state() if self.rank_state else None,
+                extra_files=self.extra_files,
+            )
 
 
 def checkpoint_name(step: int) -> str:
@@ -254,7 +273,8 @@ def _disk_full_error(accelerator: Accelerator, output_dir: str | Path, staging: 
         shutil.rmtree(staging, ignore_errors=True)
     resume = (
         f" {previous.name} is still the latest complete checkpoint: --resume_from_checkpoint latest continues from it."
-        if previous is not None else ""
+        if previous is not None
+        else ""
     )
     return DiskFullError(
         f"the disk is full: saving checkpoint {staging.name.removeprefix(_STAGING)} in {root} failed ({reason}). "
@@ -275,8 +295,16 @@ def _size(count: int) -> str:
     return f"{count} bytes"
 
 
-def write_model_files(folder: Path, *, model_config, generation_config, tokenizer, recipe_config: dict,
-                      accelerate_config: dict, run_info: dict) -> None:
+def write_model_files(
+    folder: Path,
+    *,
+    model_config,
+    generation_config,
+    tokenizer,
+    recipe_config: dict,
+    accelerate_config: dict,
+    run_info: dict,
+) -> None:
     """What an offline export needs besides the weights: the model folder minus weights, and the model card inputs."""
     folder.mkdir(parents=True, exist_ok=True)
     model_config.save_pretrained(folder)
@@ -404,13 +432,21 @@ def check_resume_config(config, saved: dict[str, Any], checkpoint: Path) -> dict
     def before(name):
         return saved.get(name, defaults.get(name))
 
-    fixed = [f"{name} {before(name)!r} in the checkpoint, {getattr(config, name)!r} now"
-             for name in config.resume_fixed_fields() if before(name) != getattr(config, name)]
+    fixed = [
+        f"{name} {before(name)!r} in the checkpoint, {getattr(config, name)!r} now"
+        for name in config.resume_fixed_fields()
+        if before(name) != getattr(config, name)
+    ]
     if fixed:
-        raise ConfigError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(fixed)}): resume with the "
-                          "settings that wrote it, or start a new run in a new output_dir")
-    changed = {name: [before(name), getattr(config, name)] for name in config.resume_sensitive_fields()
-               if before(name) != getattr(config, name)}
+        raise ConfigError(
+            f"{checkpoint} was trained with other LoRA settings ({'; '.join(fixed)}): resume with the "
+            "settings that wrote it, or start a new run in a new output_dir"
+        )
+    changed = {
+        name: [before(name), getattr(config, name)]
+        for name in config.resume_sensitive_fields()
+        if before(name) != getattr(config, name)
+    }
     refused = [name for name in changed if name not in (config.allow_config_change or [])]
     if refused:
         listed = "; ".join(f"{name}: {changed[name][0]!r} -> {changed[name][1]!r}" for name in refused)

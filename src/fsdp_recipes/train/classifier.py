@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from fsdp_recipes.train.checkpoint import saved_model_config_path
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.train.checkpoint import saved_model_config_path
 
 
 def configure(model_config, label_names: list[str], *, pad_token_id: int) -> None:
@@ -53,11 +53,12 @@ def head_module_names(model: torch.nn.Module) -> list[str]:
     """The modules outside the pretrained body (`score` for decoder classifiers, `classifier` for BERT-likes): newly
     initialised, and what LoRA must train in full (peft's `modules_to_save`)."""
     prefix = getattr(model, "base_model_prefix", None)
-    return [name for name, child in model.named_children()
-            if name != prefix and any(True for _ in child.parameters())]
+    return [name for name, child in model.named_children() if name != prefix and any(True for _ in child.parameters())]
 
 
-def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
+def loss_sum(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Sum over the batch of weight[label] x cross-entropy (weight 1 without class weights)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     weights = weights.to(logits.device) if weights is not None else None
@@ -82,8 +83,11 @@ def predict(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str,
     """Per example: the predicted class, the reference, and the (unweighted) cross-entropy, for
     `evaluation.MetricEvaluator`."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-    return {"predictions": logits.argmax(-1), "references": batch["labels"],
-            "loss": F.cross_entropy(logits, batch["labels"], reduction="none")}
+    return {
+        "predictions": logits.argmax(-1),
+        "references": batch["labels"],
+        "loss": F.cross_entropy(logits, batch["labels"], reduction="none"),
+    }
 
 
 def check_resumed_labels(checkpoint: Path, label_names: list[str]) -> None:
@@ -100,7 +104,11 @@ def check_resumed_labels(checkpoint: Path, label_names: list[str]) -> None:
 
 def per_class(metric, gathered: dict[str, list], label_names: list[str]) -> dict[str, float]:
     """A per-class score (e.g. the shipped `f1` with average=None) as {label name: value}, over gathered predictions."""
-    values = metric.compute(predictions=gathered["predictions"], references=gathered["references"], average=None,
-                            labels=list(range(len(label_names))))
+    values = metric.compute(
+        predictions=gathered["predictions"],
+        references=gathered["references"],
+        average=None,
+        labels=list(range(len(label_names))),
+    )
     (scores,) = values.values()
     return dict(zip(label_names, scores))

@@ -38,8 +38,7 @@ class RunConfig:
         default=None, metadata={"help": "Hub id or local folder of the tokenizer (null: model_name_or_path)"}
     )
     chat_template: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Jinja text or a path to a .jinja file; overrides the tokenizer's own"},
+        default=None, metadata={"help": "Jinja text or a path to a .jinja file; overrides the tokenizer's own"}
     )
     trust_remote_code: bool = dataclasses.field(
         default=False, metadata={"help": "runs Python code from the model repo: only for repos you trust"}
@@ -53,12 +52,9 @@ class RunConfig:
     )
     # --- data ---------------------------------------------------------------------------------------------------------
     dataset_name: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"},
+        default=None, metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"}
     )
-    dataset_config: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub dataset configuration name"}
-    )
+    dataset_config: str | None = dataclasses.field(default=None, metadata={"help": "Hub dataset configuration name"})
     max_length: int = dataclasses.field(
         default=1024, metadata={"help": "tokens per example: longer ones are truncated"}
     )
@@ -93,9 +89,7 @@ class RunConfig:
     # --- Hub ----------------------------------------------------------------------------------------------------------
     push_to_hub: bool = dataclasses.field(
         default=False,
-        metadata={
-            "help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)"
-        },
+        metadata={"help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)"},
     )
     hub_model_id: str | None = dataclasses.field(
         default=None, metadata={"help": "the Hub repo to push to: user/name or org/name"}
@@ -122,8 +116,10 @@ class RunConfig:
         if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):
             problems.append(f"report_to {self.report_to!r} is not one of tensorboard, wandb, trackio, none")
         elif self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
-            problems.append(f"report_to is {self.report_to!r} but the package is not installed: pip install "
-                            f"{self.report_to}, or set report_to: none")
+            problems.append(
+                f"report_to is {self.report_to!r} but the package is not installed: pip install "
+                f"{self.report_to}, or set report_to: none"
+            )
         return problems
 
 
@@ -156,9 +152,7 @@ class TrainingConfig(RunConfig):
     lora_dropout: float = dataclasses.field(default=0.05, metadata={"help": "dropout on the adapters' input"})
     lora_target_modules: list[str] | None = dataclasses.field(
         default=None,
-        metadata={
-            "help": "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)"
-        },
+        metadata={"help": "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)"},
     )
     lora_modules_to_save: list[str] | None = dataclasses.field(
         default=None,
@@ -199,37 +193,34 @@ class TrainingConfig(RunConfig):
         },
     )
     # --- data ----------------------------------------------------------------------------------------------------
-    dataset_train_split: str = dataclasses.field(
-        default="train", metadata={"help": "the dataset split to train on"}
-    )
+    dataset_train_split: str = dataclasses.field(default="train", metadata={"help": "the dataset split to train on"})
     dataset_test_split: str | None = dataclasses.field(
         default="test",
         metadata={"help": "held-out split; if the dataset lacks it, eval_split_size is carved out of train"},
     )
     eval_split_size: float = dataclasses.field(
-        default=0.05,
-        metadata={"help": "fraction of train held out when there is no test split (0 disables eval)"},
+        default=0.05, metadata={"help": "fraction of train held out when there is no test split (0 disables eval)"}
     )
     train_sampling_strategy: str = dataclasses.field(
         default="group_by_length",
         metadata={"help": "group_by_length: rows of similar length share a batch (less padding); or random"},
     )
-    repeat_small_dataset: bool = dataclasses.field(default=False, metadata={
-        "help": "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
-        "gradient_accumulation_steps rows; pretraining: per process), every step repeating rows (noted in the run "
-        "summary). false: refused, with the numbers"})
+    repeat_small_dataset: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
+            "gradient_accumulation_steps rows; pretraining: per process), every step repeating rows (noted in the run "
+            "summary). false: refused, with the numbers"
+        },
+    )
     # --- training ------------------------------------------------------------------------------------------------
     overwrite_output_dir: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "allow writing into a non-empty output_dir (its files may be replaced)"},
+        default=False, metadata={"help": "allow writing into a non-empty output_dir (its files may be replaced)"}
     )
     num_train_epochs: float = dataclasses.field(
-        default=1.0,
-        metadata={"help": "passes over the training data (fractions allowed); ignored when max_steps > 0"},
+        default=1.0, metadata={"help": "passes over the training data (fractions allowed); ignored when max_steps > 0"}
     )
-    max_steps: int = dataclasses.field(
-        default=-1, metadata={"help": "optimizer steps; > 0 overrides num_train_epochs"}
-    )
+    max_steps: int = dataclasses.field(default=-1, metadata={"help": "optimizer steps; > 0 overrides num_train_epochs"})
     per_device_train_batch_size: int = dataclasses.field(
         default=8, metadata={"help": "rows per process per micro-step"}
     )
@@ -258,32 +249,25 @@ class TrainingConfig(RunConfig):
         },
     )
     adam_epsilon: float = dataclasses.field(
-        default=1e-8,
-        metadata={"help": "added to AdamW's denominator for numerical stability"},
+        default=1e-8, metadata={"help": "added to AdamW's denominator for numerical stability"}
     )
     lr_scheduler_type: str = dataclasses.field(
-        default="cosine",
-        metadata={"help": "any transformers SchedulerType: linear, cosine, constant_with_warmup, ..."},
+        default="cosine", metadata={"help": "any transformers SchedulerType: linear, cosine, constant_with_warmup, ..."}
     )
     warmup_ratio: float = dataclasses.field(
-        default=0.0,
-        metadata={"help": "fraction of steps spent warming up (ignored if warmup_steps > 0)"},
+        default=0.0, metadata={"help": "fraction of steps spent warming up (ignored if warmup_steps > 0)"}
     )
     warmup_steps: int = dataclasses.field(
         default=0,
         metadata={"help": "optimizer steps spent warming up from 0 to learning_rate; > 0 overrides warmup_ratio"},
     )
-    max_grad_norm: float = dataclasses.field(
-        default=1.0, metadata={"help": "gradient clipping; 0 disables it"}
-    )
+    max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping; 0 disables it"})
     logging_steps: int = dataclasses.field(
         default=10, metadata={"help": "log every N steps; each logging step is a few small all-reduces"}
     )
     eval_steps: int | None = dataclasses.field(
         default=None,
-        metadata={
-            "help": "evaluate every N steps (null: only at the end); each costs a pass over the eval data"
-        },
+        metadata={"help": "evaluate every N steps (null: only at the end); each costs a pass over the eval data"},
     )
     # --- speed and measurement -----------------------------------------------------------------------------------
     loss_implementation: str = dataclasses.field(
@@ -295,18 +279,14 @@ class TrainingConfig(RunConfig):
         },
     )
     loss_chunk_size: int = dataclasses.field(
-        default=1024,
-        metadata={"help": "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory"},
+        default=1024, metadata={"help": "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory"}
     )
     optim: str = dataclasses.field(
         default="adamw_torch",
-        metadata={
-            "help": "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)"
-        },
+        metadata={"help": "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)"},
     )
     torch_compile: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "compile each decoder layer: faster steps after a compile pause at start-up"},
+        default=False, metadata={"help": "compile each decoder layer: faster steps after a compile pause at start-up"}
     )
     gradient_checkpointing: bool = dataclasses.field(
         default=False,
@@ -316,31 +296,29 @@ class TrainingConfig(RunConfig):
         },
     )
     dataloader_num_workers: int = dataclasses.field(
-        default=0,
-        metadata={"help": "worker processes collating batches; raise if data_wait_fraction is high"},
+        default=0, metadata={"help": "worker processes collating batches; raise if data_wait_fraction is high"}
     )
     peak_flops_per_device: float | None = dataclasses.field(
-        default=None,
-        metadata={"help": "for MFU on devices not in the table (e.g. 989e12 for an H100)"},
+        default=None, metadata={"help": "for MFU on devices not in the table (e.g. 989e12 for an H100)"}
     )
     # --- checkpoints ---------------------------------------------------------------------------------------------
     save_steps: int | None = dataclasses.field(
         default=500,
-        metadata={
-            "help": "resumable checkpoint every N steps and at the end (null: none); each costs a write"
-        },
+        metadata={"help": "resumable checkpoint every N steps and at the end (null: none); each costs a write"},
     )
     save_total_limit: int | None = dataclasses.field(
-        default=None,
-        metadata={"help": "keep only the newest K checkpoints (null: keep all); saves disk"},
+        default=None, metadata={"help": "keep only the newest K checkpoints (null: keep all); saves disk"}
     )
     resume_from_checkpoint: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"},
+        default=None, metadata={"help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"}
     )
-    allow_config_change: list[str] | None = dataclasses.field(default=None, metadata={
-        "help": "resuming: fields that change the objective or the data (docs/errors.md) which may differ from the "
-        "checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change is refused"})
+    allow_config_change: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "resuming: fields that change the objective or the data (docs/errors.md) which may differ from the "
+            "checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change is refused"
+        },
+    )
 
     # --- what the shared layer asks of a recipe ---------------------------------------------------------------------
     # A recipe's config class overrides these; nothing under src/ reads a field that only one recipe has.
@@ -364,9 +342,23 @@ class TrainingConfig(RunConfig):
         """Fields that change the objective or the data (which rows, in which order, as which tokens): a resumed run
         must keep the checkpoint's values, or one run would mix two trainings, unless `allow_config_change` names
         them. A recipe's config adds its own: `super().resume_sensitive_fields() + (...)`."""
-        return ("model_name_or_path", "model_config", "tokenizer_name_or_path", "chat_template", "dataset_name",
-                "dataset_config", "dataset_train_split", "dataset_test_split", "eval_split_size", "max_length", "seed",
-                "train_sampling_strategy", "lora_alpha", "lora_dropout", "use_rslora")
+        return (
+            "model_name_or_path",
+            "model_config",
+            "tokenizer_name_or_path",
+            "chat_template",
+            "dataset_name",
+            "dataset_config",
+            "dataset_train_split",
+            "dataset_test_split",
+            "eval_split_size",
+            "max_length",
+            "seed",
+            "train_sampling_strategy",
+            "lora_alpha",
+            "lora_dropout",
+            "use_rslora",
+        )
 
     def resume_fixed_fields(self) -> tuple[str, ...]:
         """Fields the checkpoint's tensors depend on (LoRA's shapes): no resume with other values, allowed or not."""
@@ -392,19 +384,34 @@ class TrainingConfig(RunConfig):
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "num_train_epochs",
-                     "warmup_ratio", "eval_split_size"):
+        for name in (
+            "learning_rate",
+            "weight_decay",
+            "adam_epsilon",
+            "max_grad_norm",
+            "num_train_epochs",
+            "warmup_ratio",
+            "eval_split_size",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value):
                 problems.append(f"{name} must be a finite number, got {value}")
             elif value < 0:
-                problems.append(f"{name} must be >= 0, got {value}" + (
-                    " (0 turns clipping off; a negative value is not a way to do that)" if name == "max_grad_norm" else ""))
+                problems.append(
+                    f"{name} must be >= 0, got {value}"
+                    + (
+                        " (0 turns clipping off; a negative value is not a way to do that)"
+                        if name == "max_grad_norm"
+                        else ""
+                    )
+                )
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.train_sampling_strategy not in ("group_by_length", "random"):
-            problems.append(f"train_sampling_strategy {self.train_sampling_strategy!r} is not group_by_length or random")
+            problems.append(
+                f"train_sampling_strategy {self.train_sampling_strategy!r} is not group_by_length or random"
+            )
         if self.loss_implementation not in ("chunked", "full_logits", "liger"):
             problems.append(f"loss_implementation {self.loss_implementation!r} is not chunked, full_logits or liger")
         if self.loss_chunk_size < 1:
@@ -431,7 +438,6 @@ class TrainingConfig(RunConfig):
             problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
         return problems
 
-
     def _allow_config_change_problems(self) -> list[str]:
         if self.allow_config_change is None:
             return []
@@ -440,12 +446,16 @@ class TrainingConfig(RunConfig):
         problems, sensitive = [], self.resume_sensitive_fields()
         for name in self.allow_config_change:
             if name in self.resume_fixed_fields():
-                problems.append(f"allow_config_change: {name} cannot change on resume: the checkpoint's tensors "
-                                "depend on it. Start a new run in a new output_dir instead")
+                problems.append(
+                    f"allow_config_change: {name} cannot change on resume: the checkpoint's tensors "
+                    "depend on it. Start a new run in a new output_dir instead"
+                )
             elif name not in sensitive:
                 close = difflib.get_close_matches(name, sensitive, n=1)
-                problems.append(f"allow_config_change: {name!r} is not a field that resuming checks"
-                                + (f"; did you mean {close[0]!r}?" if close else f" (those are: {', '.join(sensitive)})"))
+                problems.append(
+                    f"allow_config_change: {name!r} is not a field that resuming checks"
+                    + (f"; did you mean {close[0]!r}?" if close else f" (those are: {', '.join(sensitive)})")
+                )
         return problems
 
 

@@ -46,8 +46,13 @@ class Evaluation:
         self.last_step: int | None = None
         self.results: dict[str, Any] = {}
 
-    def attach(self, *, log: MetricsLog, total_steps: int,
-               pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    def attach(
+        self,
+        *,
+        log: MetricsLog,
+        total_steps: int,
+        pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
         self.log, self.pause, self.cadence = log, pause, Cadence(self.every, total_steps)
 
     def maybe_evaluate(self, step: int) -> dict[str, Any] | None:
@@ -75,8 +80,17 @@ class Evaluation:
 class LossEvaluator(Evaluation):
     """Held-out loss with the recipe's own loss function, logged as `eval_loss` (nothing without rows)."""
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, rows, *, loss_sum: LossSum, batch_size: int,
-                 pad_token_id: int, every: int | None):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        rows,
+        *,
+        loss_sum: LossSum,
+        batch_size: int,
+        pad_token_id: int,
+        every: int | None,
+    ):
         super().__init__(every=every)
         self.accelerator, self.model, self.rows = accelerator, model, rows
         self.loss_sum, self.batch_size, self.pad_token_id = loss_sum, batch_size, pad_token_id
@@ -84,8 +98,16 @@ class LossEvaluator(Evaluation):
     def measure(self) -> dict[str, Any]:
         if self.rows is None:
             return {}
-        return {"eval_loss": evaluate_loss(self.accelerator, self.model, self.rows, loss_sum=self.loss_sum,
-                                           batch_size=self.batch_size, pad_token_id=self.pad_token_id)}
+        return {
+            "eval_loss": evaluate_loss(
+                self.accelerator,
+                self.model,
+                self.rows,
+                loss_sum=self.loss_sum,
+                batch_size=self.batch_size,
+                pad_token_id=self.pad_token_id,
+            )
+        }
 
 
 @torch.no_grad()
@@ -246,8 +268,13 @@ def compute_metrics(metrics: dict[str, Any], gathered: dict[str, list], *, prefi
     results = {}
     if metrics and predictions:
         results = evaluate.combine(list(metrics.values())).compute(predictions=predictions, references=references)
-    results.update({key: math.fsum(values) / len(values) for key, values in gathered.items()
-                    if key not in ("predictions", "references") and values})
+    results.update(
+        {
+            key: math.fsum(values) / len(values)
+            for key, values in gathered.items()
+            if key not in ("predictions", "references") and values
+        }
+    )
     results["samples"] = len(predictions) if predictions else max((len(v) for v in gathered.values()), default=0)
     return {f"{prefix}{key}": value for key, value in results.items()}
 
@@ -257,10 +284,24 @@ class MetricEvaluator(Evaluation):
     `eval_<name>` with the mean of any other per-example value `predict` returns (e.g. `eval_loss`). The last
     evaluation's gathered values stay in `gathered` for figures a recipe adds at the end (e.g. per-class scores)."""
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, loader, *, predict: Predict,
-                 metrics: dict[str, Any], every: int | None):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        loader,
+        *,
+        predict: Predict,
+        metrics: dict[str, Any],
+        every: int | None,
+    ):
         super().__init__(every=every)
-        self.accelerator, self.model, self.loader, self.predict, self.metrics = accelerator, model, loader, predict, metrics
+        self.accelerator, self.model, self.loader, self.predict, self.metrics = (
+            accelerator,
+            model,
+            loader,
+            predict,
+            metrics,
+        )
         self.gathered: dict[str, list] = {}
 
     def measure(self) -> dict[str, Any]:
@@ -283,15 +324,19 @@ class GenerationCollator:
             batch = self.tokenizer.pad({"input_ids": [e["prompt_ids"] for e in examples]}, return_tensors="pt")
         finally:
             self.tokenizer.padding_side = padding_side
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                "reference": [e["reference"] for e in examples],
-                "index": torch.tensor([e["index"] for e in examples], dtype=torch.long)}
+        return {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            "reference": [e["reference"] for e in examples],
+            "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
+        }
 
 
 def generation_dataloader(examples: list[dict[str, Any]], tokenizer, *, batch_size: int) -> torch.utils.data.DataLoader:
     """Prompts in dataset order (`{"prompt_ids", "reference", "index"}` each); `accelerator.prepare` splits it."""
-    return torch.utils.data.DataLoader(examples, batch_size=batch_size, shuffle=False,
-                                       collate_fn=GenerationCollator(tokenizer))
+    return torch.utils.data.DataLoader(
+        examples, batch_size=batch_size, shuffle=False, collate_fn=GenerationCollator(tokenizer)
+    )
 
 
 class ReproducibleSampling:
@@ -319,8 +364,9 @@ class ReproducibleSampling:
         return scores - torch.log(-torch.log(noise))
 
 
-def generation_predict(tokenizer, *, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
-                       seed: int, synced_gpus: bool) -> Predict:
+def generation_predict(
+    tokenizer, *, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, seed: int, synced_gpus: bool
+) -> Predict:
     """A `Predict` that generates a completion per prompt, greedy or sampled (`ReproducibleSampling`: the same tokens
     for an example on any number of ranks). Ranks decode in lockstep (`synced_gpus`): under FSDP each decoding step is
     a collective, and ranks finish at different lengths."""
@@ -330,12 +376,25 @@ def generation_predict(tokenizer, *, max_new_tokens: int, do_sample: bool, tempe
 
         processors = LogitsProcessorList()
         if do_sample:
-            processors.append(ReproducibleSampling(seed=seed, indices=batch["index"], temperature=temperature,
-                                                   top_p=top_p, prompt_width=batch["input_ids"].shape[1]))
-        output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, do_sample=False,
-                                logits_processor=processors, synced_gpus=synced_gpus)
-        texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            processors.append(
+                ReproducibleSampling(
+                    seed=seed,
+                    indices=batch["index"],
+                    temperature=temperature,
+                    top_p=top_p,
+                    prompt_width=batch["input_ids"].shape[1],
+                )
+            )
+        output = model.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            do_sample=False,
+            logits_processor=processors,
+            synced_gpus=synced_gpus,
+        )
+        texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         return {"predictions": [text.strip() for text in texts], "references": list(batch["reference"])}
 
     return predict

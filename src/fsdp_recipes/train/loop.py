@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 
-
 def build_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, with the config's `learning_rate`, `weight_decay`, `adam_*` and `optim`;
     weight decay on matrices only (not on norms and biases). Build it on the unprepared model and pass both to
@@ -24,11 +23,18 @@ def build_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kernels = {"fused": True} if config.optim == "adamw_torch_fused" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_epsilon, **kernels)
+    return torch.optim.AdamW(
+        groups,
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        **kernels,
+    )
 
 
-def total_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: int, *, max_steps: int, epochs: float) -> int:
+def total_optimizer_steps(
+    batches_per_epoch: int, gradient_accumulation_steps: int, *, max_steps: int, epochs: float
+) -> int:
     if max_steps > 0:
         return max_steps
     steps_per_epoch = max(1, math.ceil(batches_per_epoch / gradient_accumulation_steps))  # no batch left out
@@ -54,7 +60,9 @@ class BatchStream:
     """Batches forever, epoch after epoch (re-shuffled by epoch with the seedable sampler), knowing its position so a
     checkpoint can record it and a resumed run can start from it without loading the skipped batches."""
 
-    def __init__(self, accelerator: Accelerator, dataloader: DataLoader, *, epoch: int = 0, batches_into_epoch: int = 0):
+    def __init__(
+        self, accelerator: Accelerator, dataloader: DataLoader, *, epoch: int = 0, batches_into_epoch: int = 0
+    ):
         self.accelerator = accelerator
         self.dataloader = dataloader
         self.epoch = epoch

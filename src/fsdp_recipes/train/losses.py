@@ -13,6 +13,7 @@ from accelerate import Accelerator
 
 from fsdp_recipes.data.rows import IGNORE_INDEX
 
+
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["targets"] != IGNORE_INDEX).sum())
 
@@ -111,8 +112,9 @@ def _chunk_logits(buffer: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
     return logits
 
 
-def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                         chunk_size: int) -> torch.Tensor:
+def chunked_token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
     """Per-token NLL shaped like `targets` ([..., T]), 0 where the target is IGNORE_INDEX. Only the tokens that carry
     loss go through the output projection: prompt, padding and each example's last token cost nothing."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
@@ -165,8 +167,9 @@ class TokenLoss:
         targets = batch["targets"].reshape(inputs["input_ids"].shape)
         if self.implementation == "full_logits":
             logits = model(**inputs).logits
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="none").reshape(batch["targets"].shape)
+            return F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            ).reshape(batch["targets"].shape)
         self._targets = targets
         try:
             losses = self._check_untouched(model(**inputs).logits)
@@ -220,8 +223,10 @@ def loss_implementation_problem(implementation: str, device_type: str) -> str | 
         import importlib.util
 
         if importlib.util.find_spec("liger_kernel") is None:
-            return ("loss_implementation liger needs the liger-kernel package (pip install liger-kernel); or use "
-                    "chunked, which needs nothing")
+            return (
+                "loss_implementation liger needs the liger-kernel package (pip install liger-kernel); or use "
+                "chunked, which needs nothing"
+            )
         if device_type != "cuda":
             return "loss_implementation liger runs on CUDA GPUs only; use chunked on this device"
     return None
@@ -237,10 +242,18 @@ def sequence_log_probs(token_losses: torch.Tensor) -> torch.Tensor:
     return -token_losses.sum(dim=1)
 
 
-def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
-               reference_rejected: torch.Tensor, *, beta: float, loss_type: str = "sigmoid",
-               label_smoothing: float = 0.0, chosen_lengths: torch.Tensor | None = None,
-               rejected_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_losses(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards (beta x (policy - reference) log-probability, detached) of the chosen
     and rejected answers, from summed completion log-probabilities:
 
@@ -260,15 +273,20 @@ def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, refer
     else:
         margin = chosen_ratio - rejected_ratio
         if loss_type == "sigmoid":
-            losses = (-F.logsigmoid(beta * margin) * (1 - label_smoothing)
-                      - F.logsigmoid(-beta * margin) * label_smoothing)
+            losses = (
+                -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
+            )
         else:
             losses = torch.relu(1 - beta * margin)
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
-def dpo_metric_sums(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy_chosen: torch.Tensor,
-                    policy_rejected: torch.Tensor) -> dict[str, float]:
+def dpo_metric_sums(
+    chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+) -> dict[str, float]:
     """Sums over the pairs of the figures TRL logs (means once divided by the number of pairs): the rewards of each
     answer, how often the chosen one wins, by how much, and the policy's log-probabilities."""
     return {

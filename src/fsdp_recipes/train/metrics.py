@@ -190,8 +190,9 @@ def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Pat
     return Path(path)
 
 
-def throughput_record(accelerator, window: ThroughputWindow, *, model_config, non_embedding_parameters: int,
-                      peak_flops: float | None) -> dict[str, Any]:
+def throughput_record(
+    accelerator, window: ThroughputWindow, *, model_config, non_embedding_parameters: int, peak_flops: float | None
+) -> dict[str, Any]:
     """Collective: speed, padding, FLOPs and memory over the window, for all ranks together."""
     from fsdp_recipes.distributed.collectives import sum_over_ranks, values_of_all_ranks
 
@@ -224,15 +225,37 @@ class StepLogger:
     marked `warmup` and left out of the final means; evaluation and checkpoint time is left out of every window
     (`window.paused()`)."""
 
-    def __init__(self, accelerator, log: MetricsLog, *, every: int, total_steps: int, model_config,
-                 non_embedding_parameters: int, peak_flops: float | None):
+    def __init__(
+        self,
+        accelerator,
+        log: MetricsLog,
+        *,
+        every: int,
+        total_steps: int,
+        model_config,
+        non_embedding_parameters: int,
+        peak_flops: float | None,
+    ):
         self.accelerator, self.log, self.cadence = accelerator, log, Cadence(every, total_steps)
-        self.model_config, self.non_embedding_parameters, self.peak_flops = model_config, non_embedding_parameters, peak_flops
+        self.model_config, self.non_embedding_parameters, self.peak_flops = (
+            model_config,
+            non_embedding_parameters,
+            peak_flops,
+        )
         self.window = ThroughputWindow()
         self._first_window = True
 
-    def log_step(self, step: int, *, loss_sum: float, target_count: float, lr: float, grad_norm=None,
-                 sums: dict[str, float] | None = None, **fields) -> None:
+    def log_step(
+        self,
+        step: int,
+        *,
+        loss_sum: float,
+        target_count: float,
+        lr: float,
+        grad_norm=None,
+        sums: dict[str, float] | None = None,
+        **fields,
+    ) -> None:
         """Collective at logging steps (all ranks call it every step). `loss_sum` is this rank's summed loss over the
         step's `target_count` targets (or examples) of all ranks; each of `sums` is this rank's sum of a per-example
         figure, logged as its mean over the step's global batch."""
@@ -253,8 +276,13 @@ class StepLogger:
             "loss": sum_over_ranks(self.accelerator, loss_sum) / max(target_count, 1.0),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            **throughput_record(self.accelerator, self.window, model_config=self.model_config,
-                                non_embedding_parameters=self.non_embedding_parameters, peak_flops=self.peak_flops),
+            **throughput_record(
+                self.accelerator,
+                self.window,
+                model_config=self.model_config,
+                non_embedding_parameters=self.non_embedding_parameters,
+                peak_flops=self.peak_flops,
+            ),
         }
         if self._first_window:
             record["warmup"] = True
@@ -264,10 +292,18 @@ class StepLogger:
 
     def final_metrics(self) -> dict:
         """Means of the speed figures over the logged windows (warm-up left out) and the peak memory."""
-        keys = ("tokens_per_second", "tokens_per_second_per_device", "padding_fraction", "data_wait_fraction", "mfu",
-                "achieved_flops_per_device")
-        return {**{key: self.log.mean(key) for key in keys},
-                "peak_memory_gib_max": max(self.log.last("peak_memory_gib_per_rank") or [0.0])}
+        keys = (
+            "tokens_per_second",
+            "tokens_per_second_per_device",
+            "padding_fraction",
+            "data_wait_fraction",
+            "mfu",
+            "achieved_flops_per_device",
+        )
+        return {
+            **{key: self.log.mean(key) for key in keys},
+            "peak_memory_gib_max": max(self.log.last("peak_memory_gib_per_rank") or [0.0]),
+        }
 
 
 def held_state_bytes(model, optimizer) -> dict[str, int]:

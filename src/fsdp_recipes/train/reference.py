@@ -65,8 +65,16 @@ class ReferenceLogProbs:
     """`reference(batch)`: the reference's summed completion log-probability of every row of a pair batch (chosen
     rows, then rejected ones), without gradients. A collective under FSDP (every rank calls it on every batch)."""
 
-    def __init__(self, mode: str, *, policy: torch.nn.Module | None = None, token_loss: TokenLoss | None = None,
-                 copy: torch.nn.Module | None = None, copy_loss: TokenLoss | None = None, table: Table | None = None):
+    def __init__(
+        self,
+        mode: str,
+        *,
+        policy: torch.nn.Module | None = None,
+        token_loss: TokenLoss | None = None,
+        copy: torch.nn.Module | None = None,
+        copy_loss: TokenLoss | None = None,
+        table: Table | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"reference mode {mode!r} is not one of {MODES}")
         self.mode, self.policy, self.token_loss, self.copy, self.copy_loss = mode, policy, token_loss, copy, copy_loss
@@ -88,10 +96,11 @@ class ReferenceLogProbs:
 
     @property
     def description(self) -> str:
-        return {"adapters": "the policy with its LoRA adapters disabled (no second model)",
-                "model": "a frozen copy sharded like the policy (one more model in memory, one more forward per step)",
-                "precomputed": f"precomputed before training ({len(self.table or {})} pairs, by content; no model "
-                               "kept)"}[self.mode]
+        return {
+            "adapters": "the policy with its LoRA adapters disabled (no second model)",
+            "model": "a frozen copy sharded like the policy (one more model in memory, one more forward per step)",
+            "precomputed": f"precomputed before training ({len(self.table or {})} pairs, by content; no model kept)",
+        }[self.mode]
 
 
 @torch.no_grad()
@@ -116,8 +125,18 @@ def precompute(accelerator: Accelerator, policy: torch.nn.Module, token_loss: To
 
 def tables_json(tables: dict[str, Table]) -> str:
     """{split: table} as JSON (floats written exactly), for output_dir and every checkpoint."""
-    return json.dumps({"keyed_by": "content", "splits": {
-        split: {str(key): list(values) for key, values in sorted(table.items())} for split, table in tables.items()}}) + "\n"
+    return (
+        json.dumps(
+            {
+                "keyed_by": "content",
+                "splits": {
+                    split: {str(key): list(values) for key, values in sorted(table.items())}
+                    for split, table in tables.items()
+                },
+            }
+        )
+        + "\n"
+    )
 
 
 def write_tables(output_dir: str | Path, tables: dict[str, Table]) -> Path:
@@ -135,16 +154,22 @@ def read_tables(checkpoint: Path) -> dict[str, Table]:
     (or holds values by position, as runs before content keys stored them)."""
     path = Path(checkpoint) / PRECOMPUTED_FILE
     if not path.is_file():
-        raise ConfigError(f"resuming with precompute_ref_log_probs needs the values the run computed before its first "
-                          f"step, {path}, which is missing; they cannot be recomputed from a trained policy. Start a "
-                          "new run, or resume with precompute_ref_log_probs: false (a reference model is loaded)")
+        raise ConfigError(
+            f"resuming with precompute_ref_log_probs needs the values the run computed before its first "
+            f"step, {path}, which is missing; they cannot be recomputed from a trained policy. Start a "
+            "new run, or resume with precompute_ref_log_probs: false (a reference model is loaded)"
+        )
     stored = json.loads(path.read_text())
     if stored.get("keyed_by") != "content":
-        raise ConfigError(f"{path} holds reference values by pair position (written before they were keyed by "
-                          "content), which a resume cannot match to its pairs safely. Start a new run, or resume with "
-                          "precompute_ref_log_probs: false (a reference model is loaded)")
-    return {split: {int(key): (values[0], values[1]) for key, values in table.items()}
-            for split, table in stored["splits"].items()}
+        raise ConfigError(
+            f"{path} holds reference values by pair position (written before they were keyed by "
+            "content), which a resume cannot match to its pairs safely. Start a new run, or resume with "
+            "precompute_ref_log_probs: false (a reference model is loaded)"
+        )
+    return {
+        split: {int(key): (values[0], values[1]) for key, values in table.items()}
+        for split, table in stored["splits"].items()
+    }
 
 
 def check_tables(tables: dict[str, Table], pairs: dict[str, Any], checkpoint: Path) -> None:

@@ -29,52 +29,99 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
     def add(change: str, how: str, new_layout: LaunchLayout = layout, new_recipe: TrainingConfig = recipe) -> None:
         new = changed(new_layout, new_recipe)
         if new.total < current.total:
-            out.append({"change": change, "how": how, "predicted_total_bytes": new.total, "fits": new.fits,
-                        "host_bytes_per_gpu": sum(new.host_state.values()) if new.host_state else 0})
+            out.append(
+                {
+                    "change": change,
+                    "how": how,
+                    "predicted_total_bytes": new.total,
+                    "fits": new.fits,
+                    "host_bytes_per_gpu": sum(new.host_state.values()) if new.host_state else 0,
+                }
+            )
 
     if layout.is_fsdp and not layout.activation_checkpointing:
-        add("activation checkpointing", "fsdp_activation_checkpointing: true in the Accelerate config "
+        add(
+            "activation checkpointing",
+            "fsdp_activation_checkpointing: true in the Accelerate config "
             "(accelerate_configs/fsdp_8gpu_activation_checkpointing.yaml)",
-            dataclasses.replace(layout, activation_checkpointing=True))
-    if layout.world_size > 1 and (not layout.is_fsdp or layout.shard_size < layout.world_size
-                                  or not layout.reshard_after_forward):
+            dataclasses.replace(layout, activation_checkpointing=True),
+        )
+    if layout.world_size > 1 and (
+        not layout.is_fsdp or layout.shard_size < layout.world_size or not layout.reshard_after_forward
+    ):
         full = dataclasses.replace(
-            layout, distributed_type="FSDP", fsdp_version=layout.fsdp_version if layout.is_fsdp else 2,
-            shard_size=layout.world_size, reshard_after_forward=True,
-            wrap_policy=layout.wrap_policy if layout.is_fsdp else "TRANSFORMER_BASED_WRAP")
-        add("FSDP FULL_SHARD over all GPUs", f"shard over all {layout.world_size} GPUs (accelerate_configs/fsdp_8gpu.yaml "
-            "is the one-node example)", full)
+            layout,
+            distributed_type="FSDP",
+            fsdp_version=layout.fsdp_version if layout.is_fsdp else 2,
+            shard_size=layout.world_size,
+            reshard_after_forward=True,
+            wrap_policy=layout.wrap_policy if layout.is_fsdp else "TRANSFORMER_BASED_WRAP",
+        )
+        add(
+            "FSDP FULL_SHARD over all GPUs",
+            f"shard over all {layout.world_size} GPUs (accelerate_configs/fsdp_8gpu.yaml is the one-node example)",
+            full,
+        )
     if layout.is_fsdp:
         per_node = layout.gpus_per_node
-        base = layout if layout.shard_size == layout.world_size else dataclasses.replace(layout, shard_size=layout.world_size)
+        base = (
+            layout
+            if layout.shard_size == layout.world_size
+            else dataclasses.replace(layout, shard_size=layout.world_size)
+        )
         for machines in (2, 4, 8, 16, 32, 64, 128):
             world = per_node * layout.num_machines * machines
-            more = dataclasses.replace(base, world_size=world, num_machines=layout.num_machines * machines,
-                                       shard_size=world)
+            more = dataclasses.replace(
+                base, world_size=world, num_machines=layout.num_machines * machines, shard_size=world
+            )
             if changed(more).fits or machines == 128:
-                add(f"more GPUs ({world})", f"FSDP over {world} GPUs ({layout.num_machines * machines} nodes of "
-                    f"{per_node}): state shrinks as 1/GPUs, activations and buffers do not", more)
+                add(
+                    f"more GPUs ({world})",
+                    f"FSDP over {world} GPUs ({layout.num_machines * machines} nodes of "
+                    f"{per_node}): state shrinks as 1/GPUs, activations and buffers do not",
+                    more,
+                )
                 break
     if layout.is_fsdp and not layout.cpu_offload:
-        add("CPU offload", "fsdp_offload_params: true (accelerate_configs/fsdp_8gpu_offload.yaml); parameters, gradients "
+        add(
+            "CPU offload",
+            "fsdp_offload_params: true (accelerate_configs/fsdp_8gpu_offload.yaml); parameters, gradients "
             "and optimizer state move to host RAM, several times slower steps",
-            dataclasses.replace(layout, cpu_offload=True))
+            dataclasses.replace(layout, cpu_offload=True),
+        )
         if not layout.activation_checkpointing:
-            add("CPU offload + activation checkpointing", "both of the above",
-                dataclasses.replace(layout, cpu_offload=True, activation_checkpointing=True))
+            add(
+                "CPU offload + activation checkpointing",
+                "both of the above",
+                dataclasses.replace(layout, cpu_offload=True, activation_checkpointing=True),
+            )
     for description, values in recipe.memory_saving_alternatives():
         change, _, cost = description.partition(": ")
         settings = ", ".join(f"{key}: {json.dumps(value)}" for key, value in values.items())
-        add(change, f"{settings} in the recipe config" + (f" ({cost})" if cost else ""),
-            new_recipe=dataclasses.replace(recipe, **values))
+        add(
+            change,
+            f"{settings} in the recipe config" + (f" ({cost})" if cost else ""),
+            new_recipe=dataclasses.replace(recipe, **values),
+        )
     if info.linear_shapes_in_layers and current.trainable_params is None:
         lora = dataclasses.replace(recipe, use_peft=True)
-        add(f"LoRA (rank {lora.lora_r})", f"use_peft: true in the recipe config: rank-{lora.lora_r} adapters on every "
-            "linear of the decoder layers, base weights frozen in the compute dtype", new_recipe=lora)
+        add(
+            f"LoRA (rank {lora.lora_r})",
+            f"use_peft: true in the recipe config: rank-{lora.lora_r} adapters on every "
+            "linear of the decoder layers, base weights frozen in the compute dtype",
+            new_recipe=lora,
+        )
     batch = recipe.per_device_train_batch_size
     if batch > 1:
-        smaller = dataclasses.replace(recipe, per_device_train_batch_size=1,
-                                      gradient_accumulation_steps=recipe.gradient_accumulation_steps * batch)
-        add("micro-batch 1", f"per_device_train_batch_size: 1 and gradient_accumulation_steps: "
-            f"{smaller.gradient_accumulation_steps} (same global batch, more steps per update)", new_recipe=smaller)
+        smaller = dataclasses.replace(
+            recipe,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=recipe.gradient_accumulation_steps * batch,
+        )
+        add(
+            "micro-batch 1",
+            f"per_device_train_batch_size: 1 and gradient_accumulation_steps: "
+            f"{smaller.gradient_accumulation_steps} (same global batch, more steps per update)",
+            new_recipe=smaller,
+        )
     return out

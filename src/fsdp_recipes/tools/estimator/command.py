@@ -48,8 +48,9 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ConfigError("--num-processes must be >= 1")
         hsdp = 1 < layout.shard_size < layout.world_size
         if hsdp and args.num_processes % layout.shard_size:
-            raise ConfigError(f"--num-processes {args.num_processes} is not a multiple of the HSDP shard size "
-                              f"{layout.shard_size}")
+            raise ConfigError(
+                f"--num-processes {args.num_processes} is not a multiple of the HSDP shard size {layout.shard_size}"
+            )
         shard = layout.shard_size if hsdp or layout.shard_size == 1 else args.num_processes
         layout = dataclasses.replace(layout, world_size=args.num_processes, shard_size=shard)
     info = load_model_info(str(model), trust_remote_code=args.trust_remote_code)

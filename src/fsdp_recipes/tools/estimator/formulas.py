@@ -72,8 +72,11 @@ def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
         if not info.tied_embeddings and info.embedding_path is not None:
             take(info.embedding_path, "embedding", [info.embedding_path], reshard)
         units += layer_units
-        tail = [p for p in (info.final_norm_path, info.embedding_path if info.tied_embeddings else None,
-                            info.output_path) if p is not None]
+        tail = [
+            p
+            for p in (info.final_norm_path, info.embedding_path if info.tied_embeddings else None, info.output_path)
+            if p is not None
+        ]
         take("tail (" + ", ".join(tail) + ")", "tail", tail, False)
     rest = [p for p in info.params if p.name not in assigned]
     if rest:
@@ -82,7 +85,9 @@ def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
     return units
 
 
-def state_bytes_on_rank(units: list[Unit], layout: LaunchLayout, rank: int = 0, *, trainable: bool = True) -> dict[str, int]:
+def state_bytes_on_rank(
+    units: list[Unit], layout: LaunchLayout, rank: int = 0, *, trainable: bool = True
+) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state that `rank` holds (before offload moves them to the host).
 
     FSDP2 (per parameter, along dim 0): parameter and gradient storage is padded to ceil(rows / S) rows on every rank
@@ -113,16 +118,20 @@ def state_bytes_on_rank(units: list[Unit], layout: LaunchLayout, rank: int = 0, 
     return {"parameters": params, "gradients": grads, "optimizer_state": optim}
 
 
-def adapter_state_bytes_on_rank(info: ModelInfo, units: list[Unit], layout: LaunchLayout, adapters: Adapters,
-                                rank: int = 0) -> dict[str, int]:
+def adapter_state_bytes_on_rank(
+    info: ModelInfo, units: list[Unit], layout: LaunchLayout, adapters: Adapters, rank: int = 0
+) -> dict[str, int]:
     """`state_bytes_on_rank` for LoRA: every base parameter at `frozen_bytes`, padded as FSDP2 pads it, with no
     gradient or optimizer state; every adapter matrix is a parameter of its own, sharded along dim 0 like any other
     (padded fp32 storage for it and its gradient, unpadded AdamW state, a 4-byte step)."""
     frozen = state_bytes_on_rank(units, layout, rank, trainable=False)["parameters"] * adapters.frozen_bytes // FP32
     adapter_unit = Unit("adapters", "layer", adapters.adapter_params(info))
     trained = state_bytes_on_rank([adapter_unit], layout, rank)
-    return {"parameters": frozen + trained["parameters"], "gradients": trained["gradients"],
-            "optimizer_state": trained["optimizer_state"]}
+    return {
+        "parameters": frozen + trained["parameters"],
+        "gradients": trained["gradients"],
+        "optimizer_state": trained["optimizer_state"],
+    }
 
 
 def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) -> dict[str, int]:
@@ -150,7 +159,9 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) ->
     return {"per_layer": layer, "logits": logits, "without_checkpointing": without, "with_checkpointing": with_ac}
 
 
-def buffer_bytes(info: ModelInfo, units: list[Unit], layout: LaunchLayout, *, trainable_fraction: float = 1.0) -> dict[str, int]:
+def buffer_bytes(
+    info: ModelInfo, units: list[Unit], layout: LaunchLayout, *, trainable_fraction: float = 1.0
+) -> dict[str, int]:
     """Unsharded copies: all-gathered parameters in the compute dtype and unsharded gradients before reduce-scatter
     (FSDP); gradient buckets and autocast weight copies (DDP / single process)."""
     c = layout.compute_bytes
@@ -231,9 +242,17 @@ class Estimate:
         }
 
 
-def estimate(info: ModelInfo, layout: LaunchLayout, workload: Workload, *, gpu_memory: int = 80 * 10**9,
-             reserve: int | None = None, model_name: str = "", adapters: Adapters | None = None,
-             frozen_copies: int = 0) -> Estimate:
+def estimate(
+    info: ModelInfo,
+    layout: LaunchLayout,
+    workload: Workload,
+    *,
+    gpu_memory: int = 80 * 10**9,
+    reserve: int | None = None,
+    model_name: str = "",
+    adapters: Adapters | None = None,
+    frozen_copies: int = 0,
+) -> Estimate:
     """`frozen_copies`: whole frozen copies of the model sharded like it, at the compute dtype (preference tuning's
     reference model)."""
     units = plan_units(info, layout)
@@ -253,14 +272,43 @@ def estimate(info: ModelInfo, layout: LaunchLayout, workload: Workload, *, gpu_m
     activations = activation_bytes(info, workload, compute)
     host = dict(state) if layout.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
-    return Estimate(model_name, layout, workload, info.num_params, units, state, activations, buffers, gpu_memory,
-                    reserve, trainable, host, adapters, frozen_copies)
+    return Estimate(
+        model_name,
+        layout,
+        workload,
+        info.num_params,
+        units,
+        state,
+        activations,
+        buffers,
+        gpu_memory,
+        reserve,
+        trainable,
+        host,
+        adapters,
+        frozen_copies,
+    )
 
 
-def estimate_for_recipe(info: ModelInfo, layout: LaunchLayout, recipe: TrainingConfig, *, gpu_memory: int = 80 * 10**9,
-                        reserve: int | None = None, model_name: str = "") -> Estimate:
+def estimate_for_recipe(
+    info: ModelInfo,
+    layout: LaunchLayout,
+    recipe: TrainingConfig,
+    *,
+    gpu_memory: int = 80 * 10**9,
+    reserve: int | None = None,
+    model_name: str = "",
+) -> Estimate:
     """The estimate for a recipe config on a launch: its micro-batch, its adapters, its frozen model copies, and the
     activation checkpointing it adds to the launch, all asked of the config."""
     layout = layout_for_recipe(layout, recipe)
-    return estimate(info, layout, workload_for(recipe), gpu_memory=gpu_memory, reserve=reserve, model_name=model_name,
-                    adapters=adapters_for(recipe, layout.compute_bytes), frozen_copies=recipe.frozen_model_copies())
+    return estimate(
+        info,
+        layout,
+        workload_for(recipe),
+        gpu_memory=gpu_memory,
+        reserve=reserve,
+        model_name=model_name,
+        adapters=adapters_for(recipe, layout.compute_bytes),
+        frozen_copies=recipe.frozen_model_copies(),
+    )

@@ -17,8 +17,9 @@ from fsdp_recipes.tools.estimator.workload import layout_for_recipe
 from fsdp_recipes.train.config import TrainingConfig
 
 
-def estimate_for_run(accelerator, model_config, recipe_config: TrainingConfig, *,
-                     gpu_memory: int | None = None) -> dict[str, Any]:
+def estimate_for_run(
+    accelerator, model_config, recipe_config: TrainingConfig, *, gpu_memory: int | None = None
+) -> dict[str, Any]:
     """The estimate for the launch in progress, for the run summary beside the measured peak memory. Cheap (a meta
     model, no weights) and no collectives: call it on any rank. Bytes are for the most loaded rank; `rank_state_bytes`
     is the state this very rank should hold (parameters, gradients, AdamW state)."""

@@ -17,8 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.arguments import typed_values
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.train.config import TrainingConfig
 
 _LOADED: dict[Path, ModuleType] = {}
@@ -40,8 +40,9 @@ def load_recipe_script(script: str | Path) -> ModuleType:
         except Exception as error:  # noqa: BLE001 - whatever stops the script from loading, said in one line
             del sys.modules[name]
             first_line = (str(error).strip().splitlines() or [""])[0]
-            raise ConfigError(f"recipe {path} cannot be loaded to read its config class: {type(error).__name__}: "
-                              f"{first_line}") from None
+            raise ConfigError(
+                f"recipe {path} cannot be loaded to read its config class: {type(error).__name__}: {first_line}"
+            ) from None
         _LOADED[path] = module
     return _LOADED[path]
 
@@ -52,17 +53,23 @@ def config_class(script: str | Path | None) -> type[TrainingConfig]:
     if script is None:
         return TrainingConfig
     module = load_recipe_script(script)
-    defined = [value for value in vars(module).values() if isinstance(value, type)
-               and issubclass(value, TrainingConfig) and value.__module__ == module.__name__]
+    defined = [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, TrainingConfig) and value.__module__ == module.__name__
+    ]
     leaves = [cls for cls in defined if not any(other is not cls and issubclass(other, cls) for other in defined)]
     if len(leaves) > 1:
-        raise ConfigError(f"recipe {script} defines several config classes ({', '.join(c.__name__ for c in leaves)}): "
-                          "the tools cannot tell which one its configs are read with")
+        raise ConfigError(
+            f"recipe {script} defines several config classes ({', '.join(c.__name__ for c in leaves)}): "
+            "the tools cannot tell which one its configs are read with"
+        )
     return leaves[0] if leaves else TrainingConfig
 
 
-def config_from_mapping(cls: type[TrainingConfig], values: dict[str, Any], *, where: str,
-                        unknown_keys_are_errors: bool = True) -> TrainingConfig:
+def config_from_mapping(
+    cls: type[TrainingConfig], values: dict[str, Any], *, where: str, unknown_keys_are_errors: bool = True
+) -> TrainingConfig:
     """An instance of `cls` from a config's values, each converted to its field's type; every problem (a value of the
     wrong type, and an unknown key unless told otherwise) is reported together as one ConfigError."""
     known, problems = typed_values(cls, values, where=where, unknown_keys_are_errors=unknown_keys_are_errors)
@@ -71,8 +78,9 @@ def config_from_mapping(cls: type[TrainingConfig], values: dict[str, Any], *, wh
     return cls(**known)
 
 
-def recipe_config(values: dict[str, Any], *, script: str | Path | None = None,
-                  where: str = "the recipe config") -> TrainingConfig:
+def recipe_config(
+    values: dict[str, Any], *, script: str | Path | None = None, where: str = "the recipe config"
+) -> TrainingConfig:
     """`values` read with the config class of `script` (the recipe that reads them). Without a recipe class the
     shared TrainingConfig reads them, and keys it does not know are left out rather than refused: they may be fields
     of the recipe that is not known here."""

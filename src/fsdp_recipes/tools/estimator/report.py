@@ -24,8 +24,11 @@ def estimate_report(est: Estimate, info: ModelInfo, recipe: TrainingConfig) -> d
         "trainable_parameters": est.trainable_params,  # LoRA: the adapters; null: every parameter
         "topology": {**dataclasses.asdict(layout), "sharding": layout.sharding, "description": layout.describe()},
         "workload": {**dataclasses.asdict(est.workload), "tokens_per_micro_batch": est.workload.tokens},
-        "units": {"count": len(est.units), "largest": largest.name if largest else None,
-                  "largest_parameters": largest.numel if largest else 0},
+        "units": {
+            "count": len(est.units),
+            "largest": largest.name if largest else None,
+            "largest_parameters": largest.numel if largest else 0,
+        },
         "per_gpu_bytes": est.per_gpu(),
         "host_bytes_per_gpu": est.host_state,
         "gpu_memory_bytes": est.gpu_memory,
@@ -57,14 +60,22 @@ def render_report(report: dict[str, Any]) -> str:
     if lora:
         lines.insert(1, f"LoRA: {report['trainable_parameters'] / 1e6:.1f}M trainable adapter parameters, base frozen")
     rows = [
-        ("parameters (frozen base + fp32 adapters)" if lora else "parameters (fp32, sharded)",
-         host.get("parameters") if offload else g["parameters"]),
-        ("gradients (fp32 adapters)" if lora else "gradients (fp32, sharded)", host.get("gradients") if offload else g["gradients"]),
+        (
+            "parameters (frozen base + fp32 adapters)" if lora else "parameters (fp32, sharded)",
+            host.get("parameters") if offload else g["parameters"],
+        ),
+        (
+            "gradients (fp32 adapters)" if lora else "gradients (fp32, sharded)",
+            host.get("gradients") if offload else g["gradients"],
+        ),
         ("optimizer state (AdamW, 2 x fp32)", host.get("optimizer_state") if offload else g["optimizer_state"]),
         *([("reference model (frozen copy, sharded)", g["reference_model"])] if g["reference_model"] else []),
         (f"activations, checkpointing {'on' if ac else 'off'}", g["activations"]),
-        (f"  (checkpointing {'off' if ac else 'on'}: {gib(g['activations_with_checkpointing' if not ac else 'activations_without_checkpointing'])};"
-         f" of which logits {gib(g['logits'])})", None),
+        (
+            f"  (checkpointing {'off' if ac else 'on'}: {gib(g['activations_with_checkpointing' if not ac else 'activations_without_checkpointing'])};"
+            f" of which logits {gib(g['logits'])})",
+            None,
+        ),
         ("all-gather buffers (compute dtype)", g["all_gather_buffers"]),
         ("unsharded gradients / buckets", g["reduce_scatter_buffers"]),
     ]
@@ -76,13 +87,17 @@ def render_report(report: dict[str, Any]) -> str:
             lines.append(f"  {label:<40} {gib(value):>12}{suffix}")
     lines.append(f"  {'total':<40} {gib(g['total']):>12}")
     verdict = "fits" if report["fits"] else "does NOT fit"
-    lines.append(f"\n{verdict} in {gib(report['usable_bytes'])} usable per GPU ({gib(report['gpu_memory_bytes'])} minus "
-                 f"{gib(report['reserve_bytes'])} kept for the CUDA context, NCCL and fragmentation); headroom "
-                 f"{gib(report['headroom_bytes'])}")
+    lines.append(
+        f"\n{verdict} in {gib(report['usable_bytes'])} usable per GPU ({gib(report['gpu_memory_bytes'])} minus "
+        f"{gib(report['reserve_bytes'])} kept for the CUDA context, NCCL and fragmentation); headroom "
+        f"{gib(report['headroom_bytes'])}"
+    )
     if report["suggestions"]:
         lines.append("\nto make it fit:")
         for s in report["suggestions"]:
             mark = "fits" if s["fits"] else "still too big"
             host_note = f", host {gib(s['host_bytes_per_gpu'])} per GPU" if s["host_bytes_per_gpu"] else ""
-            lines.append(f"  - {s['change']}: {gib(s['predicted_total_bytes'])} per GPU ({mark}{host_note}); {s['how']}")
+            lines.append(
+                f"  - {s['change']}: {gib(s['predicted_total_bytes'])} per GPU ({mark}{host_note}); {s['how']}"
+            )
     return "\n".join(lines)

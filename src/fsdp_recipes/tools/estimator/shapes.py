@@ -98,10 +98,12 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as error:
-        raise ConfigError(f"{config.model_type} is not a causal language model transformers can build: {error}") from None
+        raise ConfigError(
+            f"{config.model_type} is not a causal language model transformers can build: {error}"
+        ) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(getattr(text, "hidden_size"))
-    heads = int(getattr(text, "num_attention_heads"))
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
     seen: set[int] = set()
     params: list[Param] = []
@@ -129,20 +131,36 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
             if "Norm" in type(child).__name__:
                 final_norm = child
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    inside_layers = {id(inner) for path, layer in model.named_modules() if path and type(layer).__name__ in no_split
-                     for inner in layer.modules() if inner is not layer}
-    layer_linears = [(path.rsplit(".", 1)[-1], module) for path, module in model.named_modules()
-                     if isinstance(module, torch.nn.Linear) and module is not out and id(module) in inside_layers]
+    inside_layers = {
+        id(inner)
+        for path, layer in model.named_modules()
+        if path and type(layer).__name__ in no_split
+        for inner in layer.modules()
+        if inner is not layer
+    }
+    layer_linears = [
+        (path.rsplit(".", 1)[-1], module)
+        for path, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not out and id(module) in inside_layers
+    ]
     linears = [(module.in_features, module.out_features) for _, module in layer_linears]
     return ModelInfo(
-        model_type=str(config.model_type), hidden_size=hidden,
+        model_type=str(config.model_type),
+        hidden_size=hidden,
         intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * hidden),
-        num_layers=int(getattr(text, "num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads), head_dim=head_dim,
-        vocab_size=int(getattr(text, "vocab_size")), tied_embeddings=tied, no_split_modules=no_split, params=params,
-        module_params=module_params, module_class=module_class,
+        num_layers=int(text.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        vocab_size=int(text.vocab_size),
+        tied_embeddings=tied,
+        no_split_modules=no_split,
+        params=params,
+        module_params=module_params,
+        module_class=module_class,
         embedding_path=paths.get(id(embed)) if embed is not None else None,
         output_path=paths.get(id(out)) if out is not None else None,
         final_norm_path=paths.get(id(final_norm)) if final_norm is not None else None,
-        linear_shapes_in_layers=linears, linear_names_in_layers=[name for name, _ in layer_linears],
+        linear_shapes_in_layers=linears,
+        linear_names_in_layers=[name for name, _ in layer_linears],
     )

@@ -33,8 +33,12 @@ def workload_for(config: TrainingConfig) -> Workload:
     """The micro-batch a recipe config runs: its rows (a preference pair is two), each as wide as its row length
     (packed rows may be narrower than max_length)."""
     return Workload(
-        int(config.row_length()), int(config.micro_batch_rows()), str(config.attn_implementation or "sdpa"),
-        int(config.gradient_accumulation_steps), str(config.loss_implementation), int(config.loss_chunk_size),
+        int(config.row_length()),
+        int(config.micro_batch_rows()),
+        str(config.attn_implementation or "sdpa"),
+        int(config.gradient_accumulation_steps),
+        str(config.loss_implementation),
+        int(config.loss_chunk_size),
     )
 
 
@@ -70,8 +74,12 @@ def adapters_for(config: TrainingConfig, compute_bytes: int) -> Adapters | None:
         return None
     targets = config.lora_target_modules
     frozen = 1 if config.load_in_4bit else compute_bytes  # 4 bits + quantisation constants: ~0.5 byte, say 1
-    return Adapters(rank=int(config.lora_r or LORA_RANK), target_modules=tuple(targets) if targets else None,
-                    frozen_bytes=frozen, dora=bool(config.use_dora))
+    return Adapters(
+        rank=int(config.lora_r or LORA_RANK),
+        target_modules=tuple(targets) if targets else None,
+        frozen_bytes=frozen,
+        dora=bool(config.use_dora),
+    )
 
 
 def layout_for_recipe(layout: LaunchLayout, config: TrainingConfig) -> LaunchLayout:

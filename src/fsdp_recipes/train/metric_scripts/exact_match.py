@@ -10,7 +10,9 @@ class ExactMatch(evaluate.Metric):
             description="Share of predictions equal to their reference after stripping surrounding whitespace.",
             citation="",
             inputs_description="predictions, references: strings; ignore_case: compare lower-cased text",
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
     def _compute(self, predictions, references, ignore_case=False):

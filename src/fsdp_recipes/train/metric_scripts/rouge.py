@@ -13,7 +13,9 @@ class Rouge(evaluate.Metric):
             description="ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum F-measures, averaged over examples.",
             citation="Lin, ROUGE: A Package for Automatic Evaluation of Summaries, 2004.",
             inputs_description="predictions, references: strings (one reference each); use_stemmer: Porter stemming",
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
     def _compute(self, predictions, references, use_stemmer=False):

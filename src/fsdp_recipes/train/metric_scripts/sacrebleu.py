@@ -11,7 +11,9 @@ class SacreBleu(evaluate.Metric):
             description="Corpus-level BLEU (sacrebleu defaults: 13a tokenisation, exponential smoothing), 0-100.",
             citation="Post, A Call for Clarity in Reporting BLEU Scores, 2018.",
             inputs_description="predictions, references: strings (one reference each); tokenize: sacrebleu tokeniser",
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
     def _compute(self, predictions, references, tokenize="13a"):
