@@ -64,7 +64,7 @@ def child(mode: str, args) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for index in range(4):
+    for _ in range(4):
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)

@@ -576,7 +576,7 @@ def main(argv=None) -> dict:
     # The recipe's rows (and so (a)'s): built exactly as recipes/sft.py builds them.
     if settings.recipe_max_length < lengths[-1]:
         log(
-            f"note: --recipe-max-length {settings.recipe_max_length} truncates the {sum(l > settings.recipe_max_length for l in lengths)} "
+            f"note: --recipe-max-length {settings.recipe_max_length} truncates the {sum(length > settings.recipe_max_length for length in lengths)} "
             f"longest examples, so (a) and (b) see fewer real tokens than (c) and (d)"
         )
     recipe_tokens = (

@@ -251,7 +251,7 @@ def test_chat_templates_written_in_configs_render_conversations_turn_by_turn():
     assert len(templates) == 3  # ChatML (Qwen3), Phi-3's and Phi-4-mini's formats without a trailing <|endoftext|>
     for template in templates:
 
-        def render(messages, prompt=False):
+        def render(messages, prompt=False, template=template):
             return tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False, add_generation_prompt=prompt
             )

@@ -16,11 +16,11 @@ from fsdp_recipes.common.errors import ConfigError, DiskFullError, UserError, ex
 from fsdp_recipes.train.checkpoint import (
     CHECKPOINTS,
     TrainingProgress,
-    disk_full_cause,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
+from fsdp_recipes.train.disk_full import disk_full_cause
 
 FULL = "/dev/full"  # every write fails with ENOSPC; opened in place, never replaced (no rename, no unlink)
 REAL_SAVE = torch.save

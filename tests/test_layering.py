@@ -125,7 +125,7 @@ def test_modules_stay_readable_in_one_sitting(path):
 
 def test_the_checks_catch_a_back_import_and_a_cycle(tmp_path):
     package = tmp_path / "fsdp_recipes"
-    for folder, text in {"common": "from fsdp_recipes.train import loop\n", "train": "from . import other\n"}.items():
+    for folder in ("common", "train"):
         (package / folder).mkdir(parents=True)
         (package / folder / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")

@@ -23,21 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
+import difflib
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp_recipes.common.errors import ConfigError, DiskFullError
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.models.adapters import checkpoint_state_filter
 from fsdp_recipes.train.cadence import Cadence
+from fsdp_recipes.train.disk_full import disk_full_error
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -194,7 +194,15 @@ def save_checkpoint(
                 del record["data_state_per_rank"]
             _write_atomically(staging / PROGRESS, json.dumps(record, indent=2) + "\n")
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
-        disk_full = _disk_full_error(accelerator, output_dir, staging, error)
+        root = Path(output_dir) / CHECKPOINTS
+        disk_full = disk_full_error(
+            accelerator,
+            error,
+            root=root,
+            staging=staging,
+            previous=latest_checkpoint(output_dir),
+            step_name=staging.name.removeprefix(_STAGING),
+        )
         if disk_full is None:
             raise
         # DCP (SHARDED_STATE_DICT) gathers every rank's write errors, so then all ranks raise this together. A failed
@@ -211,88 +219,6 @@ def save_checkpoint(
         prune_checkpoints(output_dir, save_total_limit)
     accelerator.wait_for_everyone()
     return final
-
-
-_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded")  # safetensors' errors carry the errno as text
-# torch.save to a path writes through C++ (inline_container.cc), whose errors on a full disk carry no errno.
-_TORCH_WRITE_FAILED = ("file write failed", "unexpected pos", "iostream error")
-
-
-def disk_full_cause(error: BaseException) -> BaseException | None:
-    """The error in `error`'s chain (causes, contexts, and the per-rank failures DCP collects) that says the disk or
-    the quota is full, or None."""
-    chain = list(_error_chain(error))
-    for seen in chain:
-        if isinstance(seen, OSError) and seen.errno in _NO_SPACE_ERRNOS:
-            return seen
-    return next((seen for seen in chain if any(text in str(seen) for text in _NO_SPACE_TEXTS)), None)
-
-
-def _error_chain(error: BaseException) -> Iterator[BaseException]:
-    pending, seen = [error], set()
-    while pending:
-        current = pending.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        pending += [current.__cause__, current.__context__]
-        if isinstance(current, CheckpointException):
-            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values()]
-
-
-def _disk_full_error(accelerator: Accelerator, output_dir: str | Path, staging: Path, error: BaseException):
-    """A DiskFullError for a save that failed for lack of space (the partial save removed), or None for any other
-    failure."""
-    root = Path(output_dir) / CHECKPOINTS
-    cause = disk_full_cause(error)
-    if cause is None and not any(text in str(seen) for seen in _error_chain(error) for text in _TORCH_WRITE_FAILED):
-        return None
-    previous = latest_checkpoint(output_dir)
-    if previous is not None:
-        need = _bytes_under(previous)
-        need_text = f"the previous checkpoint, {previous.name}, takes {_size(need)}"
-    else:
-        parameters = sum(p.numel() for model in getattr(accelerator, "_models", []) for p in model.parameters())
-        need = max(12 * parameters, _bytes_under(staging))
-        need_text = (
-            f"a checkpoint of these {parameters} parameters needs about {_size(need)} (fp32 weights and AdamW's two "
-            "moments)"
-        )
-    if cause is None:
-        if shutil.disk_usage(root).free >= need:  # a failed write with room to spare is some other failure
-            return None
-        reason = "torch could not write the file"
-    elif isinstance(cause, OSError) and cause.errno in _NO_SPACE_ERRNOS:
-        reason = os.strerror(cause.errno)
-    else:
-        reason = next(text for text in _NO_SPACE_TEXTS if text in str(cause))
-    # Another rank may still be writing into the staging folder; the main process removes it (the next save would).
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-    resume = (
-        f" {previous.name} is still the latest complete checkpoint: --resume_from_checkpoint latest continues from it."
-        if previous is not None
-        else ""
-    )
-    return DiskFullError(
-        f"the disk is full: saving checkpoint {staging.name.removeprefix(_STAGING)} in {root} failed ({reason}). "
-        f"{_size(shutil.disk_usage(root).free)} free there now; {need_text}. Free space on that disk, keep fewer "
-        "checkpoints (save_total_limit), or choose an output_dir on a disk with room." + resume,
-        reported_by_main_rank=any(isinstance(seen, CheckpointException) for seen in _error_chain(error)),
-    )
-
-
-def _bytes_under(folder: Path) -> int:
-    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.is_dir() else 0
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} bytes"
 
 
 def write_model_files(
@@ -421,6 +347,28 @@ def _write_atomically(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
+
+
+def allow_config_change_problems(config) -> list[str]:
+    """What is wrong with `allow_config_change`: set without resuming, or naming a field resuming does not check."""
+    if config.allow_config_change is None:
+        return []
+    if not config.resume_from_checkpoint:
+        return ["allow_config_change applies to a resumed run only: set resume_from_checkpoint, or remove it"]
+    problems, sensitive = [], config.resume_sensitive_fields()
+    for name in config.allow_config_change:
+        if name in config.resume_fixed_fields():
+            problems.append(
+                f"allow_config_change: {name} cannot change on resume: the checkpoint's tensors "
+                "depend on it. Start a new run in a new output_dir instead"
+            )
+        elif name not in sensitive:
+            close = difflib.get_close_matches(name, sensitive, n=1)
+            problems.append(
+                f"allow_config_change: {name!r} is not a field that resuming checks"
+                + (f"; did you mean {close[0]!r}?" if close else f" (those are: {', '.join(sensitive)})")
+            )
+    return problems
 
 
 def check_resume_config(config, saved: dict[str, Any], checkpoint: Path) -> dict[str, list[Any]]:

@@ -11,7 +11,6 @@ field's help (`--help`) says what the knob trades.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import math
 from pathlib import Path
@@ -21,6 +20,7 @@ from transformers import SchedulerType
 
 from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 from fsdp_recipes.models.adapters import adapter_config_problems
+from fsdp_recipes.train.checkpoint import allow_config_change_problems
 
 
 @dataclasses.dataclass
@@ -135,7 +135,7 @@ class TrainingConfig(RunConfig):
             "help": "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)"
         },
     )
-    # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) --------------------------------------
+    # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) ---------------------------------
     use_peft: bool = dataclasses.field(
         default=False,
         metadata={
@@ -315,8 +315,9 @@ class TrainingConfig(RunConfig):
     allow_config_change: list[str] | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "resuming: fields that change the objective or the data (docs/errors.md) which may differ from the "
-            "checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change is refused"
+            "help": "resuming: fields that change the objective or the data (docs/errors.md) which may differ from "
+            "the checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change "
+            "is refused"
         },
     )
 
@@ -433,29 +434,9 @@ class TrainingConfig(RunConfig):
         if self.lr_scheduler_type not in schedulers:
             problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
         problems.extend(adapter_config_problems(self))
-        problems.extend(self._allow_config_change_problems())
+        problems.extend(allow_config_change_problems(self))
         if self.push_to_hub and not self.hub_model_id:
             problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
-        return problems
-
-    def _allow_config_change_problems(self) -> list[str]:
-        if self.allow_config_change is None:
-            return []
-        if not self.resume_from_checkpoint:
-            return ["allow_config_change applies to a resumed run only: set resume_from_checkpoint, or remove it"]
-        problems, sensitive = [], self.resume_sensitive_fields()
-        for name in self.allow_config_change:
-            if name in self.resume_fixed_fields():
-                problems.append(
-                    f"allow_config_change: {name} cannot change on resume: the checkpoint's tensors "
-                    "depend on it. Start a new run in a new output_dir instead"
-                )
-            elif name not in sensitive:
-                close = difflib.get_close_matches(name, sensitive, n=1)
-                problems.append(
-                    f"allow_config_change: {name!r} is not a field that resuming checks"
-                    + (f"; did you mean {close[0]!r}?" if close else f" (those are: {', '.join(sensitive)})")
-                )
         return problems
 
 
