@@ -177,12 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: LoRA adapters on a frozen base
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    total_steps = loop.total_optimizer_steps(
-        len(train_loader),
-        config.gradient_accumulation_steps,
-        max_steps=config.max_steps,
-        epochs=config.num_train_epochs,
-    )
+    total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     evaluator = evaluation.MetricEvaluator(
         accelerator, model, eval_loader, predict=classifier.predict, metrics=metrics, every=config.eval_steps
@@ -224,14 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(
-            step,
-            epoch=batches.epoch,
-            loss_sum=loss_sum,
-            target_count=weight_total,
-            lr=scheduler.get_last_lr()[0],
-            grad_norm=grad_norm,
-        )
+        run.metrics.log_step(step, loss_sum=loss_sum, target_count=weight_total, grad_norm=grad_norm)
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()

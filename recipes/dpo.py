@@ -198,12 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             reference.write_tables(config.output_dir, tables)
         references = {name: reference.ReferenceLogProbs("precomputed", table=table) for name, table in tables.items()}
 
-    total_steps = loop.total_optimizer_steps(
-        len(train_loader),
-        config.gradient_accumulation_steps,
-        max_steps=config.max_steps,
-        epochs=config.num_train_epochs,
-    )
+    total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
 
     def pair_losses(model, batch, reference_log_probs):
@@ -286,15 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(
-            step,
-            epoch=batches.epoch,
-            loss_sum=loss_sum,
-            target_count=pair_count,
-            lr=scheduler.get_last_lr()[0],
-            grad_norm=grad_norm,
-            sums=figures,
-        )
+        run.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()

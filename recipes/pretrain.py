@@ -198,12 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         if config.streaming
         else min(split["tokens_per_rank"]) // (config.max_length * config.per_device_train_batch_size)
     )  # rows are at most max_length: no rank runs past its part
-    total_steps = loop.total_optimizer_steps(
-        batches_per_epoch or 1,
-        config.gradient_accumulation_steps,
-        max_steps=config.max_steps,
-        epochs=config.num_train_epochs,
-    )
+    total_steps = loop.total_optimizer_steps(batches_per_epoch or 1, config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
         model,
@@ -241,14 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(
-            step,
-            epoch=batches.epoch,
-            loss_sum=loss_sum,
-            target_count=target_count,
-            lr=scheduler.get_last_lr()[0],
-            grad_norm=grad_norm,
-        )
+        run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()

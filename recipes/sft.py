@@ -150,12 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    total_steps = loop.total_optimizer_steps(
-        len(train_loader),
-        config.gradient_accumulation_steps,
-        max_steps=config.max_steps,
-        epochs=config.num_train_epochs,
-    )
+    total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     batches, first_step = run.begin(
         model,
@@ -204,14 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         bar.update(1)
         run.fault_point(step)
 
-        run.metrics.log_step(
-            step,
-            epoch=batches.epoch,
-            loss_sum=loss_sum,
-            target_count=target_count,
-            lr=scheduler.get_last_lr()[0],
-            grad_norm=grad_norm,
-        )
+        run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
         run.evaluation.maybe_evaluate(step)
         run.checkpoints.maybe_save(step)
     bar.close()

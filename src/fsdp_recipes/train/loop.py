@@ -32,13 +32,13 @@ def build_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
     )
 
 
-def total_optimizer_steps(
-    batches_per_epoch: int, gradient_accumulation_steps: int, *, max_steps: int, epochs: float
-) -> int:
-    if max_steps > 0:
-        return max_steps
-    steps_per_epoch = max(1, math.ceil(batches_per_epoch / gradient_accumulation_steps))  # no batch left out
-    return max(1, math.ceil(epochs * steps_per_epoch))
+def total_optimizer_steps(batches_per_epoch: int, config) -> int:
+    """The run's optimizer steps: the config's `max_steps` when > 0, else `num_train_epochs` over the batches of an
+    epoch, `gradient_accumulation_steps` batches a step (a last partial step included)."""
+    if config.max_steps > 0:
+        return config.max_steps
+    steps_per_epoch = max(1, math.ceil(batches_per_epoch / config.gradient_accumulation_steps))  # no batch left out
+    return max(1, math.ceil(config.num_train_epochs * steps_per_epoch))
 
 
 def build_scheduler(optimizer, config, *, total_steps: int):

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -235,8 +236,12 @@ class StepLogger:
         model_config,
         non_embedding_parameters: int,
         peak_flops: float | None,
+        position: Callable[[], dict[str, Any]] = dict,
     ):
+        """`position()`: what every record carries besides the step's figures (the run gives the epoch and the
+        scheduler's learning rate)."""
         self.accelerator, self.log, self.cadence = accelerator, log, Cadence(every, total_steps)
+        self.position = position
         self.model_config, self.non_embedding_parameters, self.peak_flops = (
             model_config,
             non_embedding_parameters,
@@ -251,7 +256,6 @@ class StepLogger:
         *,
         loss_sum: float,
         target_count: float,
-        lr: float,
         grad_norm=None,
         sums: dict[str, float] | None = None,
         **fields,
@@ -271,10 +275,10 @@ class StepLogger:
             means = {name: total / max(target_count, 1.0) for name, total in zip(names, totals)}
         record = {
             "step": step,
+            **self.position(),
             **fields,
             **means,
             "loss": sum_over_ranks(self.accelerator, loss_sum) / max(target_count, 1.0),
-            "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             **throughput_record(
                 self.accelerator,
