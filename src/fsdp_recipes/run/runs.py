@@ -1,64 +1,33 @@
-"""A training run, from the launch to the exported folder, for any recipe: what a recipe does not need to see.
-
-    run = run_lib.start(config, name="sft")        accelerator, seed, every check that needs no weights (all ranks
-                                                    together), tokenizer and model config
-    ... data, model, accelerator.prepare ...
-    batches, first_step = run.begin(model, train_loader, scheduler, total_steps=..., evaluator=...)
-                                                    resume, run summary, metrics log, trackers; then the components
-                                                    that decide their own cadence: run.metrics (logging),
-                                                    run.evaluation (the recipe's evaluator), run.checkpoints (saves)
-    ... the loop ...
-    run.finish(model, results={...})               final metrics, curves, export (read back and compared), card, Hub
-
-Nothing here knows a particular recipe: the recipe passes its name, its task (causal LM or sequence classification)
-and its config, a `TrainingConfig` subclass.
-"""
+"""The objects a recipe drives: `StartedRun` (what `start` checked and built), `EvaluationRun` (an evaluation's
+start) and `Run` (a training run: `begin` after `accelerator.prepare`, the loop, `finish`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.faults import inject_fault
-from fsdp_recipes.common.outputs import output_dir_problem
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
-from fsdp_recipes.distributed.accelerator import build_accelerator, describe_run, launch_environment
+from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
-from fsdp_recipes.distributed.launch_checks import check_launch_environment
 from fsdp_recipes.models import adapters
-from fsdp_recipes.models.modeling import (
-    activation_checkpointing_mechanism,
-    check_one_activation_checkpointing,
-    check_packing_is_isolated,
-    check_same_shapes,
-    check_tokenizer_fits_model,
-    count_non_embedding_parameters,
-    load_model_config,
-    load_tokenizer,
-    resolve_attn_implementation,
-    resolve_wrap_classes,
-)
+from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
-from fsdp_recipes.publish.hub import push_folder_to_hub, require_hub_token
+from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
-from fsdp_recipes.publish.model_source import resolve as resolve_model_source
-from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.tools.estimator.live import estimate_for_run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 from fsdp_recipes.train.loop import BatchStream
-from fsdp_recipes.train.losses import loss_implementation_problem
 from fsdp_recipes.train.metrics import (
     MetricsLog,
     StepLogger,
@@ -375,166 +344,3 @@ class Run(StartedRun):
             accelerator.print(f"model exported to {folder.resolve()}")
         accelerator.end_training()
         return folder
-
-
-def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
-    """The accelerator for this launch (refusing launches that cannot give what was asked), the seed, and every
-    check that needs no weights, run on all ranks together so that a problem stops all of them before anything
-    expensive: the Accelerate config, the checkpoint to resume (same global batch, same model), output_dir, the Hub
-    token, tokenizer and model config, the wrap classes, activation checkpointing, the attention implementation."""
-    accelerator = accelerator_for(config, compile_layers=config.torch_compile)
-    checks = on_every_rank_together(accelerator, lambda: _checks_before_loading(accelerator, config, task))
-    return Run(config=config, name=name, task=task, accelerator=accelerator, **checks)
-
-
-def start_evaluation(
-    config: RunConfig, *, name: str, task: str | None = None, base_model_name_or_path: str | None = None
-) -> EvaluationRun:
-    """`start` for a recipe that loads a trained model to measure it: the same accelerator and checks before loading,
-    on a model folder, Hub id, LoRA adapter folder or recipe checkpoint; `task` None: the model's own (a
-    *ForSequenceClassification is a classifier). output_dir None: the model folder itself. `base_model_name_or_path`:
-    a LoRA adapter's base, instead of the one it records."""
-    accelerator = accelerator_for(config)
-
-    def checks() -> dict[str, Any]:
-        source = resolve_model_source(config.model_name_or_path, base_model_name_or_path=base_model_name_or_path)
-        output_dir = config.output_dir or (str(source.local_folder) if source.local_folder else None)
-        if output_dir is None:
-            raise ConfigError(
-                "output_dir is required when evaluating a Hub id or a checkpoint: the folder for the "
-                "results and the card"
-            )
-        problem = output_dir_problem(output_dir, overwrite=True)
-        hub_model_id = config.hub_model_id or (source.name if source.kind == "hub" else None)
-        if config.push_to_hub and not hub_model_id:
-            problem = problem or "push_to_hub needs hub_model_id: the repo whose card gets the results"
-        if problem:
-            raise ConfigError(problem)
-        hub_token = require_hub_token() if config.push_to_hub else None
-        # an adapter folder has no model config of its own (its base's applies) but carries the tokenizer it used
-        tokenizer, model_config = load_model_files(
-            config,
-            source.config_files,
-            tokenizer_name_or_path=source.files,
-            model_setting="base_model_name_or_path" if source.kind == "adapter" else "model_name_or_path",
-        )
-        model_task = task or model_source_task(source, model_config)
-        return dict(
-            source=source,
-            output_dir=Path(output_dir),
-            hub_model_id=hub_model_id,
-            hub_token=hub_token,
-            tokenizer=tokenizer,
-            model_config=model_config,
-            task=model_task,
-            **model_layout(accelerator, config, model_config, model_task),
-        )
-
-    started = on_every_rank_together(accelerator, checks)
-    accelerator.project_configuration.set_directories(str(started["output_dir"]))  # trackers write beside results
-    return EvaluationRun(config=config, name=name, accelerator=accelerator, **started)
-
-
-def accelerator_for(config: RunConfig, *, compile_layers: bool = False) -> Accelerator:
-    """The Accelerate config as exported checked (its errors stop every rank here, its warnings are printed), the
-    accelerator built from it with the config's tracker, and the seed set."""
-    launch_warnings = check_launch_environment()
-    accelerator = build_accelerator(
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        log_with=None if config.report_to == "none" else config.report_to,
-        project_dir=config.output_dir,
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if compile_layers else None,
-    )
-    set_seed(config.seed)
-    for warning in launch_warnings:
-        accelerator.print(f"warning: the Accelerate config: {warning.key}: {warning.message}")
-    return accelerator
-
-
-def load_model_files(
-    config: RunConfig,
-    model_name_or_path: str | None,
-    model_config_file: str | None = None,
-    *,
-    tokenizer_name_or_path: str | None = None,
-    model_setting: str = "model_name_or_path",
-):
-    """(tokenizer, model config) of the model to load, checked against each other; no weights. The tokenizer is the
-    config's `tokenizer_name_or_path`, else `tokenizer_name_or_path`, else the model's own. `model_setting`: the field
-    that named `model_name_or_path`, for messages."""
-    tokenizer = load_tokenizer(
-        config.tokenizer_name_or_path or tokenizer_name_or_path or model_name_or_path,
-        revision=config.model_revision,
-        trust_remote_code=config.trust_remote_code,
-        chat_template=config.chat_template,
-        setting="tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path",
-    )
-    model_config = load_model_config(
-        model_name_or_path,
-        model_config_file,
-        revision=config.model_revision,
-        trust_remote_code=config.trust_remote_code,
-        setting=None if model_config_file else model_setting,
-    )
-    check_tokenizer_fits_model(tokenizer, model_config)
-    return tokenizer, model_config
-
-
-def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task: str) -> dict[str, Any]:
-    """What the Accelerate config will wrap (checked against the model) and the attention implementation to load."""
-    wrap_classes = resolve_wrap_classes(
-        accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code
-    )
-    attn_implementation, attention_note = resolve_attn_implementation(
-        model_config, config.attn_implementation, task=task, trust_remote_code=config.trust_remote_code
-    )
-    return dict(wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
-
-
-def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, task: str) -> dict[str, Any]:
-    checkpoint = None
-    if config.resume_from_checkpoint:
-        checkpoint = checkpoints_lib.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
-        checkpoints_lib.read_progress(checkpoint).check_resumable(
-            world_size=accelerator.num_processes,
-            per_device_train_batch_size=config.per_device_train_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-        )
-    resuming_here = checkpoint is not None and Path(config.output_dir).resolve() in checkpoint.resolve().parents
-    problem = output_dir_problem(config.output_dir, overwrite=config.overwrite_output_dir or resuming_here)
-    problem = problem or checkpoints_lib.checkpoint_conflict(config.output_dir, checkpoint)
-    if problem:
-        raise ConfigError(problem)
-    hub_token = require_hub_token() if config.push_to_hub else None
-    tokenizer, model_config = load_model_files(config, config.model_name_or_path, config.model_config)
-    if checkpoint is not None and checkpoints_lib.saved_model_config_path(checkpoint).is_file():
-        saved = load_model_config(
-            None, str(checkpoints_lib.saved_model_config_path(checkpoint)), trust_remote_code=config.trust_remote_code
-        )
-        check_same_shapes(saved, model_config, task=task, trust_remote_code=config.trust_remote_code)
-    config_changes = {}
-    if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
-        saved_recipe = json.loads(checkpoints_lib.saved_recipe_config_path(checkpoint).read_text())
-        config_changes = checkpoints_lib.check_resume_config(config, saved_recipe, checkpoint)
-    if config.packs_examples():
-        check_packing_is_isolated(model_config)
-    layout = model_layout(accelerator, config, model_config, task)
-    check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
-    adapters.check_before_loading(
-        config,
-        model_config,
-        task=task,
-        is_fsdp=accelerator.distributed_type.value == "FSDP",
-        trust_remote_code=config.trust_remote_code,
-    )
-    problem = loss_implementation_problem(config.loss_implementation, accelerator.device.type)
-    if problem:
-        raise ConfigError(problem)
-    return dict(
-        checkpoint=checkpoint,
-        hub_token=hub_token,
-        tokenizer=tokenizer,
-        model_config=model_config,
-        config_changes=config_changes,
-        **layout,
-    )
