@@ -32,7 +32,7 @@ import sys
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import classification, files, rows
-from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.models import adapters
 from fsdp_recipes.publish import model_index
 from fsdp_recipes.train import classifier, evaluation, loop
 from fsdp_recipes.train import config as config_lib
@@ -161,15 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
-    model = modeling.load_model(
-        run.model_config,
-        model_name_or_path=config.model_name_or_path,
-        task="sequence-classification",
-        revision=config.model_revision,
-        attn_implementation=run.attn_implementation,
-        trust_remote_code=config.trust_remote_code,
-        ignore_mismatched_sizes=config.ignore_mismatched_sizes,
-        **adapters.loading_options(config, accelerator),
+    model = run.load_model(
+        ignore_mismatched_sizes=config.ignore_mismatched_sizes, **adapters.loading_options(config, accelerator)
     )
     head = classifier.head_module_names(model)
     if config.gradient_checkpointing:

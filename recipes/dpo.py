@@ -31,7 +31,7 @@ import torch
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import files, preference, rows
-from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.models import adapters
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import evaluation, loop, losses, reference
 
@@ -162,14 +162,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- the policy, and the reference it is compared with ---------------------------------------------------------------
     def load():
-        return modeling.load_model(
-            run.model_config,
-            model_name_or_path=config.model_name_or_path,
-            revision=config.model_revision,
-            attn_implementation=run.attn_implementation,
-            trust_remote_code=config.trust_remote_code,
-            **adapters.loading_options(config, accelerator),
-        )
+        return run.load_model(**adapters.loading_options(config, accelerator))
 
     model = load()
     if config.gradient_checkpointing:

@@ -37,7 +37,7 @@ from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import text
 from fsdp_recipes.distributed import collectives
-from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.models import adapters
 from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import loop, losses
@@ -179,14 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     batches, split, eval_rows = run.on_every_rank(prepare_data, main_process_first=True)
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
-    model = modeling.load_model(
-        run.model_config,
-        model_name_or_path=config.model_name_or_path,
-        revision=config.model_revision,
-        attn_implementation=run.attn_implementation,
-        trust_remote_code=config.trust_remote_code,
-        **adapters.loading_options(config, accelerator),
-    )
+    model = run.load_model(**adapters.loading_options(config, accelerator))
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base

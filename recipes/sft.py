@@ -33,7 +33,7 @@ import sys
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import chat, files, rows
-from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.models import adapters
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import evaluation, loop, losses
 
@@ -136,14 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
-    model = modeling.load_model(
-        run.model_config,
-        model_name_or_path=config.model_name_or_path,
-        revision=config.model_revision,
-        attn_implementation=run.attn_implementation,
-        trust_remote_code=config.trust_remote_code,
-        **adapters.loading_options(config, accelerator),
-    )
+    model = run.load_model(**adapters.loading_options(config, accelerator))
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base

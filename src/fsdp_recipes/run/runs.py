@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
@@ -19,7 +20,7 @@ from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
 from fsdp_recipes.models import adapters
-from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters
+from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters, load_model
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
@@ -98,6 +99,21 @@ class Run(StartedRun):
     def fault_point(self, step: int) -> None:
         """Where FSDP_RECIPES_FAULT can kill or fail a rank after a step, to rehearse crashes; nothing otherwise."""
         inject_fault("after-step", step, self.accelerator.process_index)
+
+    def load_model(self, **options) -> torch.nn.Module:
+        """The model for this run's task: the pretrained weights of `model_name_or_path`, or initialised from the
+        config of `model_config`, with the attention implementation the checks chose; `options` go to
+        `modeling.load_model` (adapters.loading_options: dtype, quantisation, device)."""
+        config = self.config
+        return load_model(
+            self.model_config,
+            model_name_or_path=config.model_name_or_path,
+            task=self.task,
+            revision=config.model_revision,
+            attn_implementation=self.attn_implementation,
+            trust_remote_code=config.trust_remote_code,
+            **options,
+        )
 
     def loss_evaluator(self, model, rows, loss_sum: LossSum) -> LossEvaluator:
         """Held-out loss on `rows` (None: no held-out data) every `eval_steps` and at the end, for `begin`."""
@@ -216,6 +232,7 @@ class Run(StartedRun):
             model_config=self.model_config,
             non_embedding_parameters=count_non_embedding_parameters(accelerator.unwrap_model(model)),
             peak_flops=peak_flops_per_device(self.summary["device_name"], config.peak_flops_per_device),
+            position=lambda: {"epoch": batches.epoch, "lr": scheduler.get_last_lr()[0]},
         )
         self.evaluation = evaluator or Evaluation()
         self.evaluation.attach(log=self.log, total_steps=total_steps, pause=self.metrics.window.paused)
