@@ -35,7 +35,7 @@ from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed.accelerator import build_accelerator, describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapter_export, adapters
 from fsdp_recipes.models.modeling import (
     activation_checkpointing_mechanism,
     check_one_activation_checkpointing,
@@ -351,7 +351,7 @@ class Run(StartedRun):
             task=self.task,
         )
         if adapters.is_adapter_model(accelerator.unwrap_model(model)):
-            folder = adapters.export_adapter_folder(
+            folder = adapter_export.export_adapter_folder(
                 accelerator,
                 model,
                 self.tokenizer,
