@@ -3,8 +3,8 @@
 In-process: discovery from folders, the checks of each shipped config (launch command, Accelerate config through the
 linter with the command's flags, the model's wrap classes, the memory estimate against the GPU memory it names), the
 model shapes the estimator ships (fsdp_recipes/tools/estimator/model_shapes), the chat templates configs set, every `cp`
-mode and refusal, and what the wheel bundles. One launch: after a pip install of the wheel, outside any clone, `ls` lists, `cp` copies, and the
-copied recipe, edited, runs the copied demo config from its folder."""
+mode and refusal, and what the wheel bundles. One launch: after a pip install of the wheel, outside any clone, `ls`
+lists, `cp` copies, and the copied recipe, edited, runs the copied demo config from its folder."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ import pytest
 import yaml
 
 from fsdp_recipes.tools import cli
-from fsdp_recipes.tools.catalog import Catalog, listing, model_info
+from fsdp_recipes.tools.catalog import Catalog, model_info
 from fsdp_recipes.tools.estimator import MODEL_SHAPES
+from fsdp_recipes.tools.listing import listing
 from helpers.launch import launch, require_success, run_process_group
 from helpers.paths import REPO, TOKENIZER
 from helpers.recipes import read_metrics
@@ -382,7 +383,8 @@ def test_the_wheel_bundles_every_file_ls_and_cp_use():
 def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repository(tmp_path):
     """A wheel built from the repository, installed in a folder of its own, used from outside any clone: `cp` copies
     the SFT recipe with the demo config from the bundled files, and the copy, edited, runs from its folder with the
-    installed package (under its FSDP2 config, on one process: enough to show which package runs). (`ls` reads the same bundled folders: tested in-process on the checkout.)"""
+    installed package (under its FSDP2 config, on one process: enough to show which package runs). (`ls` reads the same
+    bundled folders: tested in-process on the checkout.)"""
     source = tmp_path / "source"
     for name in ("src", "recipes", "accelerate_configs", "demo", "benchmarks"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -411,7 +413,8 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     recipe.write_text(
         recipe.read_text().replace(
             'if __name__ == "__main__":\n',
-            'if __name__ == "__main__":\n    import fsdp_recipes\n    print("the edited copy runs with", fsdp_recipes.__file__)\n',
+            'if __name__ == "__main__":\n    import fsdp_recipes\n'
+            '    print("the edited copy runs with", fsdp_recipes.__file__)\n',
         )
     )
     command = CATALOG.read_config(project / "recipes/configs/sft/demo_reverse.yaml", recipe="sft").launch

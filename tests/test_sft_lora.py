@@ -1,5 +1,6 @@
-"""LoRA and QLoRA (fsdp_recipes.models.adapters) in the SFT recipe: real 2-process FSDP2 runs for what distribution changes
-(parity with one process, adapters gathered from every shard, checkpoints and resume), in-process for the rest."""
+"""LoRA and QLoRA (fsdp_recipes.models.adapters, the export fsdp_recipes.models.adapter_export) in the SFT recipe: real
+2-process FSDP2 runs for what distribution changes (parity with one process, adapters gathered from every shard,
+checkpoints and resume), in-process for the rest."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from fixtures.lora import lora_values
 from fixtures.sft import STEPS, run_sft
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapter_export, adapters
 from fsdp_recipes.tools.estimator.shapes import model_info_from_config
 from fsdp_recipes.tools.estimator.workload import Adapters
 from helpers.launch import alongside
@@ -97,10 +98,10 @@ def test_the_adapter_folder_reloads_onto_the_base_as_the_trained_model(
 def test_the_merged_model_is_a_plain_transformers_model_with_the_same_logits(lora_reference_run, pretrained_tiny_model):
     from transformers import AutoModelForCausalLM
 
-    merged_dir = lora_reference_run / adapters.MERGED_FOLDER
+    merged_dir = lora_reference_run / adapter_export.MERGED_FOLDER
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     assert not any("lora" in name for name in merged.state_dict())
-    ids = adapters.verification_inputs(merged.config.vocab_size, seed=3)
+    ids = adapter_export.verification_inputs(merged.config.vocab_size, seed=3)
     with torch.no_grad():
         torch.testing.assert_close(
             merged(input_ids=ids).logits,
@@ -160,7 +161,7 @@ def test_a_killed_lora_run_resumes_with_identical_losses_and_bitwise_equal_adapt
     for key in reference:
         assert torch.equal(resumed[key], reference[key]), key
     merged, reference_merged = (
-        load_file(folder / adapters.MERGED_FOLDER / "model.safetensors") for folder in (out, lora_reference_run)
+        load_file(folder / adapter_export.MERGED_FOLDER / "model.safetensors") for folder in (out, lora_reference_run)
     )
     assert all(torch.equal(merged[key], reference_merged[key]) for key in reference_merged)
 
@@ -189,7 +190,7 @@ def test_export_turns_a_lora_checkpoint_into_the_runs_adapter_and_merged_model(t
 
     checkpoint = lora_reference_run / "checkpoints" / f"step-{STEPS:08d}"  # the trained state: the run's last step
     assert cli.main(["export", str(checkpoint), str(tmp_path / "exported"), "--merged"]) == 0
-    for name in ("adapter_model.safetensors", f"{adapters.MERGED_FOLDER}/model.safetensors"):
+    for name in ("adapter_model.safetensors", f"{adapter_export.MERGED_FOLDER}/model.safetensors"):
         exported, trained = load_file(tmp_path / "exported" / name), load_file(lora_reference_run / name)
         assert exported.keys() == trained.keys()
         assert all(torch.equal(exported[key], trained[key]) for key in trained), name

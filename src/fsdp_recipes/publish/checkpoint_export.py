@@ -101,7 +101,8 @@ def _export_adapter_checkpoint(
     as adapter_config.json, the tokenizer and a card."""
     from types import SimpleNamespace
 
-    from fsdp_recipes.models.adapters import MERGED_FOLDER, load_base, lora_config, reload_adapter
+    from fsdp_recipes.models.adapter_export import MERGED_FOLDER, load_base, reload_adapter
+    from fsdp_recipes.models.adapters import lora_config
 
     settings = SimpleNamespace(**recipe_config)
     names = tensors.names()

@@ -19,7 +19,7 @@ from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapter_export, adapters
 from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters, load_model
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
@@ -337,7 +337,7 @@ class Run(StartedRun):
             task=self.task,
         )
         if adapters.is_adapter_model(accelerator.unwrap_model(model)):
-            folder = adapters.export_adapter_folder(
+            folder = adapter_export.export_adapter_folder(
                 accelerator,
                 model,
                 self.tokenizer,

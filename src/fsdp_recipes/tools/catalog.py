@@ -1,8 +1,6 @@
-"""The recipes and their configs, found in folders: nothing here lists them by hand.
-
-`fsdp-recipes ls` shows every recipe (`recipes/<name>.py`, with the first line of its docstring) and every config of it
-(`recipes/configs/<name>/*.yaml`): the model, the method, the Accelerate config it is meant for and the estimated memory
-per GPU (fsdp_recipes.tools.estimator). `fsdp-recipes cp` copies a recipe or a config, with what it needs, for editing.
+"""The recipes and their configs, found in folders: nothing here lists them by hand. A recipe is
+`recipes/<name>.py`, its configs `recipes/configs/<name>/*.yaml`. `fsdp-recipes ls` lists them
+(fsdp_recipes.tools.listing); `fsdp-recipes cp` copies a recipe or a config, with what it needs, for editing.
 
 What a config is meant for is read from its opening comment, which every config has: the command that launches it
 (fsdp_recipes.tools.config_comments), and optionally a line `# GPU memory: 24GB`, the memory per GPU the config must
@@ -31,11 +29,9 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
 from fsdp_recipes.common.errors import ConfigError, UserError
-from fsdp_recipes.common.sizes import parse_size, short_size
-from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.common.sizes import parse_size
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout, fsdp_settings, read_accelerate_yaml
 from fsdp_recipes.distributed.launch_checks import ERROR
-from fsdp_recipes.tools import topology as topology_lib
 from fsdp_recipes.tools.config_comments import LaunchCommand, opening_comment, parse_launch_command
 from fsdp_recipes.tools.estimator import MODEL_SHAPES
 from fsdp_recipes.tools.estimator.arguments import DEFAULT_GPU_MEMORY
@@ -219,7 +215,8 @@ class Catalog:
     def estimate(self, config: RecipeConfig):
         """The estimate for the config on the launch it is meant for, read with its recipe's config class. Raises
         ConfigError."""
-        # Imported here, not above: the estimator imports torch, transformers and peft (seconds), which `cp` never needs.
+        # Imported here, not above: the estimator imports torch, transformers and peft (seconds), which `cp` never
+        # needs.
         from fsdp_recipes.tools.estimator.formulas import estimate_for_recipe
         from fsdp_recipes.tools.estimator.recipe import recipe_config
 
@@ -414,58 +411,3 @@ class Catalog:
 
 def _flags(overrides: dict[str, Any]) -> list[str]:
     return [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
-
-
-# --- fsdp-recipes ls ------------------------------------------------------------------------------------------------
-def listing(catalog: Catalog, text: str | None = None) -> list[str]:
-    """The lines `fsdp-recipes ls` prints; `text` keeps only recipes and configs whose names contain it."""
-    devices = {}
-    topologies_file = catalog.root / "accelerate_configs" / "topologies.yaml"
-    if topologies_file.is_file():
-        devices = {t.file: t.device for t in topology_lib.load_topologies(topologies_file)}
-    lines, notes = [], []
-    recipes = {recipe.name: recipe.summary for recipe in catalog.recipes()}
-    config_folders = {path.name for path in (catalog.root / "recipes" / "configs").glob("*") if path.is_dir()}
-    for name in sorted(recipes.keys() | config_folders):
-        configs = [c for c in catalog.configs(name) if not text or text in c.key]
-        if text and text not in name and not configs:
-            continue
-        lines += ["", f"{name}  recipes/{name}.py: {recipes.get(name, '(missing: these configs have no recipe)')}"]
-        rows = [("config", "model", "method", "accelerate config", "processes", "memory per GPU (estimate)")]
-        for config in configs:
-            launch = config.launch
-            named = launch and launch.accelerate_config
-            accelerate_config = Path(launch.accelerate_config).name if named else "-"
-            if launch and launch.overrides:
-                accelerate_config += " + " + " ".join(f"--{key}" for key in launch.overrides)
-            try:
-                estimate = catalog.estimate(config)
-            except ConfigError as error:
-                notes.append(f"{config.key}: {error}")
-                rows.append((config.key, str(config.model), config.method, accelerate_config, "?", "? (see below)"))
-                continue
-            layout = estimate.layout
-            on_cpu = devices.get(Path(launch.accelerate_config).name) == "cpu"
-            processes = f"{layout.world_size} CPU" if on_cpu else f"{layout.world_size} x {config.gpu_memory}"
-            if layout.num_machines > 1:
-                processes += f" ({layout.num_machines} nodes)"
-            memory = short_size(estimate.total)
-            if not on_cpu:
-                memory += " fits" if estimate.fits else f" > {estimate.usable / 2**30:.1f} GiB usable!"
-            if estimate.host_state:
-                memory += f" + {short_size(sum(estimate.host_state.values()))} host RAM"
-            rows.append((config.key, str(config.model), config.method, accelerate_config, processes, memory))
-        if configs:
-            lines += format_table(rows).splitlines()
-    if not lines:
-        return [f"no recipe or config name contains {text!r}"]
-    lines += [
-        "",
-        "Estimates: parameters, gradients, AdamW state, activations of one micro-batch and FSDP buffers on the "
-        "most loaded GPU, 10% kept free (docs/memory-estimator.md), with the frozen model copy a recipe keeps "
-        "(a DPO reference).",
-        "Copy one to adapt it: fsdp-recipes cp RECIPE_OR_CONFIG FOLDER",
-    ]
-    if notes:
-        lines += ["", "Not estimated:"] + [f"  {note}" for note in notes]
-    return lines[1:]

@@ -149,7 +149,8 @@ def ls_command(parser: argparse.ArgumentParser) -> Runner:
     )
 
     def run(args: argparse.Namespace) -> int:
-        from fsdp_recipes.tools.catalog import Catalog, listing
+        from fsdp_recipes.tools.catalog import Catalog
+        from fsdp_recipes.tools.listing import listing
 
         catalog = Catalog()
         print("\n".join(listing(catalog, args.text)))
