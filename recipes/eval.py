@@ -171,7 +171,8 @@ def measures_for(run: run_lib.EvaluationRun, config: EvalConfig) -> Measures:
     if run.task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
         classifier.configure(model_config, [model_config.id2label[i] for i in range(model_config.num_labels)],
                              pad_token_id=run.tokenizer.pad_token_id)  # batches of more than one row need it
-    return Measures(metrics=evaluation.load_metrics([n for n in names if n != "perplexity"]),
+    known = sorted(CLASSIFICATION_METRICS if run.task == "sequence-classification" else for_causal_lm)
+    return Measures(metrics=evaluation.load_metrics([n for n in names if n != "perplexity"], known=known),
                     perplexity="perplexity" in names)
 
 
