@@ -63,7 +63,8 @@ def run_documented(words: list[str]) -> None:
 
 
 def run_python(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """A Makefile line `.venv/bin/python demo/<script>.py ...`, with this interpreter (the script is standard library)."""
+    """A Makefile line `.venv/bin/python demo/<script>.py ...`, run with this interpreter (the script needs only the
+    standard library)."""
     assert words[0].endswith("/python") and words[1].startswith("demo/"), words
     return subprocess.run([sys.executable, *words[1:]], cwd=cwd, capture_output=True, text=True)
 

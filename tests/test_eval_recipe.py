@@ -226,7 +226,8 @@ def test_a_misspelled_metric_gets_the_name_it_is_closest_to_among_those_that_app
     assert error.startswith("error: metric 'acuracy' cannot be loaded: did you mean 'accuracy'? (")
     assert "Loading weights" not in stderr and not (tmp_path / "out").exists()
     # a causal LM is offered its own names (perplexity is one), never a classifier's
-    error, _ = run_failing(tmp_path, lm_values(tiny_lm, chat_eval_data, tmp_path / "out", metrics=["perplexty"]), capsys)
+    misspelled = lm_values(tiny_lm, chat_eval_data, tmp_path / "out", metrics=["perplexty"])
+    error, _ = run_failing(tmp_path, misspelled, capsys)
     assert "metric 'perplexty' cannot be loaded: did you mean 'perplexity'?" in error
     error, _ = run_failing(tmp_path, lm_values(tiny_lm, chat_eval_data, tmp_path / "out", metrics=["acuracy"]), capsys)
     assert "metric 'acuracy' cannot be loaded (" in error and "did you mean" not in error
