@@ -22,10 +22,15 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 # SFT of a tiny model on the bundled string-reversal chat data, 2 CPU processes under FSDP2 (a few minutes).
-# CUDA_VISIBLE_DEVICES is emptied: the demo is the CPU rehearsal even on a machine with a GPU.
+# CUDA_VISIBLE_DEVICES is emptied: the demo is the CPU rehearsal even on a machine with a GPU. Each run gets its own
+# dated folder; once it succeeds, outputs/demo_reverse/latest is pointed at it (a relative link, replaced atomically),
+# which is where the DPO and eval demo configs read the model from. The check before the run refuses a `latest` that
+# is a real folder, before anything is trained.
 demo: venv
+	$(BIN)/python demo/link_latest.py --check $(DEMO_OUTPUT)
 	CUDA_VISIBLE_DEVICES= $(BIN)/accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml \
 		recipes/sft.py --config recipes/configs/sft/demo_reverse.yaml --output_dir $(DEMO_OUTPUT)
+	$(BIN)/python demo/link_latest.py $(DEMO_OUTPUT)
 
 test: venv
 	$(BIN)/python -m pytest --durations=25

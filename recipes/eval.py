@@ -172,8 +172,10 @@ def measures_for(run: run_lib.EvaluationRun, config: EvalConfig) -> Measures:
             [model_config.id2label[i] for i in range(model_config.num_labels)],
             pad_token_id=run.tokenizer.pad_token_id,
         )  # batches of more than one row need it
+    known = sorted(CLASSIFICATION_METRICS if run.task == "sequence-classification" else for_causal_lm)
     return Measures(
-        metrics=evaluation.load_metrics([n for n in names if n != "perplexity"]), perplexity="perplexity" in names
+        metrics=evaluation.load_metrics([n for n in names if n != "perplexity"], known=known),
+        perplexity="perplexity" in names,
     )
 
 

@@ -225,6 +225,44 @@ def test_a_metric_that_cannot_be_loaded_offline_is_one_error_before_loading(tmp_
     assert "Loading weights" not in stderr and not (tmp_path / "out").exists()
 
 
+def test_a_misspelled_metric_gets_the_name_it_is_closest_to_among_those_that_apply(
+    tmp_path, tokenizer, tiny_lm, chat_eval_data, capsys
+):
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    classifier, labels = tmp_path / "classifier", tmp_path / "labels"
+    classifier.mkdir()
+    labels.mkdir()
+    write_tiny_model_config(
+        classifier / "config.json",
+        tokenizer,
+        architectures=["LlamaForSequenceClassification"],
+        id2label={0: "no", 1: "yes"},
+        label2id={"no": 0, "yes": 1},
+    )
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(classifier)).save_pretrained(classifier)
+    tokenizer.save_pretrained(classifier)
+    write_jsonl(labels / "test.jsonl", [{"text": "abc", "label": "yes"}, {"text": "xyz", "label": "no"}])
+    values = dict(
+        model_name_or_path=str(classifier),
+        dataset_name=str(labels),
+        max_length=16,
+        output_dir=str(tmp_path / "out"),
+        metrics=["acuracy"],
+    )
+    error, stderr = run_failing(tmp_path, values, capsys)
+    assert error.startswith("error: metric 'acuracy' cannot be loaded: did you mean 'accuracy'? (")
+    assert "Loading weights" not in stderr and not (tmp_path / "out").exists()
+    # a causal LM is offered its own names (perplexity is one), never a classifier's
+    misspelled = lm_values(tiny_lm, chat_eval_data, tmp_path / "out", metrics=["perplexty"])
+    error, _ = run_failing(tmp_path, misspelled, capsys)
+    assert "metric 'perplexty' cannot be loaded: did you mean 'perplexity'?" in error
+    error, _ = run_failing(tmp_path, lm_values(tiny_lm, chat_eval_data, tmp_path / "out", metrics=["acuracy"]), capsys)
+    assert "metric 'acuracy' cannot be loaded (" in error and "did you mean" not in error
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [

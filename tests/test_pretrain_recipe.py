@@ -291,6 +291,25 @@ def test_empty_corpus(tmp_path, values, capsys):
     assert not Path(values["output_dir"]).exists()
 
 
+def test_an_empty_file_among_a_streams_shards_is_named(tmp_path, tokenizer):
+    """2 processes reading whole files of a 4-file stream: rank 1's two files are empty (one 0 bytes, one only empty
+    texts). Said by file, not as rank 1 holding 0 tokens; the corpus as 1 process reads it is fine."""
+    write_corpus(tmp_path / "corpus", 4)
+    (tmp_path / "corpus" / "train-00001-of-00004.jsonl").write_text("")
+    write_jsonl(tmp_path / "corpus" / "train-00003-of-00004.jsonl", [{"text": ""}])
+    tokenized = tokenized_corpus(tmp_path / "corpus", tokenizer, streaming=True)
+    text.rank_documents(tokenized, rank=0, world_size=2, seed=3, max_length=64)
+    with pytest.raises(DataError) as error:
+        text.rank_documents(tokenized, rank=1, world_size=2, seed=3, max_length=64, dataset_name=str(tmp_path))
+    corpus = tmp_path / "corpus"
+    assert str(error.value).startswith(
+        f"{corpus / 'train-00001-of-00004.jsonl'}, {corpus / 'train-00003-of-00004.jsonl'} hold no documents (an empty "
+        "file, or only empty texts), and the stream is split by whole files (2 of 4 per process): rank 1's files hold "
+        "0 tokens, less than one row (max_length=64). Remove the empty file(s)"
+    )
+    text.rank_documents(tokenized, rank=0, world_size=1, seed=3, max_length=64)
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_corpus_shorter_than_one_row(tmp_path, values, capsys, streaming):
     write_jsonl(tmp_path / "short.jsonl", [{"text": "tiny"}, {"text": "story"}])

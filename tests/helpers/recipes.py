@@ -29,14 +29,19 @@ def load_recipe(name: str):
 
 def run_recipe_in_process(recipe: str, tmp: Path, name: str, values: dict) -> None:
     """recipes/<recipe>.py's main on this one process (no launcher, no FSDP), as `python recipes/<recipe>.py` runs it."""
+    run_recipe_main(recipe, ["--config", str(recipe_config(tmp / f"{name}.yaml", **values))])
+
+
+def run_recipe_main(recipe: str, argv: list[str]) -> None:
+    """recipes/<recipe>.py's main with these command-line arguments, on this one process, as `python
+    recipes/<recipe>.py ARGV` runs it (a user error exits 2 with its one line)."""
     from accelerate.state import AcceleratorState
 
     from fsdp_recipes.common.errors import exit_on_user_error
 
-    config = recipe_config(tmp / f"{name}.yaml", **values)
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        exit_on_user_error(lambda: load_recipe(recipe).main(["--config", str(config)]))
+        exit_on_user_error(lambda: load_recipe(recipe).main(list(argv)))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 

@@ -158,6 +158,19 @@ def rank_documents(
         source = IndexedDocuments(part, seed=seed)
     smallest = min(tokens, key=tokens.get)
     fewest = tokens[smallest]
+    split_by_files = (
+        isinstance(tokenized, IterableDataset) and world_size > 1 and tokenized.num_shards % world_size == 0
+    )
+    if fewest < max_length and split_by_files:  # an empty file can leave a rank with nothing: name it
+        with _reading(dataset_name, met_by_one_rank=True):
+            empty_files = _empty_files_of_rank(tokenized, rank=rank, world_size=world_size)
+        if empty_files:
+            raise DataError(
+                f"{', '.join(empty_files)} {'holds' if len(empty_files) == 1 else 'hold'} no documents (an empty file, "
+                f"or only empty texts), and the stream is split by whole files ({tokenized.num_shards // world_size} "
+                f"of {tokenized.num_shards} per process): rank {rank}'s files hold {fewest} tokens, less than one row "
+                f"(max_length={max_length}). Remove the empty file(s) from the dataset or fill them"
+            )
     if fewest < max_length:
         empty = " (no documents: the texts are empty, or there are fewer of them than processes)"
         raise DataError(
@@ -183,6 +196,33 @@ def rank_documents(
 
 def _reading(dataset_name: str | None, *, met_by_one_rank: bool = False):
     return files.reading(dataset_name, met_by_one_rank=met_by_one_rank) if dataset_name else contextlib.nullcontext()
+
+
+def _empty_files_of_rank(tokenized: IterableDataset, *, rank: int, world_size: int) -> list[str]:
+    """The files of a stream split by whole shards (rank r reads shards r, r + world_size, ..., as datasets assigns
+    them) that this rank reads and that hold no tokens: named by the files datasets reads them from where it says
+    (its json, csv, text and parquet readers do), else as "shard i of n"."""
+    shards = tokenized.num_shards
+    names = _shard_files(tokenized) or [f"shard {i} of {shards}" for i in range(shards)]
+    return [
+        names[i]
+        for i in range(rank, shards, world_size)
+        if _first_tokens(tokenized.shard(num_shards=shards, index=i), 1) == 0
+    ]
+
+
+def _shard_files(dataset: IterableDataset) -> list[str] | None:
+    """The file each shard of a stream reads, in shard order, or None where datasets does not say (it keeps them in
+    the generator's arguments of the iterable the stream starts from: not a public attribute, hence the care)."""
+    iterable = getattr(dataset, "_ex_iterable", None)
+    while getattr(iterable, "ex_iterable", None) is not None:
+        iterable = iterable.ex_iterable
+    arguments = getattr(iterable, "kwargs", None) or {}
+    for key in ("original_files", "base_files", "files"):
+        files_ = arguments.get(key)
+        if isinstance(files_, list) and len(files_) == dataset.num_shards and all(isinstance(f, str) for f in files_):
+            return list(files_)
+    return None
 
 
 def _first_tokens(documents: IterableDataset, enough: int) -> int:

@@ -9,8 +9,9 @@ script. A name that cannot be loaded is one ConfigError before any model loads (
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -218,16 +219,20 @@ def load_metric(name: str):
     return evaluate.load(name, keep_in_memory=True)
 
 
-def load_metrics(names: list[str]) -> dict[str, Any]:
-    """name -> loaded `evaluate` module, or one ConfigError naming every metric that could not be loaded."""
+def load_metrics(names: list[str], *, known: Sequence[str] = SHIPPED_METRICS) -> dict[str, Any]:
+    """name -> loaded `evaluate` module, or one ConfigError naming every metric that could not be loaded, with the
+    closest of the `known` names (those that apply here) where it looks like a misspelling of one."""
     loaded, problems = {}, []
     for name in names:
         try:
             loaded[name] = load_metric(name)
         except Exception as error:  # noqa: BLE001 - evaluate raises many types; each becomes one line
+            close = difflib.get_close_matches(name, known, n=1)
+            guess = f": did you mean {close[0]!r}?" if close and name.lower() != "bleu" else ""
             hint = "; for BLEU use sacrebleu" if name.lower() == "bleu" else ""
             problems.append(
-                f"metric {name!r} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0][:160]}). "
+                f"metric {name!r} cannot be loaded{guess} ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:160]}). "
                 f"Shipped, loaded without network: {', '.join(SHIPPED_METRICS)}{hint}; or give the path of an evaluate "
                 "metric script; other Hub metrics load only once they are in evaluate's cache (load them once with "
                 "network access)"
