@@ -35,7 +35,7 @@ import sys
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
-from fsdp_recipes.data import text
+from fsdp_recipes.data import packing, text
 from fsdp_recipes.distributed import collectives
 from fsdp_recipes.models import adapters
 from fsdp_recipes.train import checkpoint as checkpoint_lib
@@ -92,9 +92,9 @@ class PretrainConfig(config_lib.TrainingConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate()
-        if self.packing_strategy not in text.PACKING_STRATEGIES:
+        if self.packing_strategy not in packing.PACKING_STRATEGIES:
             problems.append(
-                f"packing_strategy {self.packing_strategy!r} is not one of {', '.join(text.PACKING_STRATEGIES)}"
+                f"packing_strategy {self.packing_strategy!r} is not one of {', '.join(packing.PACKING_STRATEGIES)}"
             )
         if self.cross_document_attention and self.packing_strategy != "wrapped":
             problems.append(
@@ -153,14 +153,14 @@ def main(argv: list[str] | None = None) -> None:
             rows_per_step=config.per_device_train_batch_size * config.gradient_accumulation_steps,
             repeat_small_dataset=config.repeat_small_dataset,
         )
-        packing = dict(
+        packer_settings = dict(
             max_length=config.max_length,
             strategy=config.packing_strategy,
             cross_document_attention=config.cross_document_attention,
         )
         stream = text.PackedStream(
             source,
-            text.Packer(**packing),
+            packing.Packer(**packer_settings),
             batch_size=config.per_device_train_batch_size,
             pad_token_id=tokenizer.pad_token_id,
             device=accelerator.device,
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         if eval_raw is not None:
             eval_tokens = text.tokenize(eval_raw, tokenizer, config.dataset_text_field, name="eval")
             eval_rows = text.eval_rows(
-                eval_tokens, limit=config.max_eval_samples, dataset_name=config.dataset_name, **packing
+                eval_tokens, limit=config.max_eval_samples, dataset_name=config.dataset_name, **packer_settings
             )
         return stream, split, eval_rows
 

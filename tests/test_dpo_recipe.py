@@ -95,7 +95,7 @@ def test_values_precomputed_on_two_ranks_are_one_process_values(dpo_launches, on
     from fsdp_recipes.train import reference
 
     two_ranks = dpo_launches["precomputed"]
-    tables = [reference.read_tables(run / "checkpoints" / "step-0") for run in (two_ranks, one_process_precomputed)]
+    tables = [reference.read_tables(run) for run in (two_ranks, one_process_precomputed)]  # output_dir holds them too
     assert tables[0].keys() == tables[1].keys() == {"train", "eval"}
     for split in tables[0]:
         assert tables[0][split].keys() == tables[1][split].keys() and len(tables[0][split]) in (64, 16)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import text
+from fsdp_recipes.data import packing, text
 from fsdp_recipes.data.rows import IGNORE_INDEX
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.launch import concurrently, launch, require_success
@@ -60,7 +60,7 @@ LENGTHS = [5, 30, 3, 17, 16, 1, 40, 9, 16, 2]  # longer than a row of 16 (30, 17
 @pytest.mark.parametrize("strategy", ["wrapped", "bfd"])
 def test_no_target_crosses_a_document_and_none_is_lost(strategy):
     documents = numbered_documents(LENGTHS)
-    rows = all_rows(text.Packer(16, strategy), Documents(documents))
+    rows = all_rows(packing.Packer(16, strategy), Documents(documents))
     targets_seen = []
     for row in rows:
         ids, targets, positions = row["input_ids"], row["targets"], row["position_ids"]
@@ -85,7 +85,7 @@ def test_no_target_crosses_a_document_and_none_is_lost(strategy):
 def test_cross_document_attention_is_the_classic_concatenated_lm():
     documents = numbered_documents(LENGTHS)
     stream = [t for document in documents for t in document]
-    rows = all_rows(text.Packer(16, "wrapped", cross_document_attention=True), Documents(documents))
+    rows = all_rows(packing.Packer(16, "wrapped", cross_document_attention=True), Documents(documents))
     assert [t for row in rows for t in row["input_ids"]] == stream
     for index, row in enumerate(rows):
         assert row["position_ids"] == list(range(len(row["input_ids"])))
@@ -103,7 +103,7 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, toke
     generator = torch.Generator().manual_seed(0)
     documents = [torch.randint(3, len(tokenizer), (n,), generator=generator).tolist() for n in (7, 30, 4, 11, 20)]
     for strategy in ("wrapped", "bfd"):
-        rows = all_rows(text.Packer(24, strategy), Documents(documents))
+        rows = all_rows(packing.Packer(24, strategy), Documents(documents))
         batch = text.rows_lib.collate_rows(rows, tokenizer.pad_token_id)
         with torch.no_grad():
             # as losses.causal_lm_loss_sum calls it: with a cache, transformers would not look for packed documents
@@ -178,7 +178,7 @@ def stream(tokenized, tokenizer, *, strategy, rank=0, world_size=1, max_length=3
     source, _ = text.rank_documents(tokenized, rank=rank, world_size=world_size, seed=3, max_length=max_length)
     return text.PackedStream(
         source,
-        text.Packer(max_length, strategy),
+        packing.Packer(max_length, strategy),
         batch_size=3,
         pad_token_id=tokenizer.pad_token_id,
         device="cpu",
