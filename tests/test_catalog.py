@@ -457,3 +457,15 @@ def test_ls_counts_the_reference_model_copy_of_the_configs_that_keep_one():
         changed = dataclasses.replace(dpo, values={**dpo.values, **change})
         assert CATALOG.estimate(changed).per_gpu()["reference_model"] == 0
     assert CATALOG.estimate(by_key["sft/llama-3.1-8b_lora"]).per_gpu()["reference_model"] == 0
+
+
+def test_a_config_whose_comment_first_gives_the_step_before_it_is_read_with_its_own_recipe():
+    """The DPO demo's comment gives the SFT demo's command first (run it before): the config is still DPO's, for the
+    command `cp` prints and for the recipe class the estimator reads it with (which counts the reference copy)."""
+    from fsdp_recipes.tools.config_comments import launched_script
+
+    config = CATALOG.find("dpo/demo_reverse")
+    comment = config.path.read_text().split("\n\n")[0]
+    assert comment.index("recipes/sft.py") < comment.index("recipes/dpo.py")
+    assert config.launch.script == "recipes/dpo.py" and config.launch.recipe_config.endswith("dpo/demo_reverse.yaml")
+    assert launched_script(config.path).name == "dpo.py"

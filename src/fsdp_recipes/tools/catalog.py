@@ -150,7 +150,7 @@ class Catalog:
             path.stem,
             path,
             values if isinstance(values, dict) else {},
-            parse_launch_command(comment, where=where),
+            parse_launch_command(comment, where=where, config_file=path),
             gpu_memory_line(comment),
         )
 

@@ -49,10 +49,23 @@ def opening_comment(text: str) -> list[str]:
     return lines
 
 
-def parse_launch_command(comment: list[str], *, where: str) -> LaunchCommand | None:
-    start = next((i for i, line in enumerate(comment) if line.strip().startswith("accelerate launch")), None)
-    if start is None:
+def parse_launch_command(comment: list[str], *, where: str, config_file: Path | None = None) -> LaunchCommand | None:
+    """The `accelerate launch` command of a config's opening comment. A comment may also give the command of a step
+    to run before (the SFT demo before the DPO demo): the command whose `--config` names `config_file` is the one
+    that launches it, else the first."""
+    starts = [i for i, line in enumerate(comment) if line.strip().startswith("accelerate launch")]
+    if not starts:
         return None
+    commands = [_parse_one(comment, start, where=where) for start in starts]
+    if config_file is not None:
+        own = Path(config_file).as_posix()
+        for command in commands:
+            if command.recipe_config and own.endswith(command.recipe_config.removeprefix("./")):
+                return command
+    return commands[0]
+
+
+def _parse_one(comment: list[str], start: int, *, where: str) -> LaunchCommand:
     parts = []
     for line in comment[start:]:
         parts.append(line.strip().removesuffix("\\"))
@@ -82,7 +95,9 @@ def launched_script(config_file: Path) -> Path | None:
     """The recipe script a config file's opening comment launches, found from the working directory or a folder above
     the config (the command is written to run from the root of a checkout or a copy); None if there is no such
     comment or script."""
-    launch = parse_launch_command(opening_comment(Path(config_file).read_text()), where=str(config_file))
+    launch = parse_launch_command(
+        opening_comment(Path(config_file).read_text()), where=str(config_file), config_file=Path(config_file)
+    )
     if launch is None:
         return None
     for folder in (Path.cwd(), *Path(config_file).resolve().parents):
