@@ -29,24 +29,19 @@ loaded offline.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.common import arguments, errors, yaml_json
 from fsdp_recipes.common.tables import format_table
-from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.data import classification, files, held_out
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import hub, model_index, model_source
 from fsdp_recipes.train import classifier, evaluation, losses
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import metrics as metrics_lib
-
-CLASSIFICATION_METRICS = {"accuracy", "f1", "precision", "recall"}
-DEFAULT_METRICS = {"causal-lm": ["perplexity"], "sequence-classification": ["accuracy", "f1"]}
 
 
 @dataclasses.dataclass
@@ -137,46 +132,21 @@ class EvalConfig(config_lib.RunConfig):
             problems.append(f"max_eval_samples must be >= 1 or null, got {self.max_eval_samples}")
         if not (self.temperature > 0 and 0 < self.top_p <= 1):
             problems.append(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature} and {self.top_p}")
-        if self.task not in (None, *DEFAULT_METRICS):
-            problems.append(f"task {self.task!r} is not one of {', '.join(DEFAULT_METRICS)} (or null: from the model)")
+        if self.task not in (None, *evaluation.DEFAULT_METRICS):
+            problems.append(
+                f"task {self.task!r} is not one of {', '.join(evaluation.DEFAULT_METRICS)} (or null: from the model)"
+            )
         if self.metrics is not None and (not self.metrics or len(set(self.metrics)) != len(self.metrics)):
             problems.append(f"metrics must name each metric once, got {self.metrics}")
         return problems
 
 
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-
-
-@dataclasses.dataclass
-class Measures:
-    """What the metric names ask for, loaded before any weights: `evaluate` modules, and perplexity or not."""
-
-    metrics: dict
-    perplexity: bool
-
-
-def measures_for(run: run_lib.EvaluationRun, config: EvalConfig) -> Measures:
-    names = config.metrics or DEFAULT_METRICS[run.task]
-    for_causal_lm = {"perplexity", *evaluation.SHIPPED_METRICS} - CLASSIFICATION_METRICS
-    wrong = [n for n in names if n in (CLASSIFICATION_METRICS if run.task == "causal-lm" else for_causal_lm)]
-    if wrong:
-        raise errors.ConfigError(
-            f"metrics {wrong} do not apply to a {run.task} model (classifiers: "
-            f"{sorted(CLASSIFICATION_METRICS)}; causal LMs: perplexity and generation metrics)"
-        )
+def prepare_measures(run: run_lib.EvaluationRun, config: EvalConfig) -> evaluation.Measures:
     model_config = run.model_config
     if run.task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
-        classifier.configure(
-            model_config,
-            [model_config.id2label[i] for i in range(model_config.num_labels)],
-            pad_token_id=run.tokenizer.pad_token_id,
-        )  # batches of more than one row need it
-    known = sorted(CLASSIFICATION_METRICS if run.task == "sequence-classification" else for_causal_lm)
-    return Measures(
-        metrics=evaluation.load_metrics([n for n in names if n != "perplexity"], known=known),
-        perplexity="perplexity" in names,
-    )
+        labels = [model_config.id2label[i] for i in range(model_config.num_labels)]
+        classifier.configure(model_config, labels, pad_token_id=run.tokenizer.pad_token_id)  # batches of several rows
+    return evaluation.measures_for(run.task, config.metrics)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         base_model_name_or_path=config.base_model_name_or_path,
     )
     accelerator, tokenizer, task, model_config = run.accelerator, run.tokenizer, run.task, run.model_config
-    measures = run.on_every_rank(lambda: measures_for(run, config))
+    measures = run.on_every_rank(lambda: prepare_measures(run, config))
     metrics = measures.metrics
 
     # --- data ----------------------------------------------------------------------------------------------------------
@@ -295,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if accelerator.is_main_process:
         folder, source = run.output_dir, run.source
         folder.mkdir(parents=True, exist_ok=True)
-        write_json(
+        yaml_json.write_json(
             folder / "eval_results.json",
             dict(
                 model=source.name,
@@ -307,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         if loaders:  # every example once, in dataset order, to read what the model answered
             name = model_config.id2label.get if task == "sequence-classification" else str
-            write_jsonl(
+            yaml_json.write_jsonl(
                 folder / "eval_predictions.jsonl",
                 [
                     dict(prediction=name(p), reference=name(r))

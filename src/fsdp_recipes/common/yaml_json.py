@@ -29,3 +29,8 @@ def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
+    """One JSON object per line."""
+    Path(path).write_text("".join(json.dumps(record) + "\n" for record in records))

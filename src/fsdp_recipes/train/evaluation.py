@@ -9,6 +9,7 @@ script. A name that cannot be loaded is one ConfigError before any model loads (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import math
 from collections.abc import Callable, Sequence
@@ -217,6 +218,33 @@ def load_metric(name: str):
     if Path(name).exists():
         return evaluate.load(str(Path(name).resolve()), keep_in_memory=True)
     return evaluate.load(name, keep_in_memory=True)
+
+
+CLASSIFICATION_METRICS = ("accuracy", "f1", "precision", "recall")
+DEFAULT_METRICS = {"causal-lm": ["perplexity"], "sequence-classification": ["accuracy", "f1"]}
+
+
+@dataclasses.dataclass
+class Measures:
+    """What the metric names ask for, loaded before any weights: `evaluate` modules, and perplexity or not."""
+
+    metrics: dict[str, Any]
+    perplexity: bool
+
+
+def measures_for(task: str, names: list[str] | None) -> Measures:
+    """The metrics `names` (None: the task's defaults) for a model of `task`: a name that applies to the other kind
+    of model is a ConfigError; a misspelled one gets the closest name that applies."""
+    names = names or DEFAULT_METRICS[task]
+    for_causal_lm = {"perplexity", *SHIPPED_METRICS} - set(CLASSIFICATION_METRICS)
+    wrong = [n for n in names if n in (CLASSIFICATION_METRICS if task == "causal-lm" else for_causal_lm)]
+    if wrong:
+        raise ConfigError(
+            f"metrics {wrong} do not apply to a {task} model (classifiers: {sorted(CLASSIFICATION_METRICS)}; "
+            "causal LMs: perplexity and generation metrics)"
+        )
+    known = sorted(CLASSIFICATION_METRICS if task == "sequence-classification" else for_causal_lm)
+    return Measures(load_metrics([n for n in names if n != "perplexity"], known=known), "perplexity" in names)
 
 
 def load_metrics(names: list[str], *, known: Sequence[str] = SHIPPED_METRICS) -> dict[str, Any]:
