@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- data: label ids from the training split, token ids -----------------------------------------------------------
     def prepare_data():
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         train_raw, eval_raw = files.split_train_eval(
-            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+            raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
         )
         if eval_raw is None:
             raise errors.DataError(
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     head = classifier.head_module_names(model)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: LoRA adapters on a frozen base
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)

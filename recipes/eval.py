@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     # --- data ----------------------------------------------------------------------------------------------------------
     def prepare_data() -> tuple[str, dict]:
         data, split = files.evaluation_split(
-            files.load_raw_dataset(config.dataset_name, config.dataset_config), config.dataset_split
+            files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture),
+            config.dataset_split,
         )
         data = data.select(range(min(config.max_eval_samples, len(data)))) if config.max_eval_samples else data
         if task == "sequence-classification":

@@ -100,6 +100,8 @@ class PretrainConfig(config_lib.TrainingConfig):
             problems.append(
                 "cross_document_attention needs packing_strategy: wrapped (bfd packs to keep documents whole)"
             )
+        if self.dataset_mixture is not None:
+            problems.append("pretrain reads dataset_name (streamed or not), not dataset_mixture: give dataset_name")
         if self.streaming and self.max_steps <= 0:
             problems.append("streaming: true needs max_steps > 0: a stream's length is unknown until it has been read")
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
@@ -181,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = run.load_model(**adapters.loading_options(config, accelerator))
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = loop.build_optimizer(model, config)

@@ -60,6 +60,13 @@ class SFTConfig(config_lib.TrainingConfig):
             "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut"
         },
     )
+    packing_strategy: str = dataclasses.field(
+        default="bfd",
+        metadata={
+            "help": "how examples share rows: bfd (best-fit decreasing, TRL's default); ffd (older TRL) is read as "
+            "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does"
+        },
+    )
     assistant_only_loss: bool = dataclasses.field(
         default=True, metadata={"help": "conversational data: loss only on assistant turns"}
     )
@@ -95,6 +102,10 @@ class SFTConfig(config_lib.TrainingConfig):
         problems = super().validate()
         if self.packing_row_length is not None and self.packing_row_length < 1:
             problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
+        if self.packing_strategy not in ("bfd", "ffd"):
+            problems.append(
+                f"packing_strategy {self.packing_strategy!r} is not bfd (or ffd): SFT packs whole examples, never cut"
+            )
         if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
             problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
         return problems
@@ -107,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- data: tokens with loss masks, then rows (packed or not) ------------------------------------------------------
     def prepare_data():
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         train_raw, eval_raw = files.split_train_eval(
-            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+            raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
         )
         options = dict(
             assistant_only_loss=config.assistant_only_loss,
@@ -138,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = run.load_model(**adapters.loading_options(config, accelerator))
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = loop.build_optimizer(model, config)

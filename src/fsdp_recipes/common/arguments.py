@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from typing import Any
 
 from transformers import HfArgumentParser
 
+from fsdp_recipes.common import upstream_keys
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.yaml_json import load_yaml_mapping
 
@@ -51,6 +53,10 @@ def _coerce(value: Any, base: type, nullable: bool) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"expected a number, got {value!r}")
         return float(value)
+    if base is dict or typing.get_origin(base) is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping (key: value lines, or {{...}}), got {value!r}")
+        return value
     if typing.get_origin(base) is list:
         if not isinstance(value, list):
             raise ValueError(f"expected a list, e.g. [{value!r}], got {value!r}")
@@ -63,6 +69,8 @@ def _coerce(value: Any, base: type, nullable: bool) -> Any:
 
 
 def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
+    if where == "the command line" and upstream_keys.command_line_message(key):
+        return upstream_keys.command_line_message(key)
     if key.startswith("fsdp") or key in ("mixed_precision", "num_processes", "distributed_type"):
         return (
             f"{key!r} in {where} is an Accelerate setting: FSDP and precision settings live only in the Accelerate "
@@ -102,9 +110,14 @@ def parse_config(cls, argv: list[str] | None = None):
     where = f"config file {known.config!r}"
 
     kinds = _field_kinds(cls)
-    defaults, problems = typed_values(cls, file_values, where=where)
+    file_values, upstream_notes, problems = upstream_keys.translate(file_values, set(kinds), where)
+    if isinstance(file_values.get("report_to"), list):  # TrainingArguments takes a list of trackers
+        file_values["report_to"] = ",".join(str(name) for name in file_values["report_to"]) or "none"
+    defaults, type_problems = typed_values(cls, file_values, where=where)
+    problems += type_problems
 
     rest, null_overrides = _take_null_overrides(rest, kinds)
+    rest, mapping_overrides = _take_mapping_overrides(rest, kinds, problems)
     parser = HfArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps
     parser.add_argument("--config", help="YAML file with the recipe's settings; command-line flags override it")
     parser.set_defaults(**defaults)
@@ -123,7 +136,8 @@ def parse_config(cls, argv: list[str] | None = None):
             problems.append(f"unexpected command-line argument {arg!r}: flags take the form --field value")
         else:
             previous_was_flag = False
-    config = dataclasses.replace(parsed[0], **null_overrides)
+    config = dataclasses.replace(parsed[0], **null_overrides, **mapping_overrides)
+    config.upstream_notes = upstream_notes  # listed once in the run summary; not a field, so no resume compares it
     if not problems:
         problems.extend(config.validate())
     if problems:
@@ -150,3 +164,24 @@ def _take_null_overrides(argv: list[str], kinds) -> tuple[list[str], dict[str, N
         kept.append(argument)
         index += 1
     return kept, nulls
+
+
+def _take_mapping_overrides(argv: list[str], kinds, problems: list[str]) -> tuple[list[str], dict[str, dict]]:
+    """`--lr_scheduler_kwargs '{"min_lr_rate": 0.1}'`: a mapping field's value on the command line, as JSON."""
+    kept, mappings, index = [], {}, 0
+    while index < len(argv):
+        name, has_equals, inline = argv[index][2:].partition("=") if argv[index].startswith("--") else ("", "", "")
+        base = kinds[name][0] if name in kinds else None
+        if base is dict or typing.get_origin(base) is dict:
+            text = inline if has_equals else argv[index + 1] if index + 1 < len(argv) else ""
+            try:
+                mappings[name] = json.loads(text)
+                if not isinstance(mappings[name], dict):
+                    raise ValueError
+            except ValueError:
+                problems.append(f"--{name} takes a JSON mapping, e.g. --{name} '{{\"key\": 1}}', got {text!r}")
+            index += 1 if has_equals else 2
+            continue
+        kept.append(argv[index])
+        index += 1
+    return kept, mappings

@@ -23,6 +23,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.mixture import load_mixture
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 _ONE_DOCUMENT_PER_TEXT_FILE = {"sample_by": "document"}  # datasets' default cuts a text file at every line
@@ -116,9 +117,12 @@ def _value_kind(value) -> str:
 
 
 def load_raw_dataset(
-    dataset_name: str, dataset_config: str | None = None, *, streaming: bool = False
+    dataset_name: str | None, dataset_config: str | None = None, *, streaming: bool = False, mixture: dict | None = None
 ) -> DatasetDict | IterableDatasetDict:
-    """A Hub dataset id, a local data file, or a local folder of data files (all splits it has)."""
+    """A Hub dataset id, a local data file, or a local folder of data files (all splits it has); or, given
+    `mixture` (alignment-handbook's `dataset_mixture`), its mixed 'train' (and 'test') split."""
+    if mixture is not None:
+        return load_mixture(mixture)
     with reading(dataset_name):
         return _load_raw_dataset(dataset_name, dataset_config, streaming)
 

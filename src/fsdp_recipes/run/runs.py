@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
+from fsdp_recipes.distributed import logs
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
 from fsdp_recipes.models import adapter_export, adapters
@@ -26,6 +27,7 @@ from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.tools.estimator.live import estimate_for_run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
+from fsdp_recipes.train import compat
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 from fsdp_recipes.train.loop import BatchStream
@@ -183,6 +185,7 @@ class Run(StartedRun):
             task=self.task,
             attn_implementation=self.attention_note,
             **(summary or {}),
+            upstream_keys=compat.upstream_key_notes(config) or None,
             **adapters.parameter_counts(model),
             lora=adapters.describe(config),
             optimizer_steps=total_steps,
@@ -200,16 +203,18 @@ class Run(StartedRun):
         self.log = MetricsLog(
             config.output_dir,
             enabled=accelerator.is_main_process,
-            printer=tqdm.write,
+            printer=logs.info,
             tracker=lambda record: accelerator.log(numeric_fields(record), step=record["step"]),
         )
         if accelerator.is_main_process:
             Path(config.output_dir).mkdir(parents=True, exist_ok=True)
             self.log.start(resumed_step=first_step - 1 if self.resumed else None)
             write_json(Path(config.output_dir) / "run_summary.json", self.summary)
-            accelerator.print("run summary:\n" + format_table(list(self.summary.items())))
+            logs.info("run summary:\n" + format_table(list(self.summary.items())))
         self._record_state_bytes_after_first_step(model, scheduler.optimizer)
-        accelerator.init_trackers(self.name, config=numeric_fields(config_to_dict(config), keep_text=True))
+        accelerator.init_trackers(
+            config=numeric_fields(config_to_dict(config), keep_text=True), **compat.tracker_options(config, self.name)
+        )
         if self.resumed:
             changes = {"config_changes": self.config_changes} if self.config_changes else {}
             self.log.log(
@@ -222,7 +227,7 @@ class Run(StartedRun):
                 }
             )
             for name, (old, new) in self.config_changes.items():
-                accelerator.print(f"warning: resumed with {name} {old!r} -> {new!r} (allow_config_change)")
+                logs.warning(f"warning: resumed with {name} {old!r} -> {new!r} (allow_config_change)")
 
         self.metrics = StepLogger(
             accelerator,
@@ -264,6 +269,10 @@ class Run(StartedRun):
                 run_info={"recipe": self.name, "task": self.task},
             ),
         )
+        # eval_strategy / save_strategy / logging_strategy (steps, epoch, no) decide each component's cadence
+        per_epoch = None if per_rank_stream else -(-len(train_loader) // config.gradient_accumulation_steps)
+        for component, kind in ((self.metrics, "logging"), (self.evaluation, "eval"), (self.checkpoints, "save")):
+            component.cadence = compat.cadence(config, kind, total_steps=total_steps, steps_per_epoch=per_epoch)
         return batches, first_step
 
     def _record_state_bytes_after_first_step(self, model, optimizer) -> None:
@@ -320,9 +329,9 @@ class Run(StartedRun):
             "estimated_memory_gib_per_gpu": self.summary["memory_estimate"]["predicted_per_gpu_bytes"]["total"] / 2**30,
         }
         if accelerator.is_main_process:
-            accelerator.print(
-                "final metrics (speeds: means over logged windows after the first):\n"
-                + format_table(list(final_metrics.items()))
+            logs.info(
+                "final metrics (speeds: means over logged windows after the first; what each memory figure counts: "
+                "docs/memory.md):\n" + format_table(list(final_metrics.items()))
             )
             plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
         card = dict(
@@ -357,7 +366,7 @@ class Run(StartedRun):
                 url = push_folder_to_hub(
                     folder, config.hub_model_id, token=self.hub_token, private=config.hub_private_repo
                 )
-                accelerator.print(f"pushed to the Hub: {url}")
-            accelerator.print(f"model exported to {folder.resolve()}")
+                logs.info(f"pushed to the Hub: {url}")
+            logs.info(f"model exported to {folder.resolve()}")
         accelerator.end_training()
         return folder

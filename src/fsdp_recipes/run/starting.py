@@ -3,15 +3,18 @@ needs no weights, run on all ranks together (`start` for training, `start_evalua
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, TorchDynamoPlugin, set_seed
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
+from fsdp_recipes.distributed import logs
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
@@ -31,6 +34,7 @@ from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
+from fsdp_recipes.train import compat
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
 
@@ -95,17 +99,27 @@ def start_evaluation(
 
 def accelerator_for(config: RunConfig, *, compile_layers: bool = False) -> Accelerator:
     """The Accelerate config as exported checked (its errors stop every rank here, its warnings are printed), the
-    accelerator built from it with the config's tracker, and the seed set."""
+    accelerator built from it with the config's trackers and process-group timeout, logging set up (`log_level`),
+    and the seed set. bf16/fp16 must agree with the Accelerate config's mixed_precision; run without one, they set
+    it (as Trainer does)."""
     launch_warnings = check_launch_environment()
+    launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by accelerate launch from its config
+    problem = compat.precision_problem(config, launch_precision)
+    if problem:
+        raise ConfigError(problem)
+    precision = {} if launch_precision else {"mixed_precision": compat.mixed_precision_without_launch_config(config)}
     accelerator = build_accelerator(
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        log_with=None if config.report_to == "none" else config.report_to,
+        log_with=config.trackers() or None,
         project_dir=config.output_dir,
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if compile_layers else None,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
+        **precision,
     )
+    logs.configure(accelerator, config.log_level)
     set_seed(config.seed)
     for warning in launch_warnings:
-        accelerator.print(f"warning: the Accelerate config: {warning.key}: {warning.message}")
+        logs.warning(f"warning: the Accelerate config: {warning.key}: {warning.message}")
     return accelerator
 
 
@@ -127,6 +141,7 @@ def load_model_files(
         chat_template=config.chat_template,
         setting="tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path",
     )
+    compat.set_eos_token(tokenizer, config.eos_token)
     model_config = load_model_config(
         model_name_or_path,
         model_config_file,

@@ -11,7 +11,6 @@ field's help (`--help`) says what the knob trades.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,12 @@ from transformers import SchedulerType
 from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
+from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields
 
 
 @dataclasses.dataclass
-class RunConfig:
-    """The settings every recipe has, training or not."""
+class RunConfig(RunCompatFields):
+    """The settings every recipe has, training or not (plus those named as in TrainingArguments/TRL: compat)."""
 
     # --- model --------------------------------------------------------------------------------------------------------
     model_name_or_path: str | None = dataclasses.field(
@@ -83,9 +83,6 @@ class RunConfig:
             "the held-out part carved out of train: same seed, same data order and initial weights"
         },
     )
-    report_to: str = dataclasses.field(
-        default="tensorboard", metadata={"help": "Accelerate tracker: tensorboard, wandb, trackio, or none"}
-    )
     # --- Hub ----------------------------------------------------------------------------------------------------------
     push_to_hub: bool = dataclasses.field(
         default=False,
@@ -105,26 +102,21 @@ class RunConfig:
 
     def validate(self) -> list[str]:
         """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
-        problems = []
-        if not self.dataset_name:
-            problems.append("dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path")
+        problems = self.run_compat_problems()
+        if not self.dataset_name and self.dataset_mixture is None:
+            problems.append(
+                "dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path (or a dataset_mixture)"
+            )
         fewest, why = self.min_max_length()
         if self.max_length < fewest:
             problems.append(f"max_length must be >= {fewest} ({why}), got {self.max_length}")
         if self.per_device_eval_batch_size < 1:
             problems.append(f"per_device_eval_batch_size must be >= 1, got {self.per_device_eval_batch_size}")
-        if self.report_to not in ("tensorboard", "wandb", "trackio", "none"):
-            problems.append(f"report_to {self.report_to!r} is not one of tensorboard, wandb, trackio, none")
-        elif self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
-            problems.append(
-                f"report_to is {self.report_to!r} but the package is not installed: pip install "
-                f"{self.report_to}, or set report_to: none"
-            )
         return problems
 
 
 @dataclasses.dataclass
-class TrainingConfig(RunConfig):
+class TrainingConfig(RunConfig, TrainingCompatFields):
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
     format, its loss), extends `validate`, and overrides the methods below that describe it to the shared layer."""
 
@@ -257,9 +249,12 @@ class TrainingConfig(RunConfig):
     warmup_ratio: float = dataclasses.field(
         default=0.0, metadata={"help": "fraction of steps spent warming up (ignored if warmup_steps > 0)"}
     )
-    warmup_steps: int = dataclasses.field(
+    warmup_steps: float = dataclasses.field(
         default=0,
-        metadata={"help": "optimizer steps spent warming up from 0 to learning_rate; > 0 overrides warmup_ratio"},
+        metadata={
+            "help": "warmup from 0 to learning_rate: >= 1 a number of optimizer steps, in (0, 1) a fraction of the "
+            "run (transformers 5); > 0 overrides warmup_ratio"
+        },
     )
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping; 0 disables it"})
     logging_steps: int = dataclasses.field(
@@ -350,6 +345,7 @@ class TrainingConfig(RunConfig):
             "chat_template",
             "dataset_name",
             "dataset_config",
+            "dataset_mixture",
             "dataset_train_split",
             "dataset_test_split",
             "eval_split_size",
@@ -372,7 +368,7 @@ class TrainingConfig(RunConfig):
         return []
 
     def validate(self) -> list[str]:
-        problems = super().validate()
+        problems = super().validate() + self.training_compat_problems()
         if (self.model_name_or_path is None) == (self.model_config is None):
             problems.append(
                 "set exactly one of model_name_or_path (pretrained weights) and model_config (initialise from a "

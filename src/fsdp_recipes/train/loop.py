@@ -14,6 +14,8 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
+from fsdp_recipes.train import compat
+
 
 def build_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, with the config's `learning_rate`, `weight_decay`, `adam_*` and `optim`;
@@ -42,9 +44,15 @@ def total_optimizer_steps(batches_per_epoch: int, config) -> int:
 
 
 def build_scheduler(optimizer, config, *, total_steps: int):
-    """The config's `lr_scheduler_type` over `total_steps`, warming up for `warmup_steps` (or `warmup_ratio`)."""
-    warmup = config.warmup_steps if config.warmup_steps > 0 else math.ceil(config.warmup_ratio * total_steps)
-    return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    """The config's `lr_scheduler_type` over `total_steps`, with its `lr_scheduler_kwargs`, warming up for
+    `warmup_steps` (a count, or a fraction of the run) or `warmup_ratio`."""
+    return get_scheduler(
+        config.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=compat.warmup_steps(config, total_steps),
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=dict(config.lr_scheduler_kwargs or {}),
+    )
 
 
 def micro_batches_in_sync(accelerator: Accelerator, model: torch.nn.Module, micro_batches: list):
