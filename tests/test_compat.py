@@ -202,6 +202,7 @@ def test_handbook_sft_yaml_runs_unchanged(tmp_path, pretrained_tiny_model, hub_l
         "ignored:"
     )
     assert printed.count("upstream_keys") == 1  # listed once
+    assert "peak_memory_gib_max: measured on the busiest rank: the process's peak resident memory" in printed
     records = read_metrics(out)
     steps = [record for record in records if "loss" in record]
     total = summary["optimizer_steps"]
@@ -360,3 +361,38 @@ def test_log_level_warning_silences_info_lines(tmp_path, tiny_model_config, chat
     printed = capsys.readouterr().out
     assert "run summary" not in printed and "final metrics" not in printed and "step=1" not in printed, printed
     assert (tmp_path / "out" / "model.safetensors").is_file() and len(read_metrics(tmp_path / "out")) >= 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        # (logging, eval, save) due steps over a 6-step run of 3 steps an epoch
+        ({}, ([1, 2, 3, 4, 5, 6], [6], [2, 4, 6])),
+        ({"eval_strategy": "epoch", "save_strategy": "epoch", "logging_strategy": "epoch"}, ([3, 6], [3, 6], [3, 6])),
+        ({"eval_strategy": "no", "save_strategy": "no", "logging_strategy": "no"}, ([], [], [])),
+        ({"eval_strategy": "no", "do_eval": True}, ([1, 2, 3, 4, 5, 6], [6], [2, 4, 6])),
+        ({"eval_steps": 4, "do_eval": False}, ([1, 2, 3, 4, 5, 6], [], [2, 4, 6])),
+    ],
+)
+def test_strategies_decide_when_each_component_acts(settings, expected):
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train import compat
+
+    config = SimpleNamespace(
+        **{
+            "logging_strategy": "steps",
+            "eval_strategy": "steps",
+            "save_strategy": "steps",
+            "do_eval": None,
+            "logging_steps": 1,
+            "eval_steps": None,
+            "save_steps": 2,
+            **settings,
+        }
+    )
+    due = tuple(
+        [step for step in range(1, 7) if compat.cadence(config, kind, total_steps=6, steps_per_epoch=3).due(step)]
+        for kind in ("logging", "eval", "save")
+    )
+    assert due == expected

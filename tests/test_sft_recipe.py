@@ -30,6 +30,15 @@ def test_two_ranks_each_hold_half_of_every_parameter(reference_run):
     assert summary["attn_implementation"].startswith("sdpa")
 
 
+def test_two_ranks_print_each_line_and_progress_bar_once(reference_output):
+    """Only each machine's main process logs and shows datasets' bars (the other logs warnings and errors only)."""
+    for bar in ("Tokenizing train", "Tokenizing eval"):
+        finished = [part for part in reference_output.replace("\r", "\n").splitlines() if part.startswith(bar)]
+        assert sum("100%" in part for part in finished) == 1, finished
+    assert reference_output.count("run summary:") == 1 and "[RANK 1]" not in reference_output
+    assert reference_output.count("final metrics") == 1 and "peak_memory_gib_max: measured" in reference_output
+
+
 def test_two_rank_losses_equal_one_process_with_the_same_global_batch(reference_run, one_process_run):
     """Also chunked cross-entropy under FSDP2 (the reference run) against whole logits (the 1-process run)."""
     assert json.loads((reference_run / "run_summary.json").read_text())["loss"].startswith("chunked cross-entropy")

@@ -36,6 +36,7 @@ from fsdp_recipes.train.metrics import (
     StepLogger,
     device_name,
     held_state_bytes,
+    memory_figure_notes,
     numeric_fields,
     peak_flops_per_device,
     plot_training_curves,
@@ -330,8 +331,10 @@ class Run(StartedRun):
         }
         if accelerator.is_main_process:
             logs.info(
-                "final metrics (speeds: means over logged windows after the first; what each memory figure counts: "
-                "docs/memory.md):\n" + format_table(list(final_metrics.items()))
+                "final metrics (speeds: means over logged windows after the first):\n"
+                + format_table(list(final_metrics.items()))
+                + "\n"
+                + memory_figure_notes(accelerator.device.type)
             )
             plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
         card = dict(

@@ -125,6 +125,20 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def memory_figure_notes(device_type: str) -> str:
+    """What the final metrics' two memory figures count, said under them: they measure different things."""
+    measured = (
+        "PyTorch's peak reserved GPU memory"
+        if device_type == "cuda"
+        else "the process's peak resident memory (RSS: Python, torch, libraries and data included), not device memory"
+    )
+    return (
+        "  estimated_memory_gib_per_gpu: predicted, not measured: weights, gradients, optimizer state, activations, "
+        "logits and FSDP buffers one GPU holds (docs/memory-estimator.md)\n"
+        f"  peak_memory_gib_max: measured on the busiest rank: {measured}"
+    )
+
+
 class ThroughputWindow:
     """Accumulates what happened between two logging steps on this rank."""
 
