@@ -39,7 +39,7 @@ from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.data import classification, files, held_out
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import hub, model_index, model_source
-from fsdp_recipes.train import classifier, evaluation, losses
+from fsdp_recipes.train import classifier, compat, evaluation, losses
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import metrics as metrics_lib
 
@@ -257,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
             results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], gathered, names)
 
     # --- results: eval_results.json, the card's model-index, the tracker, the Hub ----------------------------------------
-    if config.report_to != "none":
+    if config.trackers():
         accelerator.init_trackers(
-            run.name, config=metrics_lib.numeric_fields(config_lib.config_to_dict(config), keep_text=True)
+            config=metrics_lib.numeric_fields(config_lib.config_to_dict(config), keep_text=True),
+            **compat.tracker_options(config, run.name),
         )
         accelerator.log(metrics_lib.numeric_fields(results), step=0)
         accelerator.end_training()

@@ -33,6 +33,7 @@ import sys
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import chat, files, rows
+from fsdp_recipes.distributed import logs
 from fsdp_recipes.models import adapters
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import evaluation, loop, losses
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     if config.exact_match_eval_samples and eval_raw is not None:
         results["exact_match_before"] = run.measured_once("exact_match", lambda: exact_match()["exact_match"])
-        accelerator.print(f"exact match before training: {results['exact_match_before']:.1%}")
+        logs.info(f"exact match before training: {results['exact_match_before']:.1%}")
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
     model.train()
@@ -215,9 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         after = exact_match()
         results["exact_match_after"] = after["exact_match"]
         run.log.log({"step": total_steps, "exact_match": after["exact_match"]})
-        accelerator.print(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
+        logs.info(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
         for sample in after["samples"]:
-            accelerator.print(f"  reference={sample['reference']!r} generated={sample['generated']!r}")
+            logs.info(f"  reference={sample['reference']!r} generated={sample['generated']!r}")
     run.finish(model, results=results)
 
 

@@ -21,6 +21,19 @@ STAND_IN_TEMPLATE = (
 )
 
 
+@pytest.fixture(autouse=True)
+def library_log_levels_restored():
+    """A config's log_level sets transformers' and datasets' levels for the process: put them back for other tests."""
+    import datasets
+    import transformers
+
+    levels = transformers.utils.logging.get_verbosity(), datasets.utils.logging.get_verbosity()
+    yield
+    transformers.utils.logging.set_verbosity(levels[0])
+    datasets.utils.logging.set_verbosity(levels[1])
+    datasets.enable_progress_bars()
+
+
 @pytest.fixture(scope="module")
 def hub_like_data(tmp_path_factory) -> Path:
     """A folder laid out like a Hub dataset (smoltalk2's: config SFT with named splits; ultrafeedback's: default

@@ -31,10 +31,11 @@ def test_two_ranks_each_hold_half_of_every_parameter(reference_run):
 
 
 def test_two_ranks_print_each_line_and_progress_bar_once(reference_output):
-    """Only each machine's main process logs and shows datasets' bars (the other logs warnings and errors only)."""
+    """Only each machine's main process logs and shows datasets' bars (the other logs warnings and errors only). A
+    bar is absent when datasets serves the tokenised rows from its cache, so a bar is checked to show at most once."""
     for bar in ("Tokenizing train", "Tokenizing eval"):
         finished = [part for part in reference_output.replace("\r", "\n").splitlines() if part.startswith(bar)]
-        assert sum("100%" in part for part in finished) == 1, finished
+        assert sum("100%" in part for part in finished) <= 1, finished
     assert reference_output.count("run summary:") == 1 and "[RANK 1]" not in reference_output
     assert reference_output.count("final metrics") == 1 and "peak_memory_gib_max: measured" in reference_output
 

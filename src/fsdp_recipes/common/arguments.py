@@ -85,9 +85,21 @@ def typed_values(
     cls, values: dict[str, Any], *, where: str, unknown_keys_are_errors: bool = True
 ) -> tuple[dict[str, Any], list[str]]:
     """(each value converted to its field's type, the problems found): values of the wrong type, and keys that are no
-    field of `cls` unless told otherwise."""
+    field of `cls` unless told otherwise. Upstream keys (TRL / TrainingArguments names) are read as parse_config
+    reads them."""
+    return _typed_upstream_values(cls, values, where=where, unknown_keys_are_errors=unknown_keys_are_errors)[::2]
+
+
+def _typed_upstream_values(
+    cls, values: dict[str, Any], *, where: str, unknown_keys_are_errors: bool = True
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """typed_values, plus the notes on upstream keys (renamed or ignored) for the run summary."""
     kinds = _field_kinds(cls)
-    problems, known = [], {}
+    values, notes, problems = upstream_keys.translate(values, set(kinds), where)
+    problems = problems if unknown_keys_are_errors else []
+    if isinstance(values.get("report_to"), list):  # TrainingArguments takes a list of trackers
+        values["report_to"] = ",".join(str(name) for name in values["report_to"]) or "none"
+    known = {}
     for key, value in values.items():
         if key not in kinds:
             if unknown_keys_are_errors:
@@ -97,7 +109,7 @@ def typed_values(
             known[key] = _coerce(value, *kinds[key])
         except ValueError as error:
             problems.append(f"{key} in {where}: {error}")
-    return known, problems
+    return known, notes, problems
 
 
 def parse_config(cls, argv: list[str] | None = None):
@@ -110,11 +122,7 @@ def parse_config(cls, argv: list[str] | None = None):
     where = f"config file {known.config!r}"
 
     kinds = _field_kinds(cls)
-    file_values, upstream_notes, problems = upstream_keys.translate(file_values, set(kinds), where)
-    if isinstance(file_values.get("report_to"), list):  # TrainingArguments takes a list of trackers
-        file_values["report_to"] = ",".join(str(name) for name in file_values["report_to"]) or "none"
-    defaults, type_problems = typed_values(cls, file_values, where=where)
-    problems += type_problems
+    defaults, upstream_notes, problems = _typed_upstream_values(cls, file_values, where=where)
 
     rest, null_overrides = _take_null_overrides(rest, kinds)
     rest, mapping_overrides = _take_mapping_overrides(rest, kinds, problems)
