@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.launch_checks import (
     ERROR,
     check_launch_environment,
@@ -49,6 +51,17 @@ def test_fsdp_times_tp_is_refused_with_the_reason_and_nothing_else(tmp_path, cap
     assert "ReplicateParallel" in errors[TP_KEY] and "parallelism_config_tp_size: 1" in errors[TP_KEY]
     assert cli.main(["validate-config", str(path)]) == 1
     assert "tensor parallelism does not run" in capsys.readouterr().out
+
+
+def test_the_estimator_and_the_catalog_refuse_tp_and_cp_layouts_with_the_same_reason(tmp_path):
+    hsdp_tp = config_with(tmp_path, "hsdp_tp.yaml", 8, dp_replicate=2, dp_shard=2, tp=2, cp=1)
+    with pytest.raises(ConfigError, match="tp_size 2: tensor parallelism does not run"):
+        LaunchLayout.from_file(hsdp_tp)  # not "dp_replicate_size 2 x dp_shard_size 2 != num_processes 8"
+    with pytest.raises(ConfigError, match=r"context parallelism \(cp_size 8\) is not supported"):
+        LaunchLayout.from_file(config_with(tmp_path, "cp8.yaml", 8, dp_shard=1, cp=8))
+    assert (
+        LaunchLayout.from_file(config_with(tmp_path, "hsdp.yaml", 4, dp_replicate=2, dp_shard=2, tp=1)).shard_size == 2
+    )
 
 
 def test_sizes_that_do_not_multiply_to_the_processes_name_every_dimension(tmp_path):
