@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed import parallel_dims
 
 COMPUTE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # bytes per element of the compute dtype
 FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -213,6 +214,12 @@ class LaunchLayout:
         parallelism = {
             k.removeprefix("parallelism_config_"): v for k, v in (raw.get("parallelism_config") or {}).items()
         }
+        for problem in (
+            parallel_dims.tensor_parallel_problem(int(parallelism.get("tp_size", 1) or 1)),
+            parallel_dims.context_parallel_problem(int(parallelism.get("cp_size", 1) or 1), has_cuda=None),
+        ):
+            if problem:  # a layout that cannot run here is not one to estimate or list
+                raise ConfigError(f"parallelism_config in {where}: {problem}")
         replicate = int(parallelism.get("dp_replicate_size", 1) or 1)
         if replicate > 1:
             shard = int(parallelism.get("dp_shard_size", -1) or -1)

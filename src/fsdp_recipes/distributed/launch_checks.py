@@ -21,6 +21,7 @@ from pathlib import Path
 from unittest import mock
 
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed import parallel_dims
 from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
 ERROR, WARNING = "error", "warning"
@@ -246,9 +247,12 @@ def exported_environment(config_file: str | Path) -> dict[str, str]:
     return environment
 
 
-def lint_launch_environment(environ: Mapping[str, str], *, local_device_count: int | None = None) -> list[Finding]:
-    """Checks on what the launcher exported. `local_device_count`: accelerators on this node, if any."""
-    findings: list[Finding] = []
+def lint_launch_environment(
+    environ: Mapping[str, str], *, local_device_count: int | None = None, has_cuda: bool | None = None
+) -> list[Finding]:
+    """Checks on what the launcher exported. `local_device_count`: accelerators on this node, if any; `has_cuda`:
+    whether this machine has CUDA (None: not known, the file checked offline)."""
+    findings = [Finding(ERROR, key, problem) for key, problem in parallel_dims.problems(environ, has_cuda).items()]
     world_size = int(environ.get("WORLD_SIZE", "1"))
     if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         findings += _lint_fsdp_environment(environ)
@@ -271,7 +275,7 @@ def lint_launch_environment(environ: Mapping[str, str], *, local_device_count: i
                     "(num_processes is the global count over all nodes)",
                 )
             )
-        elif sizes["dp_shard"] == 1 and environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        elif sizes["dp_shard"] * sizes["cp"] == 1 and environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             findings.append(
                 Finding(
                     ERROR,
@@ -378,7 +382,7 @@ def check_launch_environment(environ: Mapping[str, str] | None = None) -> list[F
 
     environ = os.environ if environ is None else environ
     device_count = torch.accelerator.device_count() if torch.accelerator.is_available() else None
-    findings = lint_launch_environment(environ, local_device_count=device_count)
+    findings = lint_launch_environment(environ, local_device_count=device_count, has_cuda=torch.cuda.is_available())
     errors = [
         f"the Accelerate config: {finding.key}: {finding.message}" for finding in findings if finding.severity == ERROR
     ]

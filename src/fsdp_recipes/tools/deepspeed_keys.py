@@ -111,8 +111,10 @@ NOT_CARRIED_SECTIONS = {
     "eigenvalue": "a DeepSpeed training-dynamics tool",
     "progressive_layer_drop": "a DeepSpeed training technique with no counterpart here",
     "quantize_training": "DeepSpeed's quantisation-aware training",
-    "tensor_parallel": "tensor parallelism: FSDP2 recipes here shard data-parallel only",
-    "sequence_parallel_size": "sequence parallelism: not in these recipes",
+    "tensor_parallel": "tensor parallelism: does not run on the pinned accelerate/transformers (docs/parallelism.md); "
+    "FSDP2 recipes here shard data-parallel only",
+    "sequence_parallel_size": "sequence parallelism: not in these recipes (context parallelism neither: "
+    "docs/parallelism.md)",
     "data_types": "DeepSpeed gradient accumulation dtype: FSDP accumulates in fp32 sharded gradients",
 }
 
