@@ -409,3 +409,42 @@ def test_strategies_decide_when_each_component_acts(settings, expected):
         for kind in ("logging", "eval", "save")
     )
     assert due == expected
+
+
+def test_eos_token_must_be_in_the_vocabulary(tmp_path, tiny_model_config, chat_data, capsys):
+    values = base_recipe_values(tiny_model_config, chat_data, tmp_path / "out", eos_token="<|im_end|>")
+    error = recipe_error_in_process("sft", tmp_path, values, capsys)
+    assert "eos_token '<|im_end|>' is not a token of the tokenizer's vocabulary" in error, error
+
+
+def test_ddp_timeout_and_precision_reach_the_accelerator(tmp_path, monkeypatch):
+    import datetime
+
+    from accelerate.state import AcceleratorState
+
+    from fsdp_recipes.common.arguments import parse_config
+    from fsdp_recipes.run.starting import accelerator_for
+    from fsdp_recipes.train.config import TrainingConfig
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # no Accelerate config: bf16 turns it on
+    argv = ["--dataset_name", "x.jsonl", "--model_name_or_path", "org/m", "--report_to", "none"]
+    config = parse_config(TrainingConfig, [*argv, "--ddp_timeout", "18000", "--bf16", "true"])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = accelerator_for(config)
+        assert accelerator.init_handler.timeout == datetime.timedelta(seconds=18000)
+        assert accelerator.mixed_precision == "bf16"
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_upstream_keys_on_the_command_line_say_where_they_live():
+    from fsdp_recipes.common.arguments import parse_config
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.train.config import TrainingConfig
+
+    with pytest.raises(ConfigError) as refused:
+        parse_config(TrainingConfig, ["--dataset_name", "x.jsonl", "--deepspeed", "ds.json", "--local_rank", "0"])
+    problems = " | ".join(refused.value.problems)
+    assert "--deepspeed cannot be set here" in problems and "from-deepspeed" in problems
+    assert "--local_rank cannot be set here: the launcher sets each process's rank" in problems
