@@ -20,6 +20,7 @@ from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
 from fsdp_recipes.models import adapter_export, adapters
+from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters, load_model
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
@@ -190,6 +191,7 @@ class Run(StartedRun):
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
             torch_compile=config.torch_compile,
             optim=config.optim,
+            export_dtype=dtype_name(self.export_dtype),
             device_name=device_name(accelerator.device),
             memory_estimate=estimate_for_run(
                 accelerator,
@@ -336,20 +338,7 @@ class Run(StartedRun):
             eval_results=eval_results,
             task=self.task,
         )
-        if adapters.is_adapter_model(accelerator.unwrap_model(model)):
-            folder = adapter_export.export_adapter_folder(
-                accelerator,
-                model,
-                self.tokenizer,
-                config.output_dir,
-                task=self.task,
-                config=config,
-                card_writer=lambda where, library: write_model_card(where, library_name=library, **card),
-            )
-        else:
-            folder = export_model_folder(
-                accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card
-            )
+        folder = self.export(model, card)
         if accelerator.is_main_process:
             if results:
                 write_json(folder / "eval_results.json", results)
@@ -361,3 +350,28 @@ class Run(StartedRun):
             accelerator.print(f"model exported to {folder.resolve()}")
         accelerator.end_training()
         return folder
+
+    @property
+    def export_dtype(self) -> torch.dtype:
+        """The exported weights' dtype: export_dtype, else the config's torch_dtype/dtype, else the base model's."""
+        return resolve_export_dtype(
+            getattr(self.config, "export_dtype", "auto"), self.model_config, recipe_dtype_override(self.config)
+        )
+
+    def export(self, model, card: dict[str, Any]) -> Path | None:
+        """Collective: the model folder (or adapter folder) in output_dir, read back and compared, with its card."""
+        config, accelerator = self.config, self.accelerator
+        if adapters.is_adapter_model(accelerator.unwrap_model(model)):
+            return adapter_export.export_adapter_folder(
+                accelerator,
+                model,
+                self.tokenizer,
+                config.output_dir,
+                task=self.task,
+                config=config,
+                card_writer=lambda where, library: write_model_card(where, library_name=library, **card),
+                dtype=self.export_dtype,
+            )
+        return export_model_folder(
+            accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card, dtype=self.export_dtype
+        )

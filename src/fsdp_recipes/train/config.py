@@ -21,6 +21,7 @@ from transformers import SchedulerType
 from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
+from fsdp_recipes.train.publishing import PublishingFields
 
 
 @dataclasses.dataclass
@@ -124,7 +125,7 @@ class RunConfig:
 
 
 @dataclasses.dataclass
-class TrainingConfig(RunConfig):
+class TrainingConfig(PublishingFields, RunConfig):
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
     format, its loss), extends `validate`, and overrides the methods below that describe it to the shared layer."""
 
