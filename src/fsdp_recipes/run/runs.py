@@ -92,6 +92,7 @@ class Run(StartedRun):
     checkpoints: checkpoints_lib.Checkpointer | None = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     total_steps: int = 0
+    uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
 
     @property
     def resumed(self) -> bool:
@@ -256,6 +257,11 @@ class Run(StartedRun):
             ),
             rank_state=batches.state_dict if per_rank_stream else None,
             extra_files=checkpoint_files,
+            after_save=(
+                (lambda step: self.push_at_save(model, step))
+                if config.push_to_hub and getattr(config, "hub_strategy", "end") == "every_save"
+                else None
+            ),
             model_files_writer=lambda folder: checkpoints_lib.write_model_files(
                 folder,
                 model_config=self.model_config,
@@ -327,22 +333,13 @@ class Run(StartedRun):
                 + format_table(list(final_metrics.items()))
             )
             plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
-        card = dict(
-            recipe=self.name,
-            recipe_config=config_to_dict(config),
-            accelerate_config=self.accelerate_settings,
-            metrics={key: value for key, value in final_metrics.items() if value is not None},
-            base_model=config.model_name_or_path,
-            dataset=config.dataset_name,
-            hub_model_id=config.hub_model_id,
-            eval_results=eval_results,
-            task=self.task,
-        )
-        folder = self.export(model, card)
+        folder = self.export(model, final_metrics, eval_results)
         if accelerator.is_main_process:
             if results:
                 write_json(folder / "eval_results.json", results)
             if config.push_to_hub:
+                for upload in self.uploads:  # every_save's background commits land first, in order
+                    upload.result()
                 url = push_folder_to_hub(
                     folder, config.hub_model_id, token=self.hub_token, private=config.hub_private_repo
                 )
@@ -358,9 +355,38 @@ class Run(StartedRun):
             getattr(self.config, "export_dtype", "auto"), self.model_config, recipe_dtype_override(self.config)
         )
 
-    def export(self, model, card: dict[str, Any]) -> Path | None:
+    def push_at_save(self, model, step: int) -> None:
+        """Collective, after a checkpoint (hub_strategy: every_save): the model as it is now is exported to output_dir
+        and uploaded in the background while training goes on; at the last step the end's push does it."""
+        if step >= self.total_steps:
+            return
+        folder = self.export(model, {"step": step, "train_loss": self.log.last("loss")})
+        if self.accelerator.is_main_process:
+            self.uploads.append(
+                push_folder_to_hub(
+                    folder,
+                    self.config.hub_model_id,
+                    token=self.hub_token,
+                    private=self.config.hub_private_repo,
+                    commit_message=f"Training in progress, step {step}",
+                    run_as_future=True,
+                )
+            )
+
+    def export(self, model, metrics: dict[str, Any], eval_results: list | None = None) -> Path | None:
         """Collective: the model folder (or adapter folder) in output_dir, read back and compared, with its card."""
         config, accelerator = self.config, self.accelerator
+        card = dict(
+            recipe=self.name,
+            recipe_config=config_to_dict(config),
+            accelerate_config=self.accelerate_settings,
+            metrics={key: value for key, value in metrics.items() if value is not None},
+            base_model=config.model_name_or_path,
+            dataset=config.dataset_name,
+            hub_model_id=config.hub_model_id,
+            eval_results=eval_results,
+            task=self.task,
+        )
         if adapters.is_adapter_model(accelerator.unwrap_model(model)):
             return adapter_export.export_adapter_folder(
                 accelerator,
