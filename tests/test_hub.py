@@ -174,8 +174,10 @@ def test_every_save_pushes_the_model_at_each_checkpoint_then_at_the_end(
         push_to_hub=True,
         hub_model_id="me/tiny",
         hub_strategy="every_save",
+        hub_private_repo=False,
     )
     run_recipe_in_process("sft", tmp_path, "every_save", values)
+    assert all(call[2]["private"] is False for call in api.calls if call[0] == "create_repo")
     uploads = [call for call in api.calls if call[0] == "upload_folder"]
     assert [call[3]["commit_message"] for call in uploads] == [
         "Training in progress, step 2",

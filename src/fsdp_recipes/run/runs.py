@@ -257,11 +257,7 @@ class Run(StartedRun):
             ),
             rank_state=batches.state_dict if per_rank_stream else None,
             extra_files=checkpoint_files,
-            after_save=(
-                (lambda step: self.push_at_save(model, step))
-                if config.push_to_hub and getattr(config, "hub_strategy", "end") == "every_save"
-                else None
-            ),
+            after_save=lambda step: self.push_at_save(model, step),
             model_files_writer=lambda folder: checkpoints_lib.write_model_files(
                 folder,
                 model_config=self.model_config,
@@ -356,21 +352,16 @@ class Run(StartedRun):
         )
 
     def push_at_save(self, model, step: int) -> None:
-        """Collective, after a checkpoint (hub_strategy: every_save): the model as it is now is exported to output_dir
-        and uploaded in the background while training goes on; at the last step the end's push does it."""
-        if step >= self.total_steps:
+        """Collective, after each checkpoint; with hub_strategy every_save, the model as it is now is exported to
+        output_dir and uploaded in the background while training goes on (at the last step, the end's push does it)."""
+        config = self.config
+        if not config.push_to_hub or getattr(config, "hub_strategy", "end") != "every_save" or step >= self.total_steps:
             return
         folder = self.export(model, {"step": step, "train_loss": self.log.last("loss")})
         if self.accelerator.is_main_process:
+            options = dict(private=config.hub_private_repo, commit_message=f"Training in progress, step {step}")
             self.uploads.append(
-                push_folder_to_hub(
-                    folder,
-                    self.config.hub_model_id,
-                    token=self.hub_token,
-                    private=self.config.hub_private_repo,
-                    commit_message=f"Training in progress, step {step}",
-                    run_as_future=True,
-                )
+                push_folder_to_hub(folder, config.hub_model_id, token=self.hub_token, run_as_future=True, **options)
             )
 
     def export(self, model, metrics: dict[str, Any], eval_results: list | None = None) -> Path | None:
