@@ -1,4 +1,5 @@
-"""Peak memory and step time of one training step with whole logits vs the chunked cross-entropy (issue 14).
+"""Peak memory and step time of one training step with whole logits vs the chunked cross-entropy (issue 14), ours
+(ChunkedCrossEntropy) and torch's own F.linear_cross_entropy with its chunking options (torch 2.13; issue 26).
 
     python benchmarks/chunked_loss_memory.py                  # CPU: a tiny Llama with Llama-3's 128,256-token vocabulary
     python benchmarks/chunked_loss_memory.py --device cuda    # GPU: peak allocated CUDA memory instead of peak RSS
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("no_logits", "full_logits", "chunked")
+MODES = ("no_logits", "full_logits", "chunked", "torch_linear_ce")
 
 
 def child(mode: str, args) -> dict:
@@ -27,7 +28,10 @@ def child(mode: str, args) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from fsdp_recipes.data.rows import IGNORE_INDEX
-    from fsdp_recipes.train.losses import TokenLoss
+    from fsdp_recipes.train.losses import TokenLoss, torch_kernel_options
+
+    if mode == "torch_linear_ce" and torch_kernel_options(args.chunk) is None:
+        return {"mode": mode, "peak_bytes": 0, "step_s": 0.0, "loss": "unavailable in this torch"}
 
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -41,7 +45,8 @@ def child(mode: str, args) -> dict:
         max_position_embeddings=args.tokens,
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
-    loss = TokenLoss(model, "full_logits" if mode == "no_logits" else mode, chunk_size=args.chunk)
+    implementation = {"no_logits": "full_logits", "torch_linear_ce": "linear_cross_entropy"}.get(mode, mode)
+    loss = TokenLoss(model, implementation, chunk_size=args.chunk)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.rows, args.tokens), device=device)
     positions = torch.arange(args.tokens, device=device).repeat(args.rows, 1)
@@ -97,13 +102,16 @@ def main() -> None:
         )
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     base = results["no_logits"]["peak_bytes"]
-    whole, chunked = results["full_logits"], results["chunked"]
+    whole, chunked, torch_kernel = results["full_logits"], results["chunked"], results["torch_linear_ce"]
     report = {
         "setup": f"{args.rows} x {args.tokens} tokens, vocabulary {args.vocab}, hidden {args.hidden}, {args.device}",
         "peak_gib": {mode: round(r["peak_bytes"] / 2**30, 3) for mode, r in results.items()},
         "loss_share_gib": {
             "full_logits": round((whole["peak_bytes"] - base) / 2**30, 3),
             "chunked": round((chunked["peak_bytes"] - base) / 2**30, 3),
+            "torch_linear_ce": round((torch_kernel["peak_bytes"] - base) / 2**30, 3)
+            if torch_kernel["step_s"]
+            else None,
         },
         "step_s": {mode: round(r["step_s"], 4) for mode, r in results.items()},
     }
@@ -120,6 +128,13 @@ def main() -> None:
         f"{report['loss_share_gib']['chunked']:.3f} GiB ({report['loss_share_ratio']:.1%} of whole)"
     )
     print(f"chunked step time / whole-logits step time: {report['step_time_ratio']:.3f}")
+    if torch_kernel["step_s"]:
+        print(
+            f"torch's F.linear_cross_entropy: loss memory {report['loss_share_gib']['torch_linear_ce']:.3f} GiB, step "
+            f"time {torch_kernel['step_s'] / chunked['step_s']:.3f} x ours"
+        )
+    else:
+        print("torch's F.linear_cross_entropy with chunking options: not in this torch")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ a LoRA adapter folder or checkpoint is merged into its base), sharded by `accele
 Predictions are gathered with `gather_for_metrics` (an uneven last batch adds no duplicates), so the results are the
 same on 1 and N ranks. They are written to `output_dir/eval_results.json` and merged into the model card's
 model-index (`output_dir/README.md`, the model folder's own card by default), which the Hub shows on the model page;
-`push_to_hub` uploads those two files.
+`push_to_hub` merges the results into the Hub repo's own card metadata (its text untouched; `hub_create_pr` for a
+pull request).
 
 Errors raised before any weights load, on every rank, as in every recipe (docs/errors.md), and: a LoRA adapter whose
 recorded base model no longer exists (point `--base_model_name_or_path` at it), metrics that do not apply or cannot be
@@ -110,10 +111,13 @@ class EvalConfig(config_lib.RunConfig):
         },
     )
     push_to_hub: bool = dataclasses.field(
-        default=False, metadata={"help": "upload eval_results.json and README.md (needs a token)"}
+        default=False, metadata={"help": "merge the results into the Hub repo's card metadata (needs a token)"}
     )
     hub_model_id: str | None = dataclasses.field(
         default=None, metadata={"help": "the repo to update; null: model_name_or_path when that is a Hub id"}
+    )
+    hub_create_pr: bool = dataclasses.field(
+        default=False, metadata={"help": "push the results as a pull request (a repo you do not own)"}
     )
     report_to: str = dataclasses.field(
         default="none",
@@ -286,28 +290,24 @@ def main(argv: list[str] | None = None) -> None:
                     for p, r in zip(gathered["predictions"], gathered["references"])
                 ],
             )
+        card_results = model_index.eval_results(
+            results,
+            task=modeling.pipeline_tag(task),
+            dataset=config.dataset_name,
+            dataset_config=config.dataset_config,
+            split=split,
+        )
         model_index.update_card(
             folder,
-            model_index.eval_results(
-                results,
-                task=modeling.pipeline_tag(task),
-                dataset=config.dataset_name,
-                dataset_config=config.dataset_config,
-                split=split,
-            ),
+            card_results,
             model_name=run.hub_model_id or Path(source.name).name,
             pipeline_tag=modeling.pipeline_tag(task),
             base_model=source.name if source.kind == "hub" else None,
         )
         print("results:\n" + format_table(list(results.items())))
         if config.push_to_hub:
-            url = hub.push_folder_to_hub(
-                folder,
-                run.hub_model_id,
-                token=run.hub_token,
-                private=config.hub_private_repo,
-                files=["README.md", "eval_results.json"],
-                commit_message="Evaluation results from FSDP Recipes",
+            url = hub.add_results_to_hub_card(  # the repo's own card keeps its text: only its metadata changes
+                run.hub_model_id, card_results, token=run.hub_token, create_pr=config.hub_create_pr
             )
             print(f"pushed to the Hub: {url}")
         print(f"results written to {folder.resolve()}: eval_results.json, README.md (model-index)")

@@ -27,7 +27,7 @@ from fsdp_recipes.tools.catalog import Catalog, model_info
 from fsdp_recipes.tools.estimator import MODEL_SHAPES
 from fsdp_recipes.tools.listing import listing
 from helpers.launch import launch, require_success, run_process_group
-from helpers.paths import REPO, TOKENIZER
+from helpers.paths import REPO
 from helpers.recipes import read_metrics
 
 CATALOG = Catalog(REPO)
@@ -236,35 +236,16 @@ def test_model_shapes_add_up_to_the_published_size(hub_id):
     assert info.num_params / 1e9 == pytest.approx(PUBLISHED_BILLIONS[hub_id], rel=0.02)
 
 
-def test_chat_templates_written_in_configs_render_conversations_turn_by_turn():
-    """The recipe locates assistant turns by rendering growing prefixes of a conversation: a template set in a config
-    must render each prefix (with the generation prompt before an assistant turn) as the start of the whole."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    conversation = [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "reverse abc"},
-        {"role": "assistant", "content": "cba"},
-    ]
-    templates = {config.values["chat_template"] for config in SHIPPED if config.values.get("chat_template")}
-    assert len(templates) == 3  # ChatML (Qwen3), Phi-3's and Phi-4-mini's formats without a trailing <|endoftext|>
-    for template in templates:
-
-        def render(messages, prompt=False, template=template):
-            return tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=prompt
-            )
-
-        full = render(conversation)
-        for index in (1, 3):
-            head, upto = render(conversation[:index], prompt=True), render(conversation[: index + 1])
-            assert full.startswith(head) and full.startswith(upto) and len(head) < len(upto)
-            assert conversation[index]["content"] in upto[len(head) :]
+def test_no_shipped_config_replaces_a_models_template_without_saying_why():
+    """The model keeps its own chat template (the recipe finds the replies in any template's rendering): a config that
+    sets another one on purpose says why in the comment right above it."""
+    for config in SHIPPED:
+        lines = config.path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if line.startswith(("chat_template:", "chat_template_path:")):
+                assert number > 0 and lines[number - 1].startswith("#"), f"{config.path}:{number + 1}"
 
 
-# --- cp -----------------------------------------------------------------------------------------------------------
 def files_under(folder: Path) -> set[str]:
     return {path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()}
 

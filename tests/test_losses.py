@@ -12,7 +12,17 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from fsdp_recipes.data.rows import IGNORE_INDEX
-from fsdp_recipes.train.losses import ChunkedCrossEntropy, TokenLoss, chunked_token_losses
+from fsdp_recipes.train import losses as losses_module
+from fsdp_recipes.train.losses import (
+    ChunkedCrossEntropy,
+    TokenLoss,
+    chunked_token_losses,
+    loss_implementation_problem,
+    torch_kernel_token_losses,
+)
+
+# Ours and torch's own F.linear_cross_entropy (loss_implementation: linear_cross_entropy), held to the same tests.
+KERNELS = {"chunked": chunked_token_losses, "linear_cross_entropy": torch_kernel_token_losses}
 
 VOCAB = 300
 
@@ -43,9 +53,10 @@ def packed_batch(rows=3, width=20):
     return {"input_ids": input_ids, "targets": targets, "position_ids": positions}
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_chunked_equals_cross_entropy_in_loss_and_gradients(chunk_size, with_bias):
+def test_chunked_equals_cross_entropy_in_loss_and_gradients(chunk_size, with_bias, kernel):
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(50, 16, generator=generator, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(VOCAB, 16, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -54,7 +65,7 @@ def test_chunked_equals_cross_entropy_in_loss_and_gradients(chunk_size, with_bia
     targets[::3] = IGNORE_INDEX
     upstream = torch.rand(50, generator=generator, dtype=torch.float64)  # a per-token weighting, as DPO's sums are
 
-    chunked = chunked_token_losses(hidden, weight, bias, targets, chunk_size)
+    chunked = KERNELS[kernel](hidden, weight, bias, targets, chunk_size)
     (chunked.double() * upstream).sum().backward()
     got = [hidden.grad.clone(), weight.grad.clone()] + ([bias.grad.clone()] if with_bias else [])
     for tensor in (hidden, weight, bias):
@@ -72,20 +83,22 @@ def test_chunked_equals_cross_entropy_in_loss_and_gradients(chunk_size, with_bia
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_batch_without_targets_has_zero_loss_and_no_gradient():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_batch_without_targets_has_zero_loss_and_no_gradient(kernel):
     hidden = torch.randn(4, 8, requires_grad=True)
     weight = torch.randn(VOCAB, 8, requires_grad=True)
-    losses = chunked_token_losses(hidden, weight, None, torch.full((4,), IGNORE_INDEX), 2)
+    losses = KERNELS[kernel](hidden, weight, None, torch.full((4,), IGNORE_INDEX), 2)
     assert losses.tolist() == [0.0] * 4
     losses.sum().backward()  # every rank runs backward, with or without targets
     assert not hidden.grad.any() and not weight.grad.any()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("tied", [False, True])
-def test_through_a_model_loss_and_every_gradient_equal_whole_logits(tied):
+def test_through_a_model_loss_and_every_gradient_equal_whole_logits(tied, kernel):
     batch = packed_batch()
     whole_model, chunked_model = tiny_llama(tie_word_embeddings=tied), tiny_llama(tie_word_embeddings=tied)
-    whole, chunked = TokenLoss(whole_model, "full_logits"), TokenLoss(chunked_model, "chunked", chunk_size=7)
+    whole, chunked = TokenLoss(whole_model, "full_logits"), TokenLoss(chunked_model, kernel, chunk_size=7)
     assert whole.description == "whole logits" and "7 tokens per chunk" in chunked.description
     whole_loss, chunked_loss = whole.loss_sum(whole_model, batch), chunked.loss_sum(chunked_model, batch)
     torch.testing.assert_close(chunked_loss, whole_loss, rtol=1e-5, atol=1e-5)
@@ -109,8 +122,7 @@ def test_outside_the_loss_the_model_is_unchanged():
 
 
 def test_the_micro_batch_logits_are_never_kept_for_backward():
-    """Every activation autograd saves during the forward is recorded (parameters, saved as they are, aside): with
-    the chunked loss none is as large as the micro-batch's N x vocabulary logits; with whole logits one is (the
+    """Every activation autograd saves during the forward is recorded (parameters aside): with a chunked loss none is as large as the micro-batch's N x vocabulary logits; with whole logits one is (the
     control)."""
     batch = packed_batch(rows=4, width=32)
     vocab = 4096  # as large next to the hidden size as real vocabularies are
@@ -121,8 +133,10 @@ def test_the_micro_batch_logits_are_never_kept_for_backward():
         loss = TokenLoss(model, implementation, chunk_size=16)
         sizes = []
 
-        def record(tensor):
-            if not isinstance(tensor, torch.nn.Parameter):
+        parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def record(tensor):  # parameters, and views of them (torch's kernel saves the weight as a view), aside
+            if tensor.untyped_storage().data_ptr() not in parameter_storages:
                 sizes.append(tensor.numel())
             return tensor
 
@@ -132,6 +146,15 @@ def test_the_micro_batch_logits_are_never_kept_for_backward():
 
     assert largest_saved("full_logits") >= logits_elements
     assert largest_saved("chunked") < logits_elements / 4
+    assert largest_saved("linear_cross_entropy") < logits_elements / 4
+
+
+def test_torch_kernel_is_refused_before_loading_where_torch_lacks_it(monkeypatch):
+    """The GPU machine's torch 2.11 has no chunking options: one message naming the fix, not a failure mid-step."""
+    assert loss_implementation_problem("linear_cross_entropy", "cpu") is None  # torch 2.13 here
+    monkeypatch.delattr(torch.nn, "LinearCrossEntropyOptions")
+    assert losses_module.torch_kernel_options(1024) is None
+    assert "use chunked" in loss_implementation_problem("linear_cross_entropy", "cuda")
 
 
 def test_models_that_transform_their_logits_fall_back_to_whole_logits():

@@ -62,6 +62,7 @@ def load_tokenizer(
     trust_remote_code: bool = False,
     chat_template: str | None = None,
     setting: str = "tokenizer_name_or_path",
+    chat_template_path: str | None = None,
 ) -> PreTrainedTokenizerBase:
     """The tokenizer, with the config's chat template if given (else its own, if any) and a pad token. Data that
     needs a template and finds none is refused when it is tokenised (fsdp_recipes.data.chat). `setting`: the config
@@ -73,6 +74,18 @@ def load_tokenizer(
         explain=_model_files_problem,
     ):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    if chat_template_path is not None:  # TRL's field: a .jinja file, or a tokenizer (folder or Hub id) to take it from
+        with steps.step(
+            f"reading chat_template_path {chat_template_path!r}", name=chat_template_path, setting="chat_template_path"
+        ):
+            source = Path(chat_template_path)
+            tokenizer.chat_template = (
+                source.read_text()
+                if source.is_file()
+                else AutoTokenizer.from_pretrained(
+                    chat_template_path, trust_remote_code=trust_remote_code
+                ).chat_template
+            )
     if chat_template is not None:
         template_path = Path(chat_template)
         with steps.step(f"reading chat_template {chat_template!r}", name=chat_template, setting="chat_template"):

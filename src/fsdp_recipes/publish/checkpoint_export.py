@@ -20,6 +20,12 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
+from fsdp_recipes.models.export_dtype import (
+    cast_floating,
+    recipe_dtype_override,
+    resolve_export_dtype,
+    write_config_dtype,
+)
 from fsdp_recipes.models.modeling import meta_model, tied_duplicate_names
 from fsdp_recipes.publish.export import ExportVerificationError, write_model_card
 from fsdp_recipes.train.checkpoint import MODEL_FILES, RUN_INFO, read_progress
@@ -37,9 +43,11 @@ def export_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
     merged: bool = False,
+    dtype: str | None = None,
 ) -> Path:
     """A LoRA checkpoint becomes a peft adapter folder (and with `merged`, also OUTPUT_DIR/merged: the base from the
-    recipe's model_name_or_path with the adapter merged in, which loads that base into memory)."""
+    recipe's model_name_or_path with the adapter merged in, which loads that base into memory). Weights are written
+    in `dtype` (auto/None: the run's export_dtype, i.e. the base model's dtype, as the recipe's own export)."""
     checkpoint, output_dir = Path(checkpoint), Path(output_dir)
     model_files = checkpoint / MODEL_FILES
     if not (model_files / "config.json").is_file():
@@ -52,26 +60,34 @@ def export_checkpoint(
     task = run_info.get("task", "causal-lm")
     tensors = _tensor_source(checkpoint)
     recipe_config = _json_or_empty(model_files / "recipe_config.json")
+    weights_dtype = resolve_export_dtype(
+        dtype if dtype not in (None, "auto") else recipe_config.get("export_dtype"),
+        config,
+        override=recipe_dtype_override(recipe_config),
+    )
     if recipe_config.get("use_peft"):
-        return _export_adapter_checkpoint(checkpoint, output_dir, tensors, recipe_config, task, merged=merged)
+        return _export_adapter_checkpoint(
+            checkpoint, output_dir, tensors, recipe_config, task, merged=merged, dtype=weights_dtype
+        )
     names = _names_to_save(config, tensors.names(), task)
 
     output_dir.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(names, tensors.nbytes, max_shard_bytes)
-    weight_map = {}
+    weight_map, total = {}, 0
     for index, shard in enumerate(shards, start=1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        loaded = {name: tensors.load(name).contiguous() for name in shard}
+        loaded = cast_floating({name: tensors.load(name).contiguous() for name in shard}, weights_dtype)
         save_file(loaded, output_dir / file, metadata={"format": "pt"})
         _check_file(output_dir / file, loaded)
         weight_map.update(dict.fromkeys(shard, file))
+        total += sum(tensor.nbytes for tensor in loaded.values())
         del loaded
     if len(shards) > 1:
-        total = sum(tensors.nbytes(name) for name in names)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (output_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     config.save_pretrained(output_dir)
+    write_config_dtype(output_dir, weights_dtype)
     generation = model_files / "generation_config.json"
     generation_config = (
         GenerationConfig.from_pretrained(model_files)
@@ -95,13 +111,13 @@ def export_checkpoint(
 
 
 def _export_adapter_checkpoint(
-    checkpoint: Path, output_dir: Path, tensors, recipe_config: dict, task: str, *, merged: bool
+    checkpoint: Path, output_dir: Path, tensors, recipe_config: dict, task: str, *, merged: bool, dtype
 ) -> Path:
     """The adapter tensors (stored under peft's own names) as adapter_model.safetensors, the LoRA settings of the run
     as adapter_config.json, the tokenizer and a card."""
     from types import SimpleNamespace
 
-    from fsdp_recipes.models.adapter_export import MERGED_FOLDER, load_base, reload_adapter
+    from fsdp_recipes.models.adapter_export import MERGED_FOLDER, load_base, reload_adapter, save_merged_model
     from fsdp_recipes.models.adapters import lora_config
 
     settings = SimpleNamespace(**recipe_config)
@@ -130,7 +146,7 @@ def _export_adapter_checkpoint(
         model_config = AutoConfig.from_pretrained(checkpoint / MODEL_FILES)
         merged_model = reload_adapter(output_dir, settings, task=task, model_config=model_config, quantized=False)
         merged_dir = output_dir / MERGED_FOLDER
-        merged_model.merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)
+        save_merged_model(merged_model, merged_dir, dtype=dtype, task=task)
         AutoTokenizer.from_pretrained(checkpoint / MODEL_FILES).save_pretrained(merged_dir)
         write_model_card(merged_dir, **card)
         load_base(str(merged_dir), task=task)  # it loads as a plain transformers model

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
+from fsdp_recipes.models.export_dtype import cast_floating, write_config_dtype
 from fsdp_recipes.models.modeling import auto_model_class, pipeline_tag, tied_duplicate_names
 
 
@@ -32,8 +33,10 @@ def export_model_folder(
     *,
     card: dict[str, Any],
     task: str = "causal-lm",
+    dtype: torch.dtype | None = None,
 ) -> Path | None:
-    """Collective: every rank must call it. Returns the folder on the main process, None elsewhere."""
+    """Collective: every rank must call it. Returns the folder on the main process, None elsewhere. `dtype`: the
+    floating weights are written (and read back, and named in config.json) in it; None: as trained (fp32)."""
     state_dict = accelerator.get_state_dict(model)  # full tensors on the main process, on CPU
     output_dir = Path(output_dir)
     if accelerator.is_main_process:
@@ -41,8 +44,12 @@ def export_model_folder(
         unwrapped = accelerator.unwrap_model(model)
         for name in tied_duplicate_names(unwrapped.config, task=task):
             state_dict.pop(name, None)
+        if dtype is not None:
+            state_dict = cast_floating(state_dict, dtype)
         # A shallow copy: save_pretrained pops entries as it writes them, and verification needs them all.
         unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)
+        if dtype is not None:
+            write_config_dtype(output_dir, dtype)
         tokenizer.save_pretrained(output_dir)
         verify_saved_weights(output_dir, state_dict)
         write_model_card(output_dir, **{**card, "task": task})
@@ -56,6 +63,7 @@ def verify_saved_weights(folder: str | Path, state_dict: dict[str, torch.Tensor]
     tensor at a time. Returns the number of tensors checked."""
     problems, checked = [], 0
     on_disk_keys: set[str] = set()
+    on_disk_dtypes: set[torch.dtype] = set()
     index = Path(folder) / "model.safetensors.index.json"
     if index.is_file():  # only what this save wrote, whatever else the folder holds
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -74,6 +82,8 @@ def verify_saved_weights(folder: str | Path, state_dict: dict[str, torch.Tensor]
                     continue
                 saved = reader.get_tensor(key)
                 checked += 1
+                if saved.is_floating_point():
+                    on_disk_dtypes.add(saved.dtype)
                 if saved.shape != expected.shape or saved.dtype != expected.dtype:
                     problems.append(
                         f"{key}: {tuple(saved.shape)} {saved.dtype} on disk, {tuple(expected.shape)} {expected.dtype} saved"
@@ -85,9 +95,18 @@ def verify_saved_weights(folder: str | Path, state_dict: dict[str, torch.Tensor]
         twins = [k for k in on_disk_keys if state_dict.get(k) is not None and state_dict[k].shape == tensor.shape]
         if not any(torch.equal(state_dict[k].cpu(), tensor) for k in twins):
             problems.append(f"{key}: missing from the saved files")
+    declared = _declared_dtype(Path(folder))
+    if declared is not None and on_disk_dtypes - {declared}:
+        problems.append(f"config.json says dtype {declared} but the files hold {sorted(map(str, on_disk_dtypes))}")
     if problems:
         raise ExportVerificationError("export verification failed:\n  " + "\n  ".join(problems))
     return checked
+
+
+def _declared_dtype(folder: Path) -> torch.dtype | None:
+    config = folder / "config.json"
+    declared = json.loads(config.read_text()).get("dtype") if config.is_file() else None
+    return getattr(torch, declared, None) if isinstance(declared, str) else None
 
 
 _CARD_TEMPLATE = """---

@@ -89,6 +89,16 @@ def results_table(results: list[EvalResult]) -> str:
     return "| dataset | split | metric | value |\n|---|---|---|---|\n" + "\n".join(rows)
 
 
+def merge_eval_results(card: ModelCard, results: list[EvalResult], *, model_name: str) -> list[EvalResult]:
+    """Into the card's metadata only: `results` replace earlier ones for the same task, dataset, split and metric,
+    the others are kept. Returns the merged list."""
+    new_keys = {_key(result) for result in results}
+    merged = [r for r in (card.data.eval_results or []) if _key(r) not in new_keys] + list(results)
+    card.data.eval_results = merged
+    card.data.model_name = card.data.model_name or model_name
+    return merged
+
+
 def update_card(
     folder: str | Path, results: list[EvalResult], *, model_name: str, pipeline_tag: str, base_model: str | None = None
 ) -> Path:
@@ -104,10 +114,7 @@ def update_card(
         card = ModelCard(
             f"---\n{data.to_yaml()}\n---\n\n# {model_name}\n\nEvaluated with the FSDP Recipes `eval` recipe.\n"
         )
-    new_keys = {_key(result) for result in results}
-    merged = [r for r in (card.data.eval_results or []) if _key(r) not in new_keys] + list(results)
-    card.data.eval_results = merged
-    card.data.model_name = card.data.model_name or model_name
+    merged = merge_eval_results(card, results, model_name=model_name)
     section = f"{_START}\n## Evaluation\n\n{results_table(merged)}\n{_END}"
     if _START in card.text and _END in card.text:
         before, rest = card.text.split(_START, 1)

@@ -21,6 +21,7 @@ from fsdp_recipes.distributed import logs
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
 from fsdp_recipes.models import adapter_export, adapters
+from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters, load_model
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
@@ -94,6 +95,7 @@ class Run(StartedRun):
     checkpoints: checkpoints_lib.Checkpointer | None = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     total_steps: int = 0
+    uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
 
     @property
     def resumed(self) -> bool:
@@ -194,6 +196,7 @@ class Run(StartedRun):
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
             torch_compile=config.torch_compile,
             optim=config.optim,
+            export_dtype=dtype_name(self.export_dtype),
             device_name=device_name(accelerator.device),
             memory_estimate=estimate_for_run(
                 accelerator,
@@ -260,6 +263,7 @@ class Run(StartedRun):
             ),
             rank_state=batches.state_dict if per_rank_stream else None,
             extra_files=checkpoint_files,
+            after_save=lambda step: self.push_at_save(model, step),
             model_files_writer=lambda folder: checkpoints_lib.write_model_files(
                 folder,
                 model_config=self.model_config,
@@ -337,35 +341,13 @@ class Run(StartedRun):
                 + memory_figure_notes(accelerator.device.type)
             )
             plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
-        card = dict(
-            recipe=self.name,
-            recipe_config=config_to_dict(config),
-            accelerate_config=self.accelerate_settings,
-            metrics={key: value for key, value in final_metrics.items() if value is not None},
-            base_model=config.model_name_or_path,
-            dataset=config.dataset_name,
-            hub_model_id=config.hub_model_id,
-            eval_results=eval_results,
-            task=self.task,
-        )
-        if adapters.is_adapter_model(accelerator.unwrap_model(model)):
-            folder = adapter_export.export_adapter_folder(
-                accelerator,
-                model,
-                self.tokenizer,
-                config.output_dir,
-                task=self.task,
-                config=config,
-                card_writer=lambda where, library: write_model_card(where, library_name=library, **card),
-            )
-        else:
-            folder = export_model_folder(
-                accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card
-            )
+        folder = self.export(model, final_metrics, eval_results)
         if accelerator.is_main_process:
             if results:
                 write_json(folder / "eval_results.json", results)
             if config.push_to_hub:
+                for upload in self.uploads:  # every_save's background commits land first, in order
+                    upload.result()
                 url = push_folder_to_hub(
                     folder, config.hub_model_id, token=self.hub_token, private=config.hub_private_repo
                 )
@@ -373,3 +355,52 @@ class Run(StartedRun):
             logs.info(f"model exported to {folder.resolve()}")
         accelerator.end_training()
         return folder
+
+    @property
+    def export_dtype(self) -> torch.dtype:
+        """The exported weights' dtype: export_dtype, else the config's torch_dtype/dtype, else the base model's."""
+        return resolve_export_dtype(
+            getattr(self.config, "export_dtype", "auto"), self.model_config, recipe_dtype_override(self.config)
+        )
+
+    def push_at_save(self, model, step: int) -> None:
+        """Collective, after each checkpoint; with hub_strategy every_save, the model as it is now is exported to
+        output_dir and uploaded in the background while training goes on (at the last step, the end's push does it)."""
+        config = self.config
+        if not config.push_to_hub or getattr(config, "hub_strategy", "end") != "every_save" or step >= self.total_steps:
+            return
+        folder = self.export(model, {"step": step, "train_loss": self.log.last("loss")})
+        if self.accelerator.is_main_process:
+            options = dict(private=config.hub_private_repo, commit_message=f"Training in progress, step {step}")
+            self.uploads.append(
+                push_folder_to_hub(folder, config.hub_model_id, token=self.hub_token, run_as_future=True, **options)
+            )
+
+    def export(self, model, metrics: dict[str, Any], eval_results: list | None = None) -> Path | None:
+        """Collective: the model folder (or adapter folder) in output_dir, read back and compared, with its card."""
+        config, accelerator = self.config, self.accelerator
+        card = dict(
+            recipe=self.name,
+            recipe_config=config_to_dict(config),
+            accelerate_config=self.accelerate_settings,
+            metrics={key: value for key, value in metrics.items() if value is not None},
+            base_model=config.model_name_or_path,
+            dataset=config.dataset_name,
+            hub_model_id=config.hub_model_id,
+            eval_results=eval_results,
+            task=self.task,
+        )
+        if adapters.is_adapter_model(accelerator.unwrap_model(model)):
+            return adapter_export.export_adapter_folder(
+                accelerator,
+                model,
+                self.tokenizer,
+                config.output_dir,
+                task=self.task,
+                config=config,
+                card_writer=lambda where, library: write_model_card(where, library_name=library, **card),
+                dtype=self.export_dtype,
+            )
+        return export_model_folder(
+            accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card, dtype=self.export_dtype
+        )

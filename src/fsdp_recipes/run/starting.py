@@ -139,6 +139,7 @@ def load_model_files(
         revision=config.model_revision,
         trust_remote_code=config.trust_remote_code,
         chat_template=config.chat_template,
+        chat_template_path=getattr(config, "chat_template_path", None),
         setting="tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path",
     )
     compat.set_eos_token(tokenizer, config.eos_token)

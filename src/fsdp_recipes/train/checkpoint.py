@@ -121,8 +121,10 @@ class Checkpointer:
         pause=contextlib.nullcontext,
         rank_state=None,
         extra_files: dict[str, str] | None = None,
+        after_save=None,
     ):
-        self.accelerator, self.output_dir = accelerator, output_dir
+        """`after_save(step)`: called on every rank after each save (e.g. a Hub push), inside the pause."""
+        self.accelerator, self.output_dir, self.after_save = accelerator, output_dir, after_save
         self.cadence = Cadence(every, total_steps, at_last_step=every is not None)
         self.save_total_limit, self.position, self.model_files_writer = save_total_limit, position, model_files_writer
         self.pause, self.rank_state, self.extra_files = pause, rank_state, extra_files
@@ -131,7 +133,7 @@ class Checkpointer:
         if not self.cadence.due(step):
             return None
         with self.pause():
-            return save_checkpoint(
+            saved = save_checkpoint(
                 self.accelerator,
                 self.output_dir,
                 self.position(step),
@@ -140,6 +142,9 @@ class Checkpointer:
                 rank_state=self.rank_state() if self.rank_state else None,
                 extra_files=self.extra_files,
             )
+            if self.after_save is not None:
+                self.after_save(step)
+            return saved
 
 
 def checkpoint_name(step: int) -> str:

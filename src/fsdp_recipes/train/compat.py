@@ -72,7 +72,7 @@ class RunCompatFields:
         metadata={
             "help": "the base weights' dtype (torch_dtype is read as this): auto/null (the checkpoint's own), "
             "bfloat16, float16, float32. Training still keeps fp32 master weights; the Accelerate config's "
-            "mixed_precision sets the compute dtype"
+            "mixed_precision sets the compute dtype; the export is written in this dtype unless export_dtype says"
         },
     )
     eos_token: str | None = dataclasses.field(

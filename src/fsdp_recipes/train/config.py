@@ -21,6 +21,8 @@ from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
 from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields
+from fsdp_recipes.train.losses import LOSS_IMPLEMENTATIONS
+from fsdp_recipes.train.publishing import PublishingFields
 
 
 @dataclasses.dataclass
@@ -116,7 +118,7 @@ class RunConfig(RunCompatFields):
 
 
 @dataclasses.dataclass
-class TrainingConfig(RunConfig, TrainingCompatFields):
+class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields):
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
     format, its loss), extends `validate`, and overrides the methods below that describe it to the shared layer."""
 
@@ -270,7 +272,8 @@ class TrainingConfig(RunConfig, TrainingCompatFields):
         metadata={
             "help": "chunked: cross-entropy over chunks of tokens, never the whole micro-batch's fp32 logits "
             "(their share of activation memory drops ~tokens/loss_chunk_size-fold); full_logits: what most "
-            "trainers do (more memory); liger: liger-kernel's fused kernel (CUDA, pip install liger-kernel)"
+            "trainers do (more memory); liger: liger-kernel's fused kernel (CUDA, pip install liger-kernel); "
+            "linear_cross_entropy: torch's own (torch >= 2.13; measured against chunked: docs/chunked-loss.md)"
         },
     )
     loss_chunk_size: int = dataclasses.field(
@@ -409,8 +412,8 @@ class TrainingConfig(RunConfig, TrainingCompatFields):
             problems.append(
                 f"train_sampling_strategy {self.train_sampling_strategy!r} is not group_by_length or random"
             )
-        if self.loss_implementation not in ("chunked", "full_logits", "liger"):
-            problems.append(f"loss_implementation {self.loss_implementation!r} is not chunked, full_logits or liger")
+        if self.loss_implementation not in LOSS_IMPLEMENTATIONS:
+            problems.append(f"loss_implementation {self.loss_implementation!r} is not one of {LOSS_IMPLEMENTATIONS}")
         if self.loss_chunk_size < 1:
             problems.append(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.optim not in ("adamw_torch", "adamw_torch_fused"):

@@ -46,7 +46,7 @@ def global_mean_scale(accelerator: Accelerator, global_target_count: float) -> f
 
 
 # ---------------------------------------------------------------------------------------------- chunked cross-entropy
-LOSS_IMPLEMENTATIONS = ("chunked", "full_logits", "liger")
+LOSS_IMPLEMENTATIONS = ("chunked", "full_logits", "liger", "linear_cross_entropy")
 
 # Heads whose logits the model transforms after the output projection: their loss needs the whole logits. Any other
 # transformation is caught at the first step (`TokenLoss._check_untouched`).
@@ -129,6 +129,39 @@ def chunked_token_losses(
     return (losses + 0.0 * first.sum()).reshape(targets.shape)
 
 
+def torch_kernel_options(chunk_size: int):
+    """Options for torch's chunked F.linear_cross_entropy (torch 2.13: LinearCrossEntropyOptions.batch_chunk_size),
+    or None where this torch lacks the function or the chunking option (torch 2.11 and older)."""
+    options_class = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options_class is None or not hasattr(F, "linear_cross_entropy"):
+        return None
+    try:
+        return options_class(batch_chunk_size=chunk_size)
+    except TypeError:  # an early version without this option
+        return None
+
+
+def torch_kernel_token_losses(hidden, weight, bias, targets, chunk_size: int) -> torch.Tensor:
+    """As chunked_token_losses, with torch's own kernel: only the tokens that carry loss, `chunk_size` at a time.
+    Its losses come out in the inputs' dtype (bf16 under bf16 compute), upcast here."""
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    keep = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
+    if not keep.numel():  # every rank runs backward: one token, weighted by zero (as chunked_token_losses)
+        keep, weight_of_kept = torch.zeros(1, dtype=torch.long, device=hidden.device), 0.0
+    else:
+        weight_of_kept = 1.0
+    kept = F.linear_cross_entropy(
+        flat_hidden[keep],
+        weight,
+        flat_targets[keep].clamp(min=0),
+        linear_bias=bias,
+        reduction="none",
+        options=torch_kernel_options(chunk_size),
+    ).float()
+    losses = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
+    return losses.index_put((keep,), kept * weight_of_kept).reshape(targets.shape)
+
+
 class TokenLoss:
     """The token loss of a causal LM, chosen once per run (`loss_implementation`):
 
@@ -136,7 +169,9 @@ class TokenLoss:
       inside the model's own forward by its output layer, so FSDP2 has that layer's weight gathered as usual and
       parameter names do not change; outside the loss (generation, plain forwards) the layer behaves as before;
     - "full_logits": the model's logits for the whole micro-batch, then fp32 cross-entropy (what most trainers do);
-    - "liger": liger-kernel's fused linear cross-entropy (GPUs, `pip install liger-kernel`) in the same place.
+    - "liger": liger-kernel's fused linear cross-entropy (GPUs, `pip install liger-kernel`) in the same place;
+    - "linear_cross_entropy": torch's own F.linear_cross_entropy with its chunking options (torch >= 2.13), in the
+      same place; its losses come in the compute dtype (docs/chunked-loss.md: why "chunked" stays the default).
 
     Build it on the unprepared model, before `accelerator.prepare`. Models that transform their logits after the
     output layer (soft-capping, scaling) fall back to whole logits; `description` says what runs, for the run summary."""
@@ -155,6 +190,8 @@ class TokenLoss:
             self.description = f"chunked cross-entropy, {chunk_size} tokens per chunk"
         elif implementation == "liger":
             self.description = "liger-kernel fused linear cross-entropy"
+        elif implementation == "linear_cross_entropy":
+            self.description = f"torch's F.linear_cross_entropy, {chunk_size} tokens per chunk"
         else:
             self.description = "whole logits"
         if self.implementation != "full_logits":
@@ -185,12 +222,13 @@ class TokenLoss:
         weight, bias = self.head.weight, getattr(self.head, "bias", None)
         if self.implementation == "liger":
             return _liger_token_losses(hidden, weight, bias, self._targets)
-        losses = chunked_token_losses(hidden, weight, bias, self._targets, self.chunk_size)
+        chunked = torch_kernel_token_losses if self.implementation == "linear_cross_entropy" else chunked_token_losses
+        losses = chunked(hidden, weight, bias, self._targets, self.chunk_size)
         self._returned = losses
         return losses
 
     def _check_untouched(self, output: torch.Tensor) -> torch.Tensor:
-        if self.implementation == "chunked" and output is not self._returned:
+        if self.implementation in ("chunked", "linear_cross_entropy") and output is not self._returned:
             raise RuntimeError(
                 "the model transformed the output of its output layer, so the chunked loss would be wrong for it: set "
                 "loss_implementation: full_logits (and report the model type, so it is recognised up front)"
@@ -229,6 +267,11 @@ def loss_implementation_problem(implementation: str, device_type: str) -> str | 
             )
         if device_type != "cuda":
             return "loss_implementation liger runs on CUDA GPUs only; use chunked on this device"
+    if implementation == "linear_cross_entropy" and torch_kernel_options(1) is None:
+        return (
+            f"loss_implementation linear_cross_entropy needs torch's F.linear_cross_entropy with chunking options "
+            f"(torch 2.13 or newer); this torch {torch.__version__} lacks them: use chunked, which needs nothing"
+        )
     return None
 
 

@@ -1,0 +1,53 @@
+"""What a training run publishes, and how: the exported weights' dtype, the chat template the model is trained and
+exported with, and when a push happens. A base of TrainingConfig, in a module of its own so that these settings are
+read (and their help kept) in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+EXPORT_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+HUB_STRATEGIES = ("end", "every_save")
+
+
+@dataclasses.dataclass
+class PublishingFields:
+    export_dtype: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "dtype of the exported weights: auto (the base model's, from its config.json, or torch_dtype/"
+            "dtype when the recipe config sets one; float32 for a model initialised from a config naming none), "
+            "float32, bfloat16 or float16. Training keeps fp32 master weights whatever this says; float32 exports "
+            "of a bf16 base are twice the size and no more accurate than the base"
+        },
+    )
+    chat_template_path: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "TRL's name for setting the template on purpose: a .jinja file, or a tokenizer folder/Hub id whose "
+            "template the model is trained and exported with (null: the tokenizer's own, or chat_template)"
+        },
+    )
+    hub_strategy: str = dataclasses.field(
+        default="end",
+        metadata={
+            "help": "with push_to_hub, when the Hub gets the model: end (once, the exported folder) or every_save "
+            "(also at every checkpoint: the model exported then, uploaded in the background; each save also "
+            "gathers the full weights on the main process)"
+        },
+    )
+
+    def validate(self) -> list[str]:
+        problems = super().validate()  # the next base in the MRO: RunConfig
+        if self.export_dtype not in EXPORT_DTYPE_CHOICES:
+            problems.append(f"export_dtype {self.export_dtype!r} is not one of {', '.join(EXPORT_DTYPE_CHOICES)}")
+        if self.hub_strategy in ("checkpoint", "all_checkpoints"):
+            problems.append(
+                f"hub_strategy {self.hub_strategy!r} uploads resumable checkpoints, which here are sharded per-rank "
+                "state that only this run can read: use every_save (the exported model at every save) or end"
+            )
+        elif self.hub_strategy not in HUB_STRATEGIES:
+            problems.append(f"hub_strategy {self.hub_strategy!r} is not one of {', '.join(HUB_STRATEGIES)}")
+        if self.chat_template_path is not None and getattr(self, "chat_template", None) is not None:
+            problems.append("set one of chat_template and chat_template_path (both set the model's template): keep one")
+        return problems
