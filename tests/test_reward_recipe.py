@@ -142,23 +142,26 @@ def test_refuses_a_classifier_base_with_three_labels(tmp_path, capsys, pretraine
 
 # ------------------------------------------------------------------------------------- the shared 2-process launches
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_and_learn(reward_distill_launches):
+def test_two_ranks_equal_one_process(reward_distill_launches):
+    """The loss is the mean over the global batch's pairs however they are split: 2 ranks x 4 pairs x 2 micro-steps
+    and 1 process x 8 pairs x 2 give the same losses (float rounding apart) and the same accuracies."""
     two, one = reward_distill_launches["reward_two"], reward_distill_launches["reward_one"]
     records_two, records_one = step_records(two), step_records(one)
     assert sorted(records_two) == sorted(records_one) == list(range(1, REWARD_STEPS + 1))
-    for name in ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected"):
-        torch.testing.assert_close(
-            torch.tensor([records_two[s][name] for s in records_two], dtype=torch.float64),
-            torch.tensor([records_one[s][name] for s in records_two], dtype=torch.float64),
-            rtol=1e-5,
-            atol=1e-6,
-        )
+    steps = sorted(records_two)
+
+    def figures(records, name):
+        return torch.tensor([records[s][name] for s in steps], dtype=torch.float64)
+
+    torch.testing.assert_close(figures(records_two, "loss"), figures(records_one, "loss"), rtol=1e-5, atol=0)
+    assert figures(records_two, "accuracy").tolist() == figures(records_one, "accuracy").tolist()
+    for name in ("margin", "rewards/chosen", "rewards/rejected"):  # scores of size ~0.01-1: rounding, amplified by
+        # training, moves them by ~1e-5
+        torch.testing.assert_close(figures(records_two, name), figures(records_one, name), rtol=0, atol=1e-4)
     summary = json.loads((two / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["fsdp"]["version"] == 2
     assert summary["parameter_placements"] == ["(Shard(dim=0),)"]  # the score head shards with the root unit
     assert summary["reward_head"] == ["score"] and summary["data"]["margin_column"] is True
-    losses = [records_two[s]["loss"] for s in sorted(records_two)]
-    assert losses[-1] < losses[0]
 
 
 @pytest.mark.slow
