@@ -4,6 +4,7 @@ the shared launch (tests/fixtures/reward_distill.py) shows 2 ranks equal to 1 pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -232,5 +233,27 @@ def test_two_ranks_equal_one_process_with_the_teacher_sharded(reward_distill_lau
     summary = json.loads((two / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["fsdp"]["version"] == 2
     assert summary["teacher"]["parameters"] > 2 * summary["total_parameters"]  # the wider teacher, frozen
+    teacher_bytes = summary["memory_estimate"]["predicted_per_gpu_bytes"]["teacher_model"]  # half its fp32 weights,
+    assert 2 * summary["teacher"]["parameters"] < teacher_bytes < 4 * summary["teacher"]["parameters"]  # + its head
     student = AutoModelForCausalLM.from_pretrained(two)
     assert student.config.hidden_size == 32
+
+
+# ----------------------------------------------------------------------------------------------- the memory estimate
+def test_the_estimate_counts_the_teacher_sharded_and_its_output_layer_whole():
+    """Llama-3.1-8B teaching Llama-3.2-1B on 8 GPUs in bf16: the teacher's eighth of its weights in bf16 plus its whole
+    128,256 x 4,096 output layer, beside the student's own state."""
+    from fsdp_recipes.tools.catalog import Catalog, model_info
+    from fsdp_recipes.tools.estimator import MODEL_SHAPES
+
+    catalog = Catalog()
+    config = catalog.find("distill/llama-3.1-8b_to_llama-3.2-1b")
+    per_gpu = catalog.estimate(config).per_gpu()
+    teacher = model_info(MODEL_SHAPES / "meta-llama/Llama-3.1-8B-Instruct" / "config.json")
+    head = teacher.vocab_size * teacher.hidden_size * 2
+    assert per_gpu["teacher_model"] == pytest.approx(teacher.num_params * 2 / 8 + head, rel=0.01)
+    assert per_gpu["reference_model"] == 0
+    without = catalog.estimate(
+        dataclasses.replace(config, values={**config.values, "teacher_model_name_or_path": None})
+    ).per_gpu()
+    assert "teacher_model" not in without and without["total"] == per_gpu["total"] - per_gpu["teacher_model"]
