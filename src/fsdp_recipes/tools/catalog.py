@@ -230,7 +230,26 @@ class Catalog:
         script = next((recipe.path for recipe in self.recipes() if recipe.name == config.recipe), None)
         recipe = recipe_config(config.values, script=script, where=config.key)
         return estimate_for_recipe(
-            model_info(model), layout, recipe, gpu_memory=parse_size(config.gpu_memory), model_name=str(config.model)
+            model_info(model),
+            layout,
+            recipe,
+            gpu_memory=parse_size(config.gpu_memory),
+            model_name=str(config.model),
+            frozen_model_info=lambda name: model_info(self.frozen_model_file(name)),
+        )
+
+    def frozen_model_file(self, name: str) -> Path:
+        """A local config.json for a frozen model a config names (a distillation teacher): the shapes kept for its Hub
+        id, its folder under the root, or the model of the shipped config whose output_dir it is. Raises ConfigError."""
+        for path in (MODEL_SHAPES / name / "config.json", self.root / name / "config.json"):
+            if path.is_file():
+                return path
+        writers = [config for config in self.configs() if config.values.get("output_dir") == name]
+        found = next((self.model_file(config) for config in writers if self.model_file(config)), None)
+        if found is not None:
+            return found
+        raise ConfigError(
+            f"no local config.json for the frozen model {name!r}: add {self.shown(MODEL_SHAPES)}/{name}/config.json"
         )
 
     def problems(self, config: RecipeConfig) -> list[str]:

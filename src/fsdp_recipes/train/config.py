@@ -337,6 +337,11 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields):
         """Whole frozen copies of the model kept beside the trained one (a reference model), sharded like it."""
         return 0
 
+    def frozen_models(self) -> list[str]:
+        """Other models (folders or Hub ids) kept frozen beside the trained one, sharded like it at the compute dtype
+        (a distillation teacher), for the memory estimate."""
+        return []
+
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         """Fields that change the objective or the data (which rows, in which order, as which tokens): a resumed run
         must keep the checkpoint's values, or one run would mix two trainings, unless `allow_config_change` names

@@ -4,11 +4,12 @@ unsharded buffers, and their sum against the GPU's memory (`Estimate`). Formulas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
-from fsdp_recipes.tools.estimator.shapes import ModelInfo, Param
+from fsdp_recipes.tools.estimator.shapes import ModelInfo, Param, load_model_info
 from fsdp_recipes.tools.estimator.workload import Adapters, Workload, adapters_for, layout_for_recipe, workload_for
 from fsdp_recipes.train.config import TrainingConfig
 
@@ -232,6 +233,11 @@ class Estimate:
             "gradients": self.state["gradients"] if on_device else 0,
             "optimizer_state": self.state["optimizer_state"] if on_device else 0,
             "reference_model": self.state.get("reference_model", 0) if on_device else 0,
+            **(
+                {"teacher_model": self.state["teacher_model"] if on_device else 0}
+                if "teacher_model" in self.state
+                else {}
+            ),
             "activations": self.activations_used,
             "activations_without_checkpointing": self.activations["without_checkpointing"],
             "activations_with_checkpointing": self.activations["with_checkpointing"],
@@ -252,9 +258,12 @@ def estimate(
     model_name: str = "",
     adapters: Adapters | None = None,
     frozen_copies: int = 0,
+    frozen_models: list[ModelInfo] = (),
 ) -> Estimate:
     """`frozen_copies`: whole frozen copies of the model sharded like it, at the compute dtype (preference tuning's
-    reference model)."""
+    reference model). `frozen_models`: other models kept frozen beside it (a distillation teacher), each sharded like
+    it at the compute dtype, with its output layer also whole on every rank (distillation needs it during the
+    student's step)."""
     units = plan_units(info, layout)
     compute = layout.compute_bytes
     if adapters is None:
@@ -269,6 +278,8 @@ def estimate(
     if frozen_copies:
         copy = state_bytes_on_rank(units, layout, 0, trainable=False)["parameters"] * compute // FP32
         state["reference_model"] = frozen_copies * copy  # its gathered units are in flight when the policy's are not
+    if frozen_models:
+        state["teacher_model"] = sum(frozen_model_bytes(other, layout) for other in frozen_models)
     activations = activation_bytes(info, workload, compute)
     host = dict(state) if layout.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
@@ -290,6 +301,13 @@ def estimate(
     )
 
 
+def frozen_model_bytes(info: ModelInfo, layout: LaunchLayout) -> int:
+    """A frozen model sharded like the trained one at the compute dtype, plus its output layer whole (vocabulary x
+    hidden size: `train.distillation` gathers it once and keeps it)."""
+    sharded = state_bytes_on_rank(plan_units(info, layout), layout, 0, trainable=False)["parameters"]
+    return sharded * layout.compute_bytes // FP32 + info.vocab_size * info.hidden_size * layout.compute_bytes
+
+
 def estimate_for_recipe(
     info: ModelInfo,
     layout: LaunchLayout,
@@ -298,9 +316,12 @@ def estimate_for_recipe(
     gpu_memory: int = 80 * 10**9,
     reserve: int | None = None,
     model_name: str = "",
+    frozen_model_info: Callable[[str], ModelInfo] | None = None,
 ) -> Estimate:
-    """The estimate for a recipe config on a launch: its micro-batch, its adapters, its frozen model copies, and the
-    activation checkpointing it adds to the launch, all asked of the config."""
+    """The estimate for a recipe config on a launch: its micro-batch, its adapters, its frozen model copies and other
+    frozen models (`recipe.frozen_models()`, their shapes read by `frozen_model_info`, default `load_model_info`), and
+    the activation checkpointing it adds to the launch, all asked of the config."""
+    frozen_model_info = frozen_model_info or load_model_info
     layout = layout_for_recipe(layout, recipe)
     return estimate(
         info,
@@ -311,4 +332,5 @@ def estimate_for_recipe(
         model_name=model_name,
         adapters=adapters_for(recipe, layout.compute_bytes),
         frozen_copies=recipe.frozen_model_copies(),
+        frozen_models=[frozen_model_info(name) for name in recipe.frozen_models()],
     )

@@ -70,6 +70,11 @@ def render_report(report: dict[str, Any]) -> str:
         ),
         ("optimizer state (AdamW, 2 x fp32)", host.get("optimizer_state") if offload else g["optimizer_state"]),
         *([("reference model (frozen copy, sharded)", g["reference_model"])] if g["reference_model"] else []),
+        *(
+            [("teacher model (frozen, sharded; output layer whole)", g["teacher_model"])]
+            if g.get("teacher_model")
+            else []
+        ),
         (f"activations, checkpointing {'on' if ac else 'off'}", g["activations"]),
         (
             f"  (checkpointing {'off' if ac else 'on'}: {gib(g['activations_with_checkpointing' if not ac else 'activations_without_checkpointing'])};"

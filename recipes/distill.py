@@ -1,0 +1,298 @@
+"""Knowledge distillation: a student causal LM trained on a frozen teacher's next-token distributions, with FSDP2.
+
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/distill.py \
+        --config recipes/configs/distill/<config>.yaml [--field value ...]
+
+Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together, and
+the teacher's: its config and tokenizer read, no weights, its vocabulary checked against the student's); the data,
+exactly as sft.py reads it (`messages` or `prompt`/`completion` columns, loss on the tokens SFT trains, packed rows);
+the student (the model being trained) and the teacher (`teacher_model_name_or_path`: frozen, in the compute dtype,
+sharded like the student as DPO's reference copy is, `fsdp_recipes.train.reference.shard_frozen_copy`);
+`accelerator.prepare`; the loop, whose loss per target token is `(1 - kd_ratio) x cross-entropy + kd_ratio x KD`,
+KD comparing the student's and teacher's distributions softened by `temperature` (`kd_loss`: forward_kl, reverse_kl or
+jsd), computed a chunk of tokens at a time from both models' hidden states so neither model's fp32 logits exist whole
+(`fsdp_recipes.train.distillation`), averaged over every target token of the global batch; and the finish as sft.py's
+(held-out loss, optional exact match, export, card, Hub). With kd_ratio 0 it is SFT's loss exactly.
+
+Teacher logits are computed at every step, not precomputed to disk: a stored top-k would be approximate and the whole
+distribution is vocabulary x tokens of storage (docs/distillation.md).
+
+Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: no teacher, kd_ratio
+outside [0, 1], temperature <= 0, a kd_loss that is not one of the three, a teacher whose vocabulary size or tokenizer
+differs from the student's, a model that transforms its logits after its output layer (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import torch
+
+from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.data import chat, files, rows
+from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import distillation, evaluation, loop, losses, reference
+
+
+@dataclasses.dataclass
+class DistillConfig(config_lib.TrainingConfig):
+    """The distillation recipe's own settings (SFT's data settings, and the teacher's), on top of those every training
+    recipe has. Names follow TRL's SFTConfig/GKDConfig and torchtune's KD recipes."""
+
+    output_dir: str = dataclasses.field(
+        default="outputs/distill",
+        metadata={
+            "help": "the run's folder: at the end the distilled student (a peft adapter folder with use_peft), "
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    teacher_model_name_or_path: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "the teacher: a model folder or Hub id with the student's vocabulary and tokenizer; frozen, "
+            "loaded in the compute dtype and sharded like the student (one more model in memory, one more forward "
+            "per step)"
+        },
+    )
+    kd_ratio: float = dataclasses.field(
+        default=0.5,
+        metadata={
+            "help": "weight of the distillation loss: (1 - kd_ratio) x cross-entropy on the data + kd_ratio x KD. "
+            "1: the teacher alone; 0: plain SFT"
+        },
+    )
+    temperature: float = dataclasses.field(
+        default=1.0,
+        metadata={
+            "help": "softens both distributions before comparing them: > 1 teaches the teacher's ranking of unlikely "
+            "tokens too, at the cost of a weaker signal on the likely ones"
+        },
+    )
+    kd_loss: str = dataclasses.field(
+        default="forward_kl",
+        metadata={
+            "help": "forward_kl: KL(teacher || student), covers all the teacher's mass; reverse_kl: KL(student || "
+            "teacher), mode-seeking; jsd: Jensen-Shannon, symmetric and bounded"
+        },
+    )
+    packing: bool = dataclasses.field(
+        default=True,
+        metadata={"help": "pack several examples per row: less padding; examples never attend to each other"},
+    )
+    packing_row_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "tokens per packed row (null: max_length)"}
+    )
+    assistant_only_loss: bool = dataclasses.field(
+        default=True, metadata={"help": "conversational data: loss only on assistant turns"}
+    )
+    completion_only_loss: bool = dataclasses.field(
+        default=True, metadata={"help": "prompt/completion data: loss only on the completion"}
+    )
+    exact_match_eval_samples: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "held-out examples whose greedy completion is compared with the reference, before and after "
+            "training (0: none); costs one generation per sample each time"
+        },
+    )
+    max_new_tokens: int = dataclasses.field(
+        default=64, metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"}
+    )
+
+    def row_length(self) -> int:
+        return (self.packing_row_length or self.max_length) if self.packing else self.max_length
+
+    def packs_examples(self) -> bool:
+        return self.packing
+
+    def frozen_models(self) -> list[str]:
+        return [self.teacher_model_name_or_path] if self.teacher_model_name_or_path else []
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + (
+            "teacher_model_name_or_path",
+            "kd_ratio",
+            "temperature",
+            "kd_loss",
+            "packing",
+            "packing_row_length",
+            "assistant_only_loss",
+            "completion_only_loss",
+        )
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if not self.teacher_model_name_or_path:
+            problems.append("teacher_model_name_or_path is required: the model whose distributions the student learns")
+        if not (math.isfinite(self.kd_ratio) and 0 <= self.kd_ratio <= 1):
+            problems.append(f"kd_ratio must be in [0, 1], got {self.kd_ratio} (0: plain SFT, 1: the teacher alone)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            problems.append(
+                f"temperature must be a number > 0, got {self.temperature} (1.0: the distributions as they are)"
+            )
+        if self.kd_loss not in distillation.KD_LOSSES:
+            problems.append(f"kd_loss {self.kd_loss!r} is not one of {', '.join(distillation.KD_LOSSES)}")
+        if self.packing_row_length is not None and self.packing_row_length < 1:
+            problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
+        if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
+            problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
+        return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = arguments.parse_config(DistillConfig, argv)
+    run = run_lib.start(config, name="distill")
+    accelerator, tokenizer = run.accelerator, run.tokenizer
+
+    def check_teacher():  # its config and tokenizer only: no weights yet
+        options = dict(revision="main", trust_remote_code=config.trust_remote_code)
+        teacher_tokenizer = modeling.load_tokenizer(
+            config.teacher_model_name_or_path, setting="teacher_model_name_or_path", **options
+        )
+        teacher_config = modeling.load_model_config(
+            config.teacher_model_name_or_path, None, setting="teacher_model_name_or_path", **options
+        )
+        distillation.check_shared_vocabulary(
+            run.model_config, teacher_config, tokenizer, teacher_tokenizer, teacher=config.teacher_model_name_or_path
+        )
+        distillation.check_no_logits_transform(run.model_config, which="student")
+        distillation.check_no_logits_transform(teacher_config, which="teacher")
+        return teacher_config
+
+    teacher_config = run.on_every_rank(check_teacher)
+
+    # --- data: SFT's tokens with loss masks, then rows (packed or not) ------------------------------------------------
+    def prepare_data():
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        train_raw, eval_raw = files.split_train_eval(
+            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+        )
+        options = dict(
+            assistant_only_loss=config.assistant_only_loss,
+            completion_only_loss=config.completion_only_loss,
+            max_length=config.max_length,
+            num_proc=config.dataset_num_proc,
+        )
+        train_tokens, train_stats = chat.tokenize_dataset(train_raw, tokenizer, name="train", **options)
+        train_rows = rows.build_rows(
+            train_tokens, max_length=config.packing_row_length or config.max_length, packing=config.packing
+        )
+        eval_rows = None
+        if eval_raw is not None:
+            eval_rows = rows.build_rows(
+                chat.tokenize_dataset(eval_raw, tokenizer, name="eval", **options)[0],
+                max_length=config.max_length,
+                packing=False,
+            )
+        return eval_raw, train_rows, eval_rows, train_stats
+
+    eval_raw, train_rows, eval_rows, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
+    train_loader = rows.train_dataloader(
+        train_rows, config, num_processes=accelerator.num_processes, pad_token_id=tokenizer.pad_token_id
+    )
+
+    # --- the student, the frozen teacher, optimizer, schedule --------------------------------------------------------
+    model = run.load_model(**adapters.loading_options(config, accelerator))
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    teacher_model = modeling.load_model(
+        teacher_config,
+        model_name_or_path=config.teacher_model_name_or_path,
+        attn_implementation=run.attn_implementation,
+        trust_remote_code=config.trust_remote_code,
+        dtype=compute_dtype,
+    )
+    teacher = distillation.TeacherHidden(teacher_model)
+    distill_loss = distillation.DistillationLoss(
+        model,
+        teacher,
+        kd_ratio=config.kd_ratio,
+        temperature=config.temperature,
+        kd_loss=config.kd_loss,
+        chunk_size=config.loss_chunk_size,
+    )
+    optimizer = loop.build_optimizer(model, config)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    teacher.teacher = reference.shard_frozen_copy(accelerator, teacher_model)
+    teacher.gather_head()  # a collective under FSDP2: the teacher's output layer, whole on every rank
+    total_steps = loop.total_optimizer_steps(len(train_loader), config)
+    scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
+    batches, first_step = run.begin(
+        model,
+        train_loader,
+        scheduler,
+        total_steps=total_steps,
+        evaluator=run.loss_evaluator(model, eval_rows, distill_loss.loss_sum),
+        summary=dict(
+            train_rows=len(train_rows),
+            eval_rows=len(eval_rows or []),
+            data=train_stats,
+            loss=distill_loss.description,
+            teacher=dict(
+                model=config.teacher_model_name_or_path,
+                dtype=str(compute_dtype).removeprefix("torch."),
+                parameters=sum(p.numel() for p in teacher_model.parameters()),
+            ),
+        ),
+    )
+
+    def exact_match() -> dict:
+        return evaluation.exact_match_accuracy(
+            accelerator,
+            model,
+            tokenizer,
+            chat.generation_examples(eval_raw, tokenizer, config.exact_match_eval_samples),
+            max_new_tokens=config.max_new_tokens,
+            batch_size=config.per_device_eval_batch_size,
+        )
+
+    results = {}
+    if config.exact_match_eval_samples and eval_raw is not None:
+        results["exact_match_before"] = run.measured_once("exact_match", lambda: exact_match()["exact_match"])
+        accelerator.print(f"exact match before training: {results['exact_match_before']:.1%}")
+
+    # --- the loop: forward (teacher, then student), loss, backward, step ----------------------------------------------
+    model.train()
+    bar = run.progress_bar(first_step)
+    for step in range(first_step, total_steps + 1):
+        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+        target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
+        scale = losses.global_mean_scale(accelerator, target_count)
+        loss_sum, parts = 0.0, {}
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+            loss = distill_loss.loss_sum(model, batch)
+            accelerator.backward(loss * scale)
+            loss_sum += loss.item()
+            for name, value in distill_loss.last_parts.items():
+                parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + value
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        run.fault_point(step)
+
+        run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts)
+        run.evaluation.maybe_evaluate(step)
+        run.checkpoints.maybe_save(step)
+    bar.close()
+
+    # --- finish: generation check, then summary, export, card, Hub ------------------------------------------------------
+    if config.exact_match_eval_samples and eval_raw is not None:
+        after = exact_match()
+        results["exact_match_after"] = after["exact_match"]
+        run.log.log({"step": total_steps, "exact_match": after["exact_match"]})
+        accelerator.print(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
+    run.finish(model, results=results)
+
+
+if __name__ == "__main__":
+    errors.exit_on_user_error(lambda: main(sys.argv[1:]))

@@ -1,0 +1,214 @@
+"""Reward modelling: a sequence scorer trained on preference pairs with the Bradley-Terry loss, with FSDP2.
+
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/reward.py \
+        --config recipes/configs/reward/<config>.yaml [--field value ...]
+
+Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
+data (the preference formats `dpo.py` reads: `prompt`/`chosen`/`rejected`, or `chosen`/`rejected` alone; strings or
+chat turns; an optional numeric `margin` column); the model (`AutoModelForSequenceClassification` with one output: the
+body's weights and a new one-row `score` head, sharded with the root unit under FSDP2; `pad_token_id` set so it pools
+each row's last real token); `accelerator.prepare`; the loop: a batch of pairs (chosen and rejected rows in one
+forward), the Bradley-Terry loss `-log sigmoid(r_chosen - r_rejected - margin)` plus `center_rewards_coefficient x
+(r_chosen + r_rejected)^2` (TRL's RewardConfig names), averaged over every pair of the global batch; and the finish:
+held-out `eval_accuracy` (how often the chosen answer scores higher) and `eval_margin` (by how much, on average),
+computed over all ranks, in `eval_results.json` and the card's model-index. The folder loads with
+`AutoModelForSequenceClassification` and in `pipeline("text-classification", model=output_dir)` (which returns the raw
+score: the config's problem_type is "regression"), so it serves as a reward function for RL (GRPO's `reward_funcs`).
+
+LoRA (`use_peft: true`): the head is new, so peft trains it in full beside the adapters (its `modules_to_save`).
+
+Errors raised before any weights load, on every rank: those of every recipe (see sft.py), those of the preference data
+(see dpo.py: columns that match no preference format, equal answers, an answer left empty by truncation), a `margin`
+that is not a finite number, center_rewards_coefficient < 0, and a base that is already a classifier with another
+number of outputs (fix: ignore_mismatched_sizes) (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import torch
+
+from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.data import files, preference, rows
+from fsdp_recipes.models import adapters
+from fsdp_recipes.publish import model_index
+from fsdp_recipes.train import classifier, evaluation, loop, losses, reward
+from fsdp_recipes.train import config as config_lib
+
+
+@dataclasses.dataclass
+class RewardConfig(config_lib.TrainingConfig):
+    """The reward recipe's own settings, on top of those every training recipe has. Names follow TRL's RewardConfig."""
+
+    output_dir: str = dataclasses.field(
+        default="outputs/reward",
+        metadata={
+            "help": "the run's folder: at the end the reward model (a peft adapter folder with use_peft) with "
+            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+        },
+    )
+    learning_rate: float = dataclasses.field(
+        default=1e-5, metadata={"help": "AdamW's peak learning rate (reward models overfit pairs quickly)"}
+    )
+    center_rewards_coefficient: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "adds this x (r_chosen + r_rejected)^2 to each pair's loss: keeps rewards centred on 0 (1e-2 is "
+            "usual), at a small cost in how freely the scores move (null: off)"
+        },
+    )
+    max_prompt_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
+    )
+    ignore_mismatched_sizes: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "model_name_or_path is already a classifier with another number of outputs: start a new "
+            "one-output head (its trained head is dropped). false: refused before loading"
+        },
+    )
+
+    def micro_batch_rows(self) -> int:
+        return 2 * self.per_device_train_batch_size  # a pair: its chosen and its rejected row
+
+    def min_max_length(self) -> tuple[int, str]:
+        return 2, "a pair's rows need a prompt token and an answer token"
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + ("center_rewards_coefficient", "max_prompt_length")
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        coefficient = self.center_rewards_coefficient
+        if coefficient is not None and not (math.isfinite(coefficient) and coefficient >= 0):
+            problems.append(f"center_rewards_coefficient must be a number >= 0 or null, got {coefficient}")
+        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
+            problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
+        return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = arguments.parse_config(RewardConfig, argv)
+    run = run_lib.start(config, name="reward", task="sequence-classification")
+    accelerator, tokenizer = run.accelerator, run.tokenizer
+    center = config.center_rewards_coefficient or 0.0
+
+    # --- data: pairs of answers to one prompt, the chosen one first, and their margins --------------------------------
+    def prepare_data():
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        train_raw, eval_raw = files.split_train_eval(
+            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+        )
+        options = dict(
+            max_length=config.max_length, max_prompt_length=config.max_prompt_length, num_proc=config.dataset_num_proc
+        )
+        train_pairs, stats = preference.tokenize_pairs(train_raw, tokenizer, name="train", **options)
+        train_pairs, stats["margin_column"] = reward.add_margins(train_pairs, train_raw, name="train")
+        eval_pairs = split = None
+        if eval_raw is not None:
+            eval_pairs = preference.tokenize_pairs(eval_raw, tokenizer, name="eval", **options)[0]
+            eval_pairs = reward.add_margins(eval_pairs, eval_raw, name="eval")[0]
+            split = config.dataset_test_split if config.dataset_test_split in raw else "train (held out)"
+        return train_pairs, eval_pairs, split, stats
+
+    train_pairs, eval_pairs, eval_split, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
+    reward.check_head(
+        run.model_config, ignore_mismatched_sizes=config.ignore_mismatched_sizes, source=config.model_name_or_path
+    )
+    reward.configure(run.model_config, pad_token_id=tokenizer.pad_token_id)
+    collate = reward.RewardCollator(tokenizer.pad_token_id)
+    train_loader = rows.train_dataloader(
+        train_pairs,
+        config,
+        num_processes=accelerator.num_processes,
+        pad_token_id=tokenizer.pad_token_id,
+        collate_fn=collate,
+        unit="pairs",
+    )
+    eval_loader = None
+    if eval_pairs is not None:
+        eval_loader = torch.utils.data.DataLoader(
+            eval_pairs, batch_size=config.per_device_eval_batch_size, collate_fn=collate
+        )
+
+    # --- model (one output), optimizer, schedule ------------------------------------------------------------------------
+    model = run.load_model(
+        ignore_mismatched_sizes=config.ignore_mismatched_sizes, **adapters.loading_options(config, accelerator)
+    )
+    head = classifier.head_module_names(model)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = adapters.apply(model, config, task="sequence-classification")  # use_peft: the head trained in full
+    optimizer = loop.build_optimizer(model, config)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
+    total_steps = loop.total_optimizer_steps(len(train_loader), config)
+    scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
+    evaluator = evaluation.MetricEvaluator(
+        accelerator, model, eval_loader, predict=reward.make_predict(center), metrics={}, every=config.eval_steps
+    )
+    batches, first_step = run.begin(
+        model,
+        train_loader,
+        scheduler,
+        total_steps=total_steps,
+        evaluator=evaluator,
+        summary=dict(
+            train_pairs=len(train_pairs),
+            eval_pairs=len(eval_pairs or []),
+            reward_head=head,
+            data=train_stats,
+            loss="Bradley-Terry -log sigmoid(r_chosen - r_rejected - margin)"
+            + (f" + {center} x (r_chosen + r_rejected)^2" if center else ""),
+        ),
+    )
+
+    # --- the loop: forward (chosen and rejected rows together), loss, backward, step ----------------------------------
+    model.train()
+    bar = run.progress_bar(first_step)
+    for step in range(first_step, total_steps + 1):
+        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+        pair_count = run.sum_over_ranks(sum(preference.count_pairs(batch) for batch in micro_batches))
+        scale = losses.global_mean_scale(accelerator, pair_count)  # a rank's share of the global mean over pairs
+        loss_sum, figures = 0.0, {}
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+            chosen, rejected = reward.rewards(model, batch)
+            pair_loss = reward.bradley_terry_losses(
+                chosen, rejected, margin=batch["margin"], center_rewards_coefficient=center
+            )
+            accelerator.backward(pair_loss.sum() * scale)
+            loss_sum += pair_loss.sum().item()
+            for name, value in reward.metric_sums(chosen, rejected).items():
+                figures[name] = figures.get(name, 0.0) + value
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        run.fault_point(step)
+
+        run.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
+        run.evaluation.maybe_evaluate(step)
+        run.checkpoints.maybe_save(step)
+    bar.close()
+
+    # --- finish: held-out accuracy and margin, summary, export, card with model-index, Hub -------------------------------
+    results = run.evaluation.final_results()
+    card_results = model_index.eval_results(
+        {key: results[key] for key in ("eval_accuracy", "eval_margin") if key in results},
+        task="text-classification",
+        dataset=config.dataset_name,
+        dataset_config=config.dataset_config,
+        split=eval_split,
+    )
+    run.finish(model, results=results, eval_results=card_results)
+
+
+if __name__ == "__main__":
+    errors.exit_on_user_error(lambda: main(sys.argv[1:]))
