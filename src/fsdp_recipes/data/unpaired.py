@@ -40,7 +40,7 @@ def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
             "for a good answer, false for a bad one), or preference pairs ('prompt', 'chosen', 'rejected'), which are "
             "unpaired. Rename the columns (e.g. dataset.rename_column) or convert the data."
         ) from None
-    prompts, completions, labels = [], [], []
+    prompts, chosen_answers, rejected_answers = [], [], []
     for index, example in enumerate(dataset):
         if data_format == "explicit":
             prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
@@ -49,9 +49,11 @@ def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
                 prompt, chosen, rejected = preference.split_implicit_prompt(example["chosen"], example["rejected"])
             except ValueError as error:
                 raise DataError(f"pair {index} of the {name} split: {error}. Fix or remove that pair.") from None
-        prompts += [prompt, prompt]
-        completions += [chosen, rejected]
-        labels += [True, False]
+        prompts.append(prompt)
+        chosen_answers.append(chosen)
+        rejected_answers.append(rejected)
+    prompts, completions = prompts + prompts, chosen_answers + rejected_answers  # as TRL: the chosen, then the rejected
+    labels = [True] * len(dataset) + [False] * len(dataset)
     unpaired = Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels})
     note = (
         f"{len(dataset)} preference pairs unpaired into {len(unpaired)} examples (chosen: label true, rejected: "
