@@ -82,6 +82,7 @@ def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_v
     summary = json.loads((dpo_reference_run / "run_summary.json").read_text())
     assert summary["reference"].startswith("a frozen copy sharded like the policy")
     assert summary["memory_estimate"]["predicted_per_gpu_bytes"]["reference_model"] > 0
+    assert all(held["reference_model"] > 0 for held in summary["state_bytes_per_rank"])  # the copy's shard, each rank
     one_summary = json.loads((one_process_precomputed / "run_summary.json").read_text())
     assert one_summary["reference"].startswith("precomputed") and "reference_model" not in json.dumps(
         {k: v for k, v in one_summary["memory_estimate"]["predicted_per_gpu_bytes"].items() if v}
