@@ -70,24 +70,12 @@ class DPOConfig(config_lib.TrainingConfig):
         default=None, metadata={"help": "one weight >= 0 per loss_type entry (null: each weighs 1)"}
     )
     label_smoothing: float = dataclasses.field(
-        default=0.0,
-        metadata={
-            "help": "the chance a preference label is wrong: sigmoid (cDPO), robust, aot, aot_unpaired, simpo; "
-            "exo_pair's epsilon (must be > 0 there)"
-        },
+        default=0.0, metadata={"help": "chance a label is wrong: sigmoid, robust, aot(_unpaired), simpo; exo_pair's e"}
     )
-    discopop_tau: float = dataclasses.field(
-        default=0.05, metadata={"help": "discopop only: how sharply it switches between its two terms"}
-    )
-    simpo_gamma: float = dataclasses.field(
-        default=0.5, metadata={"help": "simpo only: the target reward margin (TRL's CPOConfig name)"}
-    )
+    discopop_tau: float = dataclasses.field(default=0.05, metadata={"help": "discopop: how sharply it mixes its terms"})
+    simpo_gamma: float = dataclasses.field(default=0.5, metadata={"help": "simpo: the target reward margin"})
     cpo_alpha: float = dataclasses.field(
-        default=0.0,
-        metadata={
-            "help": "simpo only: weight of the chosen answers' NLL added to it (TRL's CPOConfig defaults to 1.0, "
-            "CPO-SimPO; 0 is the SimPO paper's objective)"
-        },
+        default=0.0, metadata={"help": "simpo: weight of the chosen NLL added (TRL's default 1.0 is CPO-SimPO)"}
     )
     max_prompt_length: int | None = dataclasses.field(
         default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
