@@ -249,7 +249,9 @@ def test_chat_templates_written_in_configs_render_conversations_turn_by_turn():
         {"role": "assistant", "content": "cba"},
     ]
     templates = {config.values["chat_template"] for config in SHIPPED if config.values.get("chat_template")}
-    assert len(templates) == 4  # ChatML (Qwen3), Phi-3's and Phi-4-mini's formats without a trailing <|endoftext|>, Zephyr's (ORPO)
+    assert (
+        len(templates) == 4
+    )  # ChatML (Qwen3), Phi-3's and Phi-4-mini's formats without a trailing <|endoftext|>, Zephyr's (ORPO)
     for template in templates:
 
         def render(messages, prompt=False, template=template):

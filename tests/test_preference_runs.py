@@ -77,3 +77,22 @@ def test_a_killed_kto_run_resumes_exactly(preference_launches, preference_follow
         assert all(after[step][name] == before[step][name] for name in KTO_FIGURES)
     resumed = [r for r in read_metrics(preference_followups["kto_resumed"]) if r.get("event") == "resumed"]
     assert len(resumed) == 1
+
+
+@pytest.mark.slow
+def test_kto_with_precomputed_reference_values_equals_the_sharded_copy(preference_followups):
+    """Both rows of every example (its completion and its KL row) precomputed before the first step, by content."""
+    from fsdp_recipes.train import reference
+
+    precomputed, copy = preference_followups["kto_precomputed"], preference_followups["kto_one"]
+    tables = reference.read_tables(precomputed)
+    assert len(tables["train"]) == 128 and len(tables["eval"]) == 32
+    assert summary_of(precomputed)["reference"].startswith("precomputed before training (128 pairs of rows")
+    assert [held["reference_model"] for held in summary_of(precomputed)["state_bytes_per_rank"]] == [0]
+    for name in ("loss", *KTO_FIGURES):
+        torch.testing.assert_close(
+            torch.tensor([step_records(precomputed)[s][name] for s in range(1, 9)]),
+            torch.tensor([step_records(copy)[s][name] for s in range(1, 9)]),
+            rtol=1e-5,
+            atol=1e-6,
+        )

@@ -129,7 +129,7 @@ class ReferenceLogProbs:
         return {
             "adapters": "the policy with its LoRA adapters disabled (no second model)",
             "model": "a frozen copy sharded like the policy (one more model in memory, one more forward per step)",
-            "precomputed": f"precomputed before training ({len(self.table or {})} pairs, by content; no model kept)",
+            "precomputed": f"precomputed before training ({len(self.table or {})} pairs of rows, by content; no model kept)",
         }[self.mode]
 
 
