@@ -3,6 +3,7 @@
     python benchmarks/lora_and_dpo_costs.py            # ~4 minutes on 2 CPU cores
     python benchmarks/lora_and_dpo_costs.py --json     # one JSON object instead of the table
     python benchmarks/lora_and_dpo_costs.py --device-config accelerate_configs/fsdp_8gpu.yaml --num-processes 8
+    python benchmarks/lora_and_dpo_costs.py --runs "dpo model" "dpo precomputed" simpo orpo "kto model"
 
 Runs, each `accelerate launch`ed with the Accelerate config given (default: the 2-process CPU FSDP2 config):
 
@@ -11,11 +12,13 @@ Runs, each `accelerate launch`ed with the Accelerate config given (default: the 
   dpo model           recipes/dpo.py, the reference a frozen copy sharded like the policy
   dpo precomputed     the reference's values computed before the first step (no reference model afterwards)
   dpo lora            use_peft: the reference is the policy with its adapters off
+  simpo, orpo         recipes/dpo.py with loss_type simpo / orpo: no reference model, no precompute pass
+  kto model           recipes/kto.py on the same pairs unpaired, the reference a sharded frozen copy
 
 on a Llama of 4.8M parameters (hidden 256, 6 layers, the demo's character tokenizer), initialised once with a fixed seed
 and saved, for `--steps` optimizer steps on the demo's reversal data (SFT) and preference pairs (DPO). Reported per
 run, from its own records: the state each rank holds after the first step (parameters, gradients, AdamW state, from
-`run_summary.json`; the reference copy is not in it, the estimator's `reference_model` line is shown beside it), the
+`run_summary.json`, with the reference copy's shard where the recipe reports it, else the estimator's line), the
 peak memory of the process (CPU: the resident-set peak, so it includes the Python runtime), and tokens per second
 per device, mean of the logged windows after the first (`metrics.jsonl`; for DPO the tokens of chosen and rejected
 rows).
@@ -52,6 +55,9 @@ RUNS = {
     "dpo model": ("dpo", {}),
     "dpo precomputed": ("dpo", {"precompute_ref_log_probs": True}),
     "dpo lora": ("dpo", LORA),
+    "simpo": ("dpo", {"loss_type": "simpo", "beta": 2.0}),
+    "orpo": ("dpo", {"loss_type": "orpo"}),
+    "kto model": ("kto", {}),
 }
 
 
@@ -121,6 +127,7 @@ def run(name: str, recipe: str, overrides: dict, model: Path, work: Path, args) 
         "total_parameters": summary["total_parameters"],
         "rank0_state_mib": {key: round(value / 2**20, 2) for key, value in state.items()},
         "rank0_state_total_mib": round(sum(state.values()) / 2**20, 2),
+        "reference_model_mib": round(state["reference_model"] / 2**20, 2) if "reference_model" in state else None,
         "estimated_reference_model_mib": round(
             summary["memory_estimate"]["predicted_per_gpu_bytes"].get("reference_model", 0) / 2**20, 2
         ),
@@ -140,11 +147,12 @@ def main() -> None:
     parser.add_argument("--device-config", type=Path, default=CPU_CONFIG)
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs (default: all)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temporary:
         work = Path(temporary)
         model = make_model(work / "model")
-        rows = [run(name, recipe, overrides, model, work, args) for name, (recipe, overrides) in RUNS.items()]
+        rows = [run(name, *RUNS[name], model, work, args) for name in args.runs]
     if args.json:
         print(json.dumps(rows))
         return
@@ -154,9 +162,10 @@ def main() -> None:
     )
     for row in rows:
         state = row["rank0_state_mib"]
+        reference = row["reference_model_mib"]
         parts = f"{state['parameters']:.2f} / {state['gradients']:.2f} / {state['optimizer_state']:.2f}"
         print(
-            f"{row['run']:<16} {row['trainable_parameters']:>11,} {parts:>40} {row['estimated_reference_model_mib']:>13.2f} "
+            f"{row['run']:<16} {row['trainable_parameters']:>11,} {parts:>40} {reference if reference is not None else row['estimated_reference_model_mib']:>13.2f} "
             f"{row['peak_memory_gib_max'] or 0:>9.3f} {row['tokens_per_second_per_device'] or 0:>16.1f}"
         )
 

@@ -10,10 +10,11 @@ model, e.g. the folder `recipes/sft.py` exported) and the frozen reference it is
 (`fsdp_recipes.train.reference`): the policy with its LoRA adapters off (`use_peft`), a frozen copy sharded like the policy,
 or values precomputed before the first step (`precompute_ref_log_probs`); `accelerator.prepare`; the loop: for a batch
 of pairs (chosen and rejected rows in one forward), the summed log-probability of each answer under the policy and the
-reference, the DPO loss (`loss_type` sigmoid, ipo or hinge, `beta`, `label_smoothing`), averaged over every pair of the
-global batch; and the finish as every recipe's (export, card, Hub). Logged under TRL's names: `rewards/chosen`,
-`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`, and the same with
-`eval_` on held-out pairs every `eval_steps`.
+reference, the preference loss (`loss_type`: TRL's DPO catalogue, one loss or a weighted list, `loss_weights`; or
+SimPO/ORPO, which need no reference: none is then loaded or precomputed; `fsdp_recipes.train.preference_losses`),
+averaged over every pair of the global batch; and the finish as every recipe's (export, card, Hub). Logged under TRL's names: `rewards/chosen`,
+`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected` (and `loss/<type>`
+for each of several losses), and the same with `eval_` on held-out pairs every `eval_steps`.
 
 Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: columns that match
 no preference format, a pair whose answers are equal, an answer left empty by truncation, beta <= 0, fewer pairs
@@ -23,7 +24,6 @@ than one optimizer step, a resume with another beta, loss_type, ... (docs/errors
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 
 import torch
@@ -33,7 +33,7 @@ from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import files, preference, rows
 from fsdp_recipes.models import adapters
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, loop, losses, reference
+from fsdp_recipes.train import evaluation, loop, losses, preference_losses, reference
 
 
 @dataclasses.dataclass
@@ -57,12 +57,25 @@ class DPOConfig(config_lib.TrainingConfig):
     beta: float = dataclasses.field(
         default=0.1, metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"}
     )
-    loss_type: str = dataclasses.field(
-        default="sigmoid",
-        metadata={"help": "sigmoid (DPO), ipo (averages over tokens; resists overfitting), hinge (SLiC)"},
+    loss_type: str | list[str] = dataclasses.field(
+        default_factory=lambda: "sigmoid",  # a factory: argparse reads this field as a list, and keeps only those
+        metadata={
+            "help": "one loss or a list, summed with loss_weights (TRL's names). Reference-based: "
+            + ", ".join(preference_losses.NEEDS_REFERENCE)
+            + "; needing no reference model (none is loaded when all are): sft (chosen NLL; [sigmoid, sft] is RPO), "
+            "simpo, orpo. docs/preference.md gives each formula"
+        },
+    )
+    loss_weights: list[float] | None = dataclasses.field(
+        default=None, metadata={"help": "one weight >= 0 per loss_type entry (null: each weighs 1)"}
     )
     label_smoothing: float = dataclasses.field(
-        default=0.0, metadata={"help": "sigmoid only: the chance a preference label is wrong (conservative DPO)"}
+        default=0.0, metadata={"help": "chance a label is wrong: sigmoid, robust, aot(_unpaired), simpo; exo_pair's e"}
+    )
+    discopop_tau: float = dataclasses.field(default=0.05, metadata={"help": "discopop: how sharply it mixes its terms"})
+    simpo_gamma: float = dataclasses.field(default=0.5, metadata={"help": "simpo: the target reward margin"})
+    cpo_alpha: float = dataclasses.field(
+        default=0.0, metadata={"help": "simpo: weight of the chosen NLL added (TRL's default 1.0 is CPO-SimPO)"}
     )
     max_prompt_length: int | None = dataclasses.field(
         default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
@@ -75,10 +88,16 @@ class DPOConfig(config_lib.TrainingConfig):
         },
     )
 
+    def __post_init__(self):
+        if isinstance(self.loss_type, list) and len(self.loss_type) == 1:  # `--loss_type ipo` parses as a list
+            self.loss_type = self.loss_type[0]
+
     def micro_batch_rows(self) -> int:
         return 2 * self.per_device_train_batch_size  # a pair: its chosen and its rejected row
 
     def reference_mode(self) -> str:
+        if not preference_losses.needs_reference(self.loss_type):
+            return "none"  # simpo, orpo, sft: no reference model, no precompute pass
         return reference.mode_for(precompute=self.precompute_ref_log_probs, use_peft=self.use_peft)
 
     def frozen_model_copies(self) -> int:
@@ -88,7 +107,16 @@ class DPOConfig(config_lib.TrainingConfig):
         return 2, "a pair's rows need a prompt token and an answer token predicted from it"
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("beta", "loss_type", "label_smoothing", "max_prompt_length")
+        return super().resume_sensitive_fields() + (
+            "beta",
+            "loss_type",
+            "loss_weights",
+            "label_smoothing",
+            "discopop_tau",
+            "simpo_gamma",
+            "cpo_alpha",
+            "max_prompt_length",
+        )
 
     def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
         if not self.frozen_model_copies():
@@ -102,14 +130,20 @@ class DPOConfig(config_lib.TrainingConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate()
-        if not (math.isfinite(self.beta) and self.beta > 0):
-            problems.append(f"beta must be a number > 0, got {self.beta} (0.1 is usual; it scales the implicit reward)")
-        if self.loss_type not in losses.DPO_LOSS_TYPES:
-            problems.append(f"loss_type {self.loss_type!r} is not one of {', '.join(losses.DPO_LOSS_TYPES)}")
-        if not 0 <= self.label_smoothing < 0.5:
-            problems.append(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        elif self.label_smoothing and self.loss_type != "sigmoid":
-            problems.append("label_smoothing applies to loss_type sigmoid only")
+        problems += preference_losses.configuration_problems(
+            self.loss_type,
+            self.loss_weights,
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            discopop_tau=self.discopop_tau,
+            simpo_gamma=self.simpo_gamma,
+            cpo_alpha=self.cpo_alpha,
+        )
+        if self.precompute_ref_log_probs and self.reference_mode() == "none":
+            problems.append(
+                f"precompute_ref_log_probs: loss_type {self.loss_type} needs no reference, so there is nothing to "
+                "precompute: remove it (or add a loss that compares with the reference)"
+            )
         if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
             problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
         return problems
@@ -138,13 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     train_pairs, eval_pairs, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
     stored = None  # resuming with precomputed reference values: those the checkpoint holds, one for every pair
     if run.resumed and config.reference_mode() == "precomputed":
-
-        def read_stored():
-            tables = reference.read_tables(run.checkpoint)
-            reference.check_tables(tables, {"train": train_pairs, "eval": eval_pairs}, run.checkpoint)
-            return tables
-
-        stored = run.on_every_rank(read_stored)
+        splits = {"train": train_pairs, "eval": eval_pairs}
+        stored = run.on_every_rank(lambda: reference.read_checked(run.checkpoint, splits))
     collate = preference.PairCollator(tokenizer.pad_token_id)
     train_loader = rows.train_dataloader(
         train_pairs,
@@ -176,57 +205,35 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     in_order = {name: accelerator.prepare(loader) for name, loader in in_order.items()}
-    references = {}
-    if reference_mode == "model":
-        copy_loss = losses.TokenLoss(reference_copy, config.loss_implementation, chunk_size=config.loss_chunk_size)
-        copy = reference.shard_frozen_copy(accelerator, reference_copy)
-        references = dict.fromkeys(in_order, reference.ReferenceLogProbs("model", copy=copy, copy_loss=copy_loss))
-    elif reference_mode == "adapters":
-        references = dict.fromkeys(
-            in_order, reference.ReferenceLogProbs("adapters", policy=model, token_loss=token_loss)
-        )
-    else:  # the untrained policy's values, or (resuming) those it computed before its first step
-        tables = stored or {
-            name: reference.precompute(accelerator, model, token_loss, loader) for name, loader in in_order.items()
-        }
-        if accelerator.is_main_process and not run.resumed:
-            reference.write_tables(config.output_dir, tables)
-        references = {name: reference.ReferenceLogProbs("precomputed", table=table) for name, table in tables.items()}
+    references, tables = reference.for_splits(  # the reference's values for each split, or None (no loss needs it)
+        reference_mode,
+        accelerator,
+        in_order,
+        policy=model,
+        token_loss=token_loss,
+        copy=reference_copy,
+        stored=stored,
+        write_to=None if run.resumed else config.output_dir,
+    )
 
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
 
+    objective = preference_losses.PreferenceLoss.from_config(config)
+
     def pair_losses(model, batch, reference_log_probs):
-        """Per-pair losses, implicit rewards and the policy's log-probabilities of the chosen and rejected answers."""
-        reference_chosen, reference_rejected = reference_log_probs(batch).chunk(2)
+        """Per-pair losses, rewards and components, and the policy's log-probabilities of each answer."""
+        reference_chosen = reference_rejected = None
+        if reference_log_probs is not None:
+            reference_chosen, reference_rejected = reference_log_probs(batch).chunk(2)
         policy_chosen, policy_rejected = losses.sequence_log_probs(token_loss.token_losses(model, batch)).chunk(2)
         lengths = (batch["targets"] != losses.IGNORE_INDEX).sum(dim=1).chunk(2)
-        values = losses.dpo_losses(
-            policy_chosen,
-            policy_rejected,
-            reference_chosen,
-            reference_rejected,
-            beta=config.beta,
-            loss_type=config.loss_type,
-            label_smoothing=config.label_smoothing,
-            chosen_lengths=lengths[0],
-            rejected_lengths=lengths[1],
-        )
-        return (*values, policy_chosen, policy_rejected)
+        result = objective(policy_chosen, policy_rejected, reference_chosen, reference_rejected, *lengths)
+        return result, policy_chosen, policy_rejected
 
     def held_out(model, batch):
-        pair_loss, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected = pair_losses(
-            model, batch, references["eval"]
-        )
-        return {
-            "loss": pair_loss,
-            "rewards/chosen": chosen_rewards,
-            "rewards/rejected": rejected_rewards,
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-            "rewards/margins": chosen_rewards - rejected_rewards,
-            "logps/chosen": policy_chosen,
-            "logps/rejected": policy_rejected,
-        }
+        result, policy_chosen, policy_rejected = pair_losses(model, batch, references["eval"])
+        return {"loss": result.loss, **preference_losses.pair_figures(result, policy_chosen, policy_rejected)}
 
     evaluator = evaluation.MetricEvaluator(
         accelerator, model, in_order.get("eval"), predict=held_out, metrics={}, every=config.eval_steps
@@ -241,12 +248,15 @@ def main(argv: list[str] | None = None) -> None:
             train_pairs=len(train_pairs),
             eval_pairs=len(eval_pairs or []),
             data=train_stats,
-            loss=f"{config.loss_type} DPO, beta {config.beta}; token log-probs: {token_loss.description}",
-            reference=references["train"].description,
+            loss=f"{objective.description}; token log-probs: {token_loss.description}",
+            reference=f"{references['train'].description}, for {', '.join(needing)}"
+            if (needing := preference_losses.needs_reference(config.loss_type))
+            else f"none: loss_type {config.loss_type} needs no reference model and no precompute pass",
         ),
         checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)}  # kept with every checkpoint
         if reference_mode == "precomputed"
         else None,
+        frozen_models={"reference_model": getattr(references["train"], "copy", None)},  # its bytes in the summary
     )
 
     # --- the loop: forward (reference, then policy), loss, backward, step -------------------------------------------------
@@ -258,15 +268,11 @@ def main(argv: list[str] | None = None) -> None:
         scale = losses.global_mean_scale(accelerator, pair_count)
         loss_sum, figures = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
-            pair_loss, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected = pair_losses(
-                model, batch, references["train"]
-            )
-            accelerator.backward(pair_loss.sum() * scale)
-            loss_sum += pair_loss.sum().item()
-            for name, value in losses.dpo_metric_sums(
-                chosen_rewards, rejected_rewards, policy_chosen, policy_rejected
-            ).items():
-                figures[name] = figures.get(name, 0.0) + value
+            result, policy_chosen, policy_rejected = pair_losses(model, batch, references["train"])
+            accelerator.backward(result.loss.sum() * scale)
+            loss_sum += result.loss.sum().item()
+            for name, value in preference_losses.pair_figures(result, policy_chosen, policy_rejected).items():
+                figures[name] = figures.get(name, 0.0) + value.sum().item()
         grad_norm = (
             accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
         )

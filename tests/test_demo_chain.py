@@ -1,5 +1,6 @@
-"""The demos chain as documented: `make demo` (the SFT demo, into a dated folder, then `latest` pointed at it), then the
-DPO demo and the eval demo as their configs' opening comments launch them, each finding the previous one's output.
+"""The demos chain as documented: `make demo` (the SFT demo, into a dated folder, then `latest` pointed at it), then
+the preference demos (DPO, LoRA DPO, SimPO, KTO) and the eval demo as their configs' opening comments launch them,
+each finding the previous one's output.
 
 In this process, in a temporary working directory that links the repo's recipes/, demo/ and accelerate_configs/ (the
 demo configs name paths relative to the repo root), so nothing is written to the repo's own outputs/. The SFT
@@ -26,6 +27,7 @@ LAUNCH_CONFIG = "accelerate_configs/fsdp_2proc_cpu.yaml"
 STEPS = {  # what makes each run cost seconds; everything else is as typed
     "sft": ["--max_steps", "2", "--eval_steps", "2", "--exact_match_eval_samples", "4", "--report_to", "none"],
     "dpo": ["--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--report_to", "none"],
+    "kto": ["--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--report_to", "none"],
     "eval": ["--max_eval_samples", "4", "--report_to", "none"],
 }
 
@@ -92,15 +94,18 @@ def test_make_demo_then_the_dpo_and_eval_demos_as_documented(tmp_path, monkeypat
     assert latest.is_symlink() and os.readlink(latest) == run.name  # relative: the outputs folder may move
     assert (latest / "config.json").is_file()
 
-    # the DPO demos read latest: as their comments launch them, after `make demo` or the SFT command they show (which
-    # writes to latest itself)
+    # the preference demos read latest: as their comments launch them, after `make demo` or the SFT command they show
+    # (which writes to latest itself)
     sft_output_dir = config_value("recipes/configs/sft/demo_reverse.yaml", "output_dir")
     for config, output_dir in [
         ("recipes/configs/dpo/demo_reverse.yaml", "outputs/demo_reverse_dpo/latest"),
         ("recipes/configs/dpo/demo_reverse_lora.yaml", "outputs/demo_reverse_dpo_lora/latest"),
+        ("recipes/configs/dpo/demo_reverse_simpo.yaml", "outputs/demo_reverse_simpo/latest"),
+        ("recipes/configs/kto/demo_reverse.yaml", "outputs/demo_reverse_kto/latest"),
     ]:
         launches = documented_launches(config)
-        assert [recipe_argv(words)[0] for words in launches] == ["sft", "dpo"]  # "run the SFT demo first", then this
+        recipe = config.split("/")[2]
+        assert [recipe_argv(words)[0] for words in launches] == ["sft", recipe]  # "run the SFT demo first", then this
         assert recipe_argv(launches[0])[1] == ["--config", "recipes/configs/sft/demo_reverse.yaml"]
         assert sft_output_dir == config_value(config, "model_name_or_path") == "outputs/demo_reverse/latest"
         run_documented(launches[1])

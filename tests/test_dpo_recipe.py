@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from fixtures.dpo import DPO_STEPS, dpo_values, run_dpo
 from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
 from fsdp_recipes.data import preference
-from fsdp_recipes.train import losses
+from fsdp_recipes.train import losses, preference_losses
 from helpers.launch import alongside
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 
@@ -82,6 +82,7 @@ def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_v
     summary = json.loads((dpo_reference_run / "run_summary.json").read_text())
     assert summary["reference"].startswith("a frozen copy sharded like the policy")
     assert summary["memory_estimate"]["predicted_per_gpu_bytes"]["reference_model"] > 0
+    assert all(held["reference_model"] > 0 for held in summary["state_bytes_per_rank"])  # the copy's shard, each rank
     one_summary = json.loads((one_process_precomputed / "run_summary.json").read_text())
     assert one_summary["reference"].startswith("precomputed") and "reference_model" not in json.dumps(
         {k: v for k, v in one_summary["memory_estimate"]["predicted_per_gpu_bytes"].items() if v}
@@ -282,6 +283,21 @@ def test_an_objective_changed_on_resume_is_refused_unless_allowed_and_then_recor
         ),
         ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"beta": 0}, "beta must be a number > 0, got 0"),
         ([{"prompt": "p", "chosen": "a", "rejected": "b"}], {"loss_type": "kto"}, "loss_type 'kto' is not one of"),
+        (
+            [{"prompt": "p", "chosen": "a", "rejected": "b"}],
+            {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]},
+            "loss_weights has 1 weights for the 2 losses of loss_type ['sigmoid', 'sft']",
+        ),
+        (
+            [{"prompt": "p", "chosen": "a", "rejected": "b"}],
+            {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, -0.5]},
+            "loss_weights must be numbers >= 0, got [1.0, -0.5]",
+        ),
+        (
+            [{"prompt": "p", "chosen": "a", "rejected": "b"}],
+            {"loss_type": "orpo", "precompute_ref_log_probs": True},
+            "loss_type orpo needs no reference, so there is nothing to precompute",
+        ),
     ],
 )
 def test_bad_input_is_one_error_before_loading(tmp_path, pretrained_tiny_model, rows, overrides, expected, capsys):
@@ -321,20 +337,21 @@ def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, 
     rc, rr = pc - torch.tensor([0.3, -0.2]), pr + torch.tensor([0.1, 0.4])  # a reference the policy has moved from
     h = (pc - rc) - (pr - rr)
     beta = 0.5
-    sigmoid, chosen_rewards, rejected_rewards = losses.dpo_losses(pc, pr, rc, rr, beta=beta, label_smoothing=0.1)
-    torch.testing.assert_close(
-        sigmoid, -0.9 * torch.log(torch.sigmoid(beta * h)) - 0.1 * torch.log(torch.sigmoid(-beta * h))
-    )
-    torch.testing.assert_close(chosen_rewards, beta * (pc - rc))
-    torch.testing.assert_close(rejected_rewards, beta * (pr - rr))
-    hinge = losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="hinge")[0]
-    torch.testing.assert_close(hinge, torch.clamp(1 - beta * h, min=0))
     lengths = (targets != losses.IGNORE_INDEX).sum(1).chunk(2)
-    ipo = losses.dpo_losses(
-        pc, pr, rc, rr, beta=beta, loss_type="ipo", chosen_lengths=lengths[0], rejected_lengths=lengths[1]
-    )[0]
+
+    def loss(loss_type, **options):
+        objective = preference_losses.PreferenceLoss((loss_type,), (1.0,), beta, **options)
+        return objective(pc, pr, rc, rr, *lengths)
+
+    sigmoid = loss("sigmoid", label_smoothing=0.1)
+    torch.testing.assert_close(
+        sigmoid.loss, -0.9 * torch.log(torch.sigmoid(beta * h)) - 0.1 * torch.log(torch.sigmoid(-beta * h))
+    )
+    torch.testing.assert_close(sigmoid.chosen_rewards, beta * (pc - rc))
+    torch.testing.assert_close(sigmoid.rejected_rewards, beta * (pr - rr))
+    torch.testing.assert_close(loss("hinge").loss, torch.clamp(1 - beta * h, min=0))
+    ipo = loss("ipo").loss
     torch.testing.assert_close(ipo, ((pc - rc) / lengths[0] - (pr - rr) / lengths[1] - 1 / (2 * beta)) ** 2)
-    same = losses.dpo_losses(pc, pr, pc, pr, beta=beta)
-    assert torch.equal(same[0], torch.full((2,), math.log(2))) and not same[1].any() and not same[2].any()
-    with pytest.raises(ValueError, match="lengths"):
-        losses.dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="ipo")
+    same = preference_losses.PreferenceLoss(("sigmoid",), (1.0,), beta)(pc, pr, pc, pr, *lengths)
+    assert torch.equal(same.loss, torch.full((2,), math.log(2)))
+    assert not same.chosen_rewards.any() and not same.rejected_rewards.any()

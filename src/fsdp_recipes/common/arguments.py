@@ -21,15 +21,16 @@ from fsdp_recipes.common.yaml_json import load_yaml_mapping
 
 
 def _field_kinds(cls) -> dict[str, tuple[type, bool]]:
-    """field name -> (base type, accepts None)."""
+    """field name -> (base type, accepts None). A union of types (`str | list[str]`: one name or several) keeps them
+    all, as a tuple, tried in order."""
     hints = typing.get_type_hints(cls)
     kinds = {}
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
         args = typing.get_args(hint)
         if typing.get_origin(hint) in (typing.Union, types.UnionType):
-            base = next(a for a in args if a is not type(None))
-            kinds[field.name] = (base, type(None) in args)
+            bases = tuple(a for a in args if a is not type(None))
+            kinds[field.name] = (bases[0] if len(bases) == 1 else bases, type(None) in args)
         else:
             kinds[field.name] = (hint, False)
     return kinds
@@ -41,6 +42,13 @@ def _coerce(value: Any, base: type, nullable: bool) -> Any:
         if nullable:
             return None
         raise ValueError("may not be null")
+    if isinstance(base, tuple):  # a union (`str | list[str]`): the first of its types the value fits
+        for option in base:
+            try:
+                return _coerce(value, option, nullable)
+            except ValueError:
+                continue
+        raise ValueError(f"expected one of {' or '.join(map(str, base))}, got {value!r}")
     if base is bool:
         if isinstance(value, bool):
             return value

@@ -83,7 +83,7 @@ def pair_problem(prompt: Any, chosen: Any, rejected: Any, *, implicit: bool = Fa
     return None
 
 
-def _side(
+def tokenize_side(
     tokenizer, prompt, completion, *, max_length: int, max_prompt_length: int | None
 ) -> tuple[list[int], list[int]]:
     """Tokens and loss mask of prompt + completion: the prompt cut from the left to max_prompt_length, then the
@@ -125,7 +125,7 @@ def tokenize_pair(
     if problem is None:
         try:
             sides = [
-                _side(tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length)
+                tokenize_side(tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length)
                 for answer in (chosen, rejected)
             ]
         except TemplateError as error:
@@ -154,11 +154,10 @@ def tokenize_pair(
     return row
 
 
-def content_key(pair: dict[str, Any]) -> int:
+def content_key(pair: dict[str, Any], sides: tuple[str, str] = ("chosen", "rejected")) -> int:
     """A signed 64-bit hash of what a pair's reference values depend on: both rows' token ids and targets."""
     content = json.dumps(
-        [list(pair[f"{side}_{part}"]) for side in ("chosen", "rejected") for part in ("input_ids", "targets")],
-        separators=(",", ":"),
+        [list(pair[f"{side}_{part}"]) for side in sides for part in ("input_ids", "targets")], separators=(",", ":")
     )
     return int.from_bytes(hashlib.blake2b(content.encode(), digest_size=8).digest(), "little", signed=True)
 
@@ -214,10 +213,11 @@ def count_pairs(batch: dict[str, torch.Tensor]) -> int:
 
 class PairCollator:
     """B pairs -> 2B right-padded rows (the chosen rows, then the rejected ones), `pair_index` and `pair_key`.
-    Picklable, for DataLoader workers."""
+    Picklable, for DataLoader workers. Other two-row examples name their `sides` (KTO: an answer and the row that
+    estimates its KL term) and the `per_example` values to pass on as tensors (KTO: `label`)."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id: int, sides: tuple[str, str] = ("chosen", "rejected"), per_example=()):
+        self.pad_token_id, self.sides, self.per_example = pad_token_id, sides, tuple(per_example)
 
     def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows = [
@@ -226,10 +226,12 @@ class PairCollator:
                 "targets": pair[f"{side}_targets"],
                 "position_ids": list(range(len(pair[f"{side}_input_ids"]))),
             }
-            for side in ("chosen", "rejected")
+            for side in self.sides
             for pair in pairs
         ]
         batch = collate_rows(rows, self.pad_token_id)
         batch["pair_index"] = torch.tensor([pair["index"] for pair in pairs], dtype=torch.long)
         batch["pair_key"] = torch.tensor([pair["key"] for pair in pairs], dtype=torch.long)
+        for name in self.per_example:
+            batch[name] = torch.tensor([pair[name] for pair in pairs])
         return batch

@@ -147,6 +147,7 @@ class Run(StartedRun):
         evaluator: Evaluation | None = None,
         summary: dict[str, Any] | None = None,
         checkpoint_files: dict[str, str] | None = None,
+        frozen_models: dict[str, torch.nn.Module | None] | None = None,
     ) -> tuple[BatchStream, int]:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
@@ -156,7 +157,9 @@ class Run(StartedRun):
         stream that keeps each rank's own position: it has BatchStream's `take`, `epoch` and `batches_into_epoch`
         plus `state_dict()`, which every checkpoint stores per rank; the recipe restores it (`read_rank_state`)
         before loading weights, so it is used here as it is. `checkpoint_files`: {name: text} kept in every
-        checkpoint, committed with it (e.g. values computed before the first step that a resume needs)."""
+        checkpoint, committed with it (e.g. values computed before the first step that a resume needs).
+        `frozen_models`: {name: a frozen model kept beside the policy, or None}, whose bytes on each rank the summary's
+        `state_bytes_per_rank` then shows under that name (0 for None)."""
         config, accelerator = self.config, self.accelerator
         self.total_steps = total_steps
         accelerator.register_for_checkpointing(scheduler)
@@ -215,7 +218,7 @@ class Run(StartedRun):
             self.log.start(resumed_step=first_step - 1 if self.resumed else None)
             write_json(Path(config.output_dir) / "run_summary.json", self.summary)
             logs.info("run summary:\n" + format_table(list(self.summary.items())))
-        self._record_state_bytes_after_first_step(model, scheduler.optimizer)
+        self._record_state_bytes_after_first_step(model, scheduler.optimizer, frozen_models)
         accelerator.init_trackers(
             config=numeric_fields(config_to_dict(config), keep_text=True), **compat.tracker_options(config, self.name)
         )
@@ -280,14 +283,14 @@ class Run(StartedRun):
             component.cadence = compat.cadence(config, kind, total_steps=total_steps, steps_per_epoch=per_epoch)
         return batches, first_step
 
-    def _record_state_bytes_after_first_step(self, model, optimizer) -> None:
+    def _record_state_bytes_after_first_step(self, model, optimizer, frozen_models=None) -> None:
         """After the first optimizer step (collective, as every rank steps), the run summary gets the bytes each rank
         really holds (`state_bytes_per_rank`) beside what the estimator predicted for it (`memory_estimate`)."""
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)
 
         def record(*_):
             hook.remove()
-            held = held_state_bytes(model, torch_optimizer)
+            held = held_state_bytes(model, torch_optimizer, frozen_models)
             self.summary["state_bytes_per_rank"] = (
                 gather_object([held]) if self.accelerator.num_processes > 1 else [held]
             )

@@ -275,68 +275,8 @@ def loss_implementation_problem(implementation: str, device_type: str) -> str | 
     return None
 
 
-# ------------------------------------------------------------------------------------------------- preference (DPO)
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-
-
+# ------------------------------------------------------------------------- preference (train/preference_losses.py)
 def sequence_log_probs(token_losses: torch.Tensor) -> torch.Tensor:
     """Each row's summed log-probability of its target tokens, from per-token NLL shaped [rows, width] (0 where a
     position has no target, as `TokenLoss.token_losses` returns it)."""
     return -token_losses.sum(dim=1)
-
-
-def dpo_losses(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    reference_chosen: torch.Tensor,
-    reference_rejected: torch.Tensor,
-    *,
-    beta: float,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair losses and the implicit rewards (beta x (policy - reference) log-probability, detached) of the chosen
-    and rejected answers, from summed completion log-probabilities:
-
-    - sigmoid (DPO): -log sigmoid(beta h), h = (chosen policy - reference) - (rejected policy - reference); with
-      `label_smoothing` e, the preference is taken to be wrong with probability e (conservative DPO);
-    - hinge (SLiC): max(0, 1 - beta h);
-    - ipo: (h' - 1 / (2 beta))^2 with h' from log-probabilities averaged over each answer's tokens (so it needs the
-      lengths)."""
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type {loss_type!r} is not one of {DPO_LOSS_TYPES}")
-    chosen_ratio, rejected_ratio = policy_chosen - reference_chosen, policy_rejected - reference_rejected
-    if loss_type == "ipo":
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("the ipo loss averages log-probabilities over each answer: pass the answers' lengths")
-        margin = chosen_ratio / chosen_lengths - rejected_ratio / rejected_lengths
-        losses = (margin - 1 / (2 * beta)) ** 2
-    else:
-        margin = chosen_ratio - rejected_ratio
-        if loss_type == "sigmoid":
-            losses = (
-                -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
-            )
-        else:
-            losses = torch.relu(1 - beta * margin)
-    return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
-
-
-def dpo_metric_sums(
-    chosen_rewards: torch.Tensor,
-    rejected_rewards: torch.Tensor,
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-) -> dict[str, float]:
-    """Sums over the pairs of the figures TRL logs (means once divided by the number of pairs): the rewards of each
-    answer, how often the chosen one wins, by how much, and the policy's log-probabilities."""
-    return {
-        "rewards/chosen": chosen_rewards.sum().item(),
-        "rewards/rejected": rejected_rewards.sum().item(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().sum().item(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).sum().item(),
-        "logps/chosen": policy_chosen.detach().sum().item(),
-        "logps/rejected": policy_rejected.detach().sum().item(),
-    }

@@ -324,9 +324,10 @@ class StepLogger:
         }
 
 
-def held_state_bytes(model, optimizer) -> dict[str, int]:
+def held_state_bytes(model, optimizer, frozen: dict | None = None) -> dict[str, int]:
     """What this rank really holds, to set beside `state_bytes_on_rank`: the storage behind its parameter and gradient
-    shards (FSDP2 allocates them padded; gradients may share one buffer) and its AdamW state tensors. Call it after an
+    shards (FSDP2 allocates them padded; gradients may share one buffer) and its AdamW state tensors; and for each of
+    `frozen` ({name: a frozen model, or None where the run holds none}) its parameter shards. Call it after an
     optimizer step, before the gradients are zeroed."""
     import torch
 
@@ -346,4 +347,8 @@ def held_state_bytes(model, optimizer) -> dict[str, int]:
         "parameters": storage_bytes(local(p) for p in model.parameters()),
         "gradients": storage_bytes(local(p.grad) for p in model.parameters() if p.grad is not None),
         "optimizer_state": sum(t.numel() * t.element_size() for t in states),
+        **{
+            name: storage_bytes(local(p) for p in copy.parameters()) if copy is not None else 0
+            for name, copy in (frozen or {}).items()
+        },
     }

@@ -58,6 +58,36 @@ def shard_frozen_copy(accelerator: Accelerator, model: torch.nn.Module) -> torch
     return model.to(accelerator.device)
 
 
+def for_splits(
+    mode: str,
+    accelerator: Accelerator,
+    loaders: dict[str, Any],
+    *,
+    policy: torch.nn.Module,
+    token_loss: TokenLoss,
+    copy: torch.nn.Module | None = None,
+    stored: dict[str, Table] | None = None,
+    write_to: str | Path | None = None,
+) -> tuple[dict[str, ReferenceLogProbs | None], dict[str, Table] | None]:
+    """Collective, after `accelerator.prepare`: ({split: its reference values}, the precomputed tables or None) for
+    prepared in-order `loaders` of pairs. `mode` "none" (the loss needs no reference): None for every split. "model":
+    `copy` (the starting weights, loaded unprepared) is sharded here, its loss computed as `token_loss` computes the
+    policy's. "precomputed": `stored` (a resume's, from its checkpoint) or one pass of the untrained policy, written
+    to `write_to` (main process) when given."""
+    if mode == "none":
+        return dict.fromkeys(loaders), None
+    if mode == "model":
+        copy_loss = TokenLoss(copy, token_loss.implementation, chunk_size=token_loss.chunk_size)
+        shared = ReferenceLogProbs("model", copy=shard_frozen_copy(accelerator, copy), copy_loss=copy_loss)
+        return dict.fromkeys(loaders, shared), None
+    if mode == "adapters":
+        return dict.fromkeys(loaders, ReferenceLogProbs("adapters", policy=policy, token_loss=token_loss)), None
+    tables = stored or {name: precompute(accelerator, policy, token_loss, loader) for name, loader in loaders.items()}
+    if accelerator.is_main_process and write_to is not None:
+        write_tables(write_to, tables)
+    return {name: ReferenceLogProbs("precomputed", table=table) for name, table in tables.items()}, tables
+
+
 Table = dict[int, tuple[float, float]]  # a pair's content key -> its (chosen, rejected) reference log-probabilities
 
 
@@ -99,7 +129,7 @@ class ReferenceLogProbs:
         return {
             "adapters": "the policy with its LoRA adapters disabled (no second model)",
             "model": "a frozen copy sharded like the policy (one more model in memory, one more forward per step)",
-            "precomputed": f"precomputed before training ({len(self.table or {})} pairs, by content; no model kept)",
+            "precomputed": f"precomputed before training ({len(self.table or {})} pairs of rows, by content; no model kept)",
         }[self.mode]
 
 
@@ -170,6 +200,13 @@ def read_tables(checkpoint: Path) -> dict[str, Table]:
         split: {int(key): (values[0], values[1]) for key, values in table.items()}
         for split, table in stored["splits"].items()
     }
+
+
+def read_checked(checkpoint: Path, pairs: dict[str, Any]) -> dict[str, Table]:
+    """`read_tables`, then `check_tables` against the data ({split: tokenised pairs or None}): a resume's values."""
+    tables = read_tables(checkpoint)
+    check_tables(tables, pairs, checkpoint)
+    return tables
 
 
 def check_tables(tables: dict[str, Table], pairs: dict[str, Any], checkpoint: Path) -> None:

@@ -1,0 +1,242 @@
+"""KTO (Kahneman-Tversky optimisation) of a causal language model on answers marked good or bad, with FSDP2.
+
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/kto.py \
+        --config recipes/configs/kto/<config>.yaml [--field value ...]
+
+Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
+data (TRL's KTO format: `prompt`, `completion`, `label` true/false, strings or chat turns; preference pairs are
+unpaired, the run summary says so; each example also gets a KL row, its prompt with another example's completion:
+`fsdp_recipes.data.unpaired`); the policy and the frozen reference, one of three ways as in recipes/dpo.py (the policy
+with its LoRA adapters off, a frozen copy sharded like the policy, or values precomputed before the first step:
+`fsdp_recipes.train.reference`); `accelerator.prepare`; the loop: for each optimizer step, first (no gradients) the
+reference's log-probabilities of every row and the policy's of the KL rows, whose mean log-ratio over the global batch
+is the KL estimate; then for each micro-batch the policy's log-probability of each example's completion, the KTO loss
+(`loss_type` kto or apo_zero_unpaired, `beta`, `desirable_weight`, `undesirable_weight`: `fsdp_recipes.train.kto`),
+averaged over every example of the global batch, backward; step; and the finish as every recipe's (export, card, Hub).
+Logged under TRL's names: `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `logps/chosen`, `logps/rejected`
+(means over the good, or the bad, answers), `kl`, and the same with `eval_` on held-out examples every `eval_steps`.
+
+A separate recipe rather than a loss_type of recipes/dpo.py: its data are single answers, not pairs; a step needs a
+pass before the loss (the KL estimate over the global batch); its figures are per class. Errors raised before any
+weights load, on every rank: those of every recipe (see sft.py), and: columns that are neither KTO's nor a
+preference format, a label that is not true/false, a training split with only good (or only bad) answers, an
+answer left empty by truncation, beta <= 0, desirable_weight or undesirable_weight <= 0 (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from fsdp_recipes import run as run_lib
+from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.data import files, rows, unpaired
+from fsdp_recipes.models import adapters
+from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import kto, loop, losses, reference
+
+
+@dataclasses.dataclass
+class KTOConfig(config_lib.TrainingConfig):
+    """The KTO recipe's own settings, on top of those every training recipe has. Names follow TRL's KTOConfig."""
+
+    output_dir: str = dataclasses.field(
+        default="outputs/kto", metadata={"help": "the run's folder (as recipes/dpo.py's)"}
+    )
+    learning_rate: float = dataclasses.field(
+        default=1e-6, metadata={"help": "AdamW's peak learning rate; like DPO, KTO moves a trained model a little"}
+    )
+    beta: float = dataclasses.field(
+        default=0.1, metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"}
+    )
+    loss_type: str = dataclasses.field(
+        default="kto",
+        metadata={"help": "kto (with the KL estimate), or apo_zero_unpaired (the good answers beat the model's own)"},
+    )
+    desirable_weight: float = dataclasses.field(
+        default=1.0, metadata={"help": "weight of the good answers' losses (raise it when they are the fewer)"}
+    )
+    undesirable_weight: float = dataclasses.field(
+        default=1.0, metadata={"help": "weight of the bad answers' losses (raise it when they are the fewer)"}
+    )
+    max_prompt_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
+    )
+    precompute_ref_log_probs: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "one pass before training stores the reference's values: no reference model kept"},
+    )
+
+    def reference_mode(self) -> str:
+        return reference.mode_for(precompute=self.precompute_ref_log_probs, use_peft=self.use_peft)
+
+    def frozen_model_copies(self) -> int:
+        return reference.frozen_copies(self.reference_mode())
+
+    def min_max_length(self) -> tuple[int, str]:
+        return 2, "an example needs a prompt token and an answer token predicted from it"
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        fields = ("beta", "loss_type", "desirable_weight", "undesirable_weight", "max_prompt_length")
+        return super().resume_sensitive_fields() + fields
+
+    def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
+        return [("no reference model copy: one pass before training", {"precompute_ref_log_probs": True})] * bool(
+            self.frozen_model_copies()
+        )
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        problems += kto.configuration_problems(
+            self.loss_type, self.beta, self.desirable_weight, self.undesirable_weight
+        )
+        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
+            problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
+        return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = arguments.parse_config(KTOConfig, argv)
+    run = run_lib.start(config, name="kto")
+    accelerator, tokenizer = run.accelerator, run.tokenizer
+
+    # --- data: single answers marked good or bad, each with its KL row ------------------------------------------------
+    def prepare_data():
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        train_raw, eval_raw = files.split_train_eval(
+            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+        )
+        options = dict(
+            max_length=config.max_length,
+            max_prompt_length=config.max_prompt_length,
+            num_proc=config.dataset_num_proc,
+            seed=config.seed,
+        )
+        train, stats = unpaired.tokenize_examples(train_raw, tokenizer, name="train", **options)
+        held_out = (
+            None if eval_raw is None else unpaired.tokenize_examples(eval_raw, tokenizer, name="eval", **options)[0]
+        )
+        return train, held_out, stats
+
+    train_examples, eval_examples, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
+    stored = None  # resuming with precomputed reference values: those the checkpoint holds, one for every example
+    if run.resumed and config.reference_mode() == "precomputed":
+        splits = {"train": train_examples, "eval": eval_examples}
+        stored = run.on_every_rank(lambda: reference.read_checked(run.checkpoint, splits))
+    collate = unpaired.collator(tokenizer.pad_token_id)
+    train_loader = rows.train_dataloader(
+        train_examples,
+        config,
+        num_processes=accelerator.num_processes,
+        pad_token_id=tokenizer.pad_token_id,
+        collate_fn=collate,
+        unit="examples",
+    )
+    in_order = {
+        name: torch.utils.data.DataLoader(examples, batch_size=config.per_device_eval_batch_size, collate_fn=collate)
+        for name, examples in (("train", train_examples), ("eval", eval_examples))
+        if examples is not None
+    }
+
+    # --- the policy, and the reference it is compared with ------------------------------------------------------------
+    def load():
+        return run.load_model(**adapters.loading_options(config, accelerator))
+
+    model = load()
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
+    token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    reference_mode = config.reference_mode()
+    reference_copy = load() if reference_mode == "model" else None  # the starting weights, frozen
+    optimizer = loop.build_optimizer(model, config)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    in_order = {name: accelerator.prepare(loader) for name, loader in in_order.items()}
+    references, tables = reference.for_splits(  # the reference's values of both rows of every example
+        reference_mode,
+        accelerator,
+        in_order,
+        policy=model,
+        token_loss=token_loss,
+        copy=reference_copy,
+        stored=stored,
+        write_to=None if run.resumed else config.output_dir,
+    )
+
+    total_steps = loop.total_optimizer_steps(len(train_loader), config)
+    scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
+    objective = kto.KTOLoss(config.loss_type, config.beta, config.desirable_weight, config.undesirable_weight)
+    evaluator = kto.KTOEvaluator(
+        accelerator,
+        model,
+        in_order.get("eval"),
+        reference=references.get("eval"),
+        token_loss=token_loss,
+        objective=objective,
+        every=config.eval_steps,
+    )
+    batches, first_step = run.begin(
+        model,
+        train_loader,
+        scheduler,
+        total_steps=total_steps,
+        evaluator=evaluator,
+        summary=dict(
+            train_examples=len(train_examples),
+            eval_examples=len(eval_examples or []),
+            data=train_stats,
+            loss=f"{objective.description}; token log-probs: {token_loss.description}",
+            reference=references["train"].description,
+        ),
+        checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)} if tables else None,
+        frozen_models={"reference_model": references["train"].copy},  # its bytes in the summary
+    )
+
+    # --- the loop: KL estimate (no gradients), then forward, loss, backward, step -------------------------------------
+    model.train()
+    bar = run.progress_bar(first_step)
+    for step in range(first_step, total_steps + 1):
+        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+        examples = run.sum_over_ranks(sum(batch["label"].numel() for batch in micro_batches))
+        desirable = run.sum_over_ranks(sum(int(batch["label"].sum()) for batch in micro_batches))
+        scale = losses.global_mean_scale(accelerator, examples)
+        with torch.no_grad():  # both rows' reference values; the policy's on the KL rows, for the estimate
+            reference_values = [references["train"](batch).chunk(2) for batch in micro_batches]
+            kl_sum = 0.0
+            if objective.uses_kl:
+                for batch, (_, reference_kl) in zip(micro_batches, reference_values):
+                    policy_kl = losses.sequence_log_probs(token_loss.token_losses(model, kto.kl_rows(batch)))
+                    kl_sum += (policy_kl - reference_kl).sum().item()
+        kl = kto.kl_estimate(run.sum_over_ranks(kl_sum), examples) if objective.uses_kl else 0.0
+        loss_sum, figures = 0.0, {}
+        synced = loop.micro_batches_in_sync(accelerator, model, micro_batches)
+        for batch, (reference_values_of_examples, _) in zip(synced, reference_values):
+            policy = losses.sequence_log_probs(token_loss.token_losses(model, kto.example_rows(batch)))
+            result = objective(policy, reference_values_of_examples, batch["label"], kl)
+            accelerator.backward(result.loss.sum() * scale)
+            loss_sum += result.loss.sum().item()
+            sums = kto.figure_sums(result, policy, batch["label"], examples=examples, desirable=desirable)
+            for name, value in sums.items():
+                figures[name] = figures.get(name, 0.0) + value
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
+        )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        run.fault_point(step)
+
+        run.metrics.log_step(step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, sums=figures, kl=kl)
+        run.evaluation.maybe_evaluate(step)
+        run.checkpoints.maybe_save(step)
+    bar.close()
+
+    # --- finish: held-out figures, summary, export, card, Hub ---------------------------------------------------------
+    run.finish(model, results=run.evaluation.final_results())
+
+
+if __name__ == "__main__":
+    errors.exit_on_user_error(lambda: main(sys.argv[1:]))
