@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- the loop: generate -> score -> advantages -> loss -> backward -> step --------------------------------------------
     model.train()
     bar = run.progress_bar(first_step)
-    watch, rollout = rollouts.Stopwatch(), None
+    watch, rollout, examples = rollouts.Stopwatch(), None, []
     for step in range(first_step, total_steps + 1):
         round_index, iteration = divmod(step - 1, config.num_iterations)
         if iteration == 0:
@@ -378,9 +378,10 @@ def main(argv: list[str] | None = None) -> None:
         speed = {}
         if iteration == 0:
             speed["tokens/generated_per_second"] = rollout["tokens/generated"] / max(watch.seconds["generation"], 1e-9)
-        if run.metrics.cadence.due(step) and accelerator.is_main_process:
-            with open(Path(config.output_dir) / "completions.jsonl", "a") as out:
+        if run.metrics.cadence.due(step) and examples and accelerator.is_main_process:
+            with open(Path(config.output_dir) / "completions.jsonl", "a") as out:  # the latest round's, once
                 out.writelines(json.dumps(example) + "\n" for example in examples)
+            examples = []
         run.metrics.log_step(
             step, loss_sum=loss_sum, target_count=1.0, grad_norm=grad_norm, sums=figures, **rollout, **timing, **speed
         )

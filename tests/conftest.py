@@ -14,7 +14,7 @@ pytest.register_assert_rewrite("helpers")  # before the first import: their asse
 from helpers.data import write_jsonl, write_tiny_model_config  # noqa: E402
 from helpers.paths import DEMO_DATA, TOKENIZER  # noqa: E402
 
-pytest_plugins = ["fixtures.sft", "fixtures.lora", "fixtures.classify", "fixtures.dpo"]
+pytest_plugins = ["fixtures.sft", "fixtures.lora", "fixtures.classify", "fixtures.dpo", "fixtures.grpo"]
 
 
 @pytest.fixture(scope="session")
