@@ -52,7 +52,7 @@ def test_two_processes_generate_and_learn_as_one(grpo_runs, setting):
     assert ones[1]["kl"] == 0 and ones[2]["kl"] > 0  # step 2 reuses step 1's completions with an updated policy
     assert ones[2]["clip_ratio/region_mean"] >= 0 and ones[1]["clip_ratio/region_mean"] == 0
     summary = json.loads((two / "run_summary.json").read_text())
-    assert summary["world_size"] == 2 and "sharded" in " ".join(summary["parameter_placements"])
+    assert summary["world_size"] == 2 and "Shard(dim=0)" in summary["parameter_placements"][0]
     assert "gathered once per generation pass" in summary["generation"]
     assert summary["reference"] == {"full": "model", "lora": "adapters"}[setting]
     assert 0 < ones[1]["time/generation_share"] < 1 and ones[1]["tokens/generated_per_second"] > 0
