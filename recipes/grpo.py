@@ -58,6 +58,16 @@ class GRPOConfig(config_lib.TrainingConfig):
             "help": "prompt + completion tokens; prompts keep their last max_length - max_completion_length tokens"
         },
     )
+    loss_implementation: str = dataclasses.field(
+        default="full_logits",
+        metadata={
+            "help": "full_logits only: the completion tokens' log-probabilities and entropies come from their "
+            "logits at the sampling temperature (the positions before completions get none)"
+        },
+    )
+    dataset_prompt_column: str = dataclasses.field(
+        default="prompt", metadata={"help": "the column of prompts, text or chat turns (e.g. question for gsm8k)"}
+    )
     num_generations: int = dataclasses.field(
         default=8,
         metadata={
@@ -132,19 +142,20 @@ class GRPOConfig(config_lib.TrainingConfig):
     def frozen_model_copies(self) -> int:
         return 1 if self.beta > 0 and not self.use_peft else 0
 
-    def generation_tokens(self) -> tuple[int, int]:
-        """(sequences, tokens each) one generation batch holds in the KV cache, for the memory estimate."""
-        return self.per_device_eval_batch_size, self.max_length
+    def generation_footprint(self) -> tuple[int, int, bool]:
+        return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         return super().resume_sensitive_fields() + (
-            "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon",
+            "dataset_prompt_column", "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon",
             "epsilon_high", "loss_type", "scale_rewards", "num_iterations", "mask_truncated_completions",
             "reward_funcs", "reward_weights", "reward_answer_column", "reward_format_pattern",
         )  # fmt: skip
 
     def validate(self) -> list[str]:
         problems = super().validate()
+        if self.loss_implementation != "full_logits":
+            problems.append("loss_implementation must be full_logits for GRPO (the chunked losses have no temperature)")
         if self.num_generations < 2:
             problems.append(f"num_generations must be >= 2 (a group to compare), got {self.num_generations}")
         if not 1 <= self.max_completion_length < self.max_length:
@@ -207,7 +218,9 @@ def main(argv: list[str] | None = None) -> None:
         if split not in raw:
             raise errors.DataError(f"the data has no {split!r} split (it has: {', '.join(raw)})")
         room = config.max_length - config.max_completion_length
-        return functions, prompts.load_prompts(raw[split], tokenizer, max_prompt_length=room, split=split)
+        return functions, prompts.load_prompts(
+            raw[split], tokenizer, max_prompt_length=room, split=split, column=config.dataset_prompt_column
+        )
 
     functions, data = run.on_every_rank(prepare, main_process_first=True)
     weights = config.reward_weights or [1.0] * len(functions)

@@ -108,3 +108,30 @@ def test_bad_inputs_are_refused_before_weights_load(
     error = recipe_error_in_process("grpo", tmp_path, values, capsys)
     assert words in error
     assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_estimate_counts_the_generation_pass_and_the_reference_copy():
+    from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+    from fsdp_recipes.tools.estimator.formulas import estimate_for_recipe
+    from fsdp_recipes.tools.estimator.recipe import config_class
+    from fsdp_recipes.tools.estimator.shapes import load_model_info
+    from helpers.paths import REPO
+
+    grpo = config_class(REPO / "recipes" / "grpo.py")
+    assert (grpo(beta=0.0).frozen_model_copies(), grpo(beta=0.1).frozen_model_copies()) == (0, 1)
+    assert grpo(beta=0.1, use_peft=True).frozen_model_copies() == 0  # the policy with its adapters off
+    info = load_model_info(str(REPO / "src/fsdp_recipes/tools/estimator/model_shapes/Qwen/Qwen2.5-1.5B"))
+    layout = LaunchLayout(world_size=8, shard_size=8)
+    small, large = (
+        estimate_for_recipe(
+            info, layout, grpo(per_device_eval_batch_size=n, max_length=4096, beta=0.1, per_device_train_batch_size=1)
+        )
+        for n in (8, 256)
+    )
+    kv_per_sequence = 2 * info.num_layers * info.num_kv_heads * info.head_dim * layout.compute_bytes * 4096  # K and V
+    assert large.generation - small.generation == 248 * (kv_per_sequence + 4 * info.vocab_size)
+    assert small.per_gpu()["reference_model"] > 0
+    assert large.total == large.device_state + max(large.generation, large.activations_used + sum(
+        large.buffers[k] for k in ("all_gather", "reduce_scatter")
+    ))  # fmt: skip
+    assert large.generation > large.activations_used and large.total > small.total  # the KV cache bounds memory

@@ -31,19 +31,20 @@ def tokenize_prompt(prompt: Any, tokenizer) -> list[int]:
     return tokenizer(str(prompt))["input_ids"]
 
 
-def load_prompts(dataset, tokenizer, *, max_prompt_length: int, split: str) -> Prompts:
+def load_prompts(dataset, tokenizer, *, max_prompt_length: int, split: str, column: str = "prompt") -> Prompts:
     """The prompts of `dataset` (a datasets.Dataset), tokenised; longer ones than `max_prompt_length` keep their end
-    (counted in `truncated`). DataError when there is no `prompt` column, the data is empty, or a prompt is neither
+    (counted in `truncated`). DataError when there is no prompt `column`, the data is empty, or a prompt is neither
     text nor chat turns."""
     names = list(dataset.column_names)
-    if "prompt" not in names:
+    if column not in names:
         raise DataError(
-            f"the {split} split has no 'prompt' column (it has: {', '.join(names)}): online RL reads prompts as text "
-            "or chat turns from 'prompt', and passes the other columns (e.g. 'answer') to the reward functions"
+            f"the {split} split has no {column!r} column (it has: {', '.join(names)}): online RL reads prompts as "
+            f"text or chat turns from {column!r} (dataset_prompt_column), and passes the other columns (e.g. "
+            "'answer') to the reward functions"
         )
     if len(dataset) == 0:
         raise DataError(f"the {split} split has no rows")
-    prompts = list(dataset["prompt"])
+    prompts = list(dataset[column])
     if tokenizer.chat_template is None and any(isinstance(p, list) for p in prompts):
         raise DataError(
             "the prompts are chat turns but the tokenizer has no chat template: set chat_template, or give text prompts"
@@ -58,5 +59,5 @@ def load_prompts(dataset, tokenizer, *, max_prompt_length: int, split: str) -> P
         if len(ids) > max_prompt_length:
             ids, truncated = ids[-max_prompt_length:], truncated + 1
         prompt_ids.append(ids)
-    columns = {name: list(dataset[name]) for name in names if name != "prompt"}
+    columns = {name: list(dataset[name]) for name in names if name != column}
     return Prompts(prompts, prompt_ids, columns, truncated)

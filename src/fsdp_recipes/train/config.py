@@ -339,6 +339,11 @@ class TrainingConfig(RunConfig):
         """Whole frozen copies of the model kept beside the trained one (a reference model), sharded like it."""
         return 0
 
+    def generation_footprint(self) -> tuple[int, int, bool]:
+        """What one generation pass during training holds (online RL): (sequences, tokens each) in its KV cache, and
+        whether the whole model is gathered on every rank for it. (0, 0, False): the recipe does not generate."""
+        return 0, 0, False
+
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         """Fields that change the objective or the data (which rows, in which order, as which tokens): a resumed run
         must keep the checkpoint's values, or one run would mix two trainings, unless `allow_config_change` names

@@ -215,6 +215,7 @@ def completion_log_probs(
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
+        logits_to_keep=completion_width + 1,  # the output layer runs on the positions predicting completions only
     ).logits
     predicting = logits[:, -completion_width - 1 : -1]
     return token_log_probs(predicting, batch["completion_ids"], temperature)
