@@ -300,66 +300,32 @@ def main(argv: list[str] | None = None) -> None:
                     )
             with watch.phase("scoring"):
                 texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-                completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts
-
-                score = functools.partial(
-                    rewards.score, functions, weights,
-                    prompts=[data.prompts[p] for p, _ in slots], completions=completions,
-                    completion_ids=completion_ids,
-                    columns={name: [values[p] for p, _ in slots] for name, values in data.columns.items()},
-                    prompt_indices=[p for p, _ in slots],
+                indices = [p for p, _ in slots]
+                local_rewards, local_per_function = run.on_every_rank(
+                    functools.partial(
+                        rewards.score_completions, functions, weights, data, indices, completion_ids, texts
+                    )
+                )
+                micro, global_tokens, rollout = rollouts.assemble_round(
+                    accelerator, prompt_ids=prompt_ids, completion_ids=completion_ids, truncated=truncated,
+                    rewards=local_rewards, per_function=local_per_function,
+                    function_names=[name for name, _ in functions], num_generations=config.num_generations,
+                    scale_rewards=config.scale_rewards, mask_truncated_completions=config.mask_truncated_completions,
+                    rows_per_micro_batch=config.per_device_train_batch_size, pad_token_id=tokenizer.pad_token_id,
                 )  # fmt: skip
-                local_rewards, local_per_function = run.on_every_rank(score)
-                all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu()
-                per_function = accelerator.gather(local_per_function.T.contiguous().to(accelerator.device)).cpu()
-                lengths = accelerator.gather(torch.tensor([len(c) for c in completion_ids], device=accelerator.device))
-                all_truncated = accelerator.gather(torch.tensor(truncated, device=accelerator.device)).cpu()
-                widths = accelerator.gather(
-                    torch.tensor([[max(map(len, prompt_ids)), int(lengths.max())]], device=accelerator.device)
-                ).amax(dim=0)
-                advantages = pg.group_advantages(all_rewards, config.num_generations, config.scale_rewards)
-                share = len(slots)
-                batch = rollouts.rollout_batch(
-                    prompt_ids, completion_ids, pad_token_id=tokenizer.pad_token_id,
-                    prompt_width=int(widths[0]), completion_width=int(widths[1]),
-                )  # fmt: skip
-                batch["advantages"] = advantages[rank * share : (rank + 1) * share]
-                if config.mask_truncated_completions:
-                    batch["completion_mask"] *= (~torch.tensor(truncated)).long().unsqueeze(1)
-                global_tokens = run.sum_over_ranks(float(batch["completion_mask"].sum()))
-                rows = config.per_device_train_batch_size
-                micro = [
-                    {key: value[start : start + rows].to(accelerator.device) for key, value in batch.items()}
-                    for start in range(0, share, rows)
-                ]
-                for part in micro:
-                    part["real_tokens"] = part["attention_mask"].sum(dim=1)
-                    if config.num_iterations > 1:  # the policy's values as it generated: the ratio's denominator
-                        with torch.no_grad():
-                            part["old_log_probs"] = rollouts.completion_log_probs(model, part, config.temperature)[0]
-                    if reference_mode is not None:
-                        part["reference_log_probs"] = reference_log_probs(part)
-                finite = per_function.nan_to_num(0.0)
-                counted = (~per_function.isnan()).sum(dim=0).clamp(min=1)
-                rollout = {
-                    "reward": float(all_rewards.mean()),
-                    "reward_std": float(all_rewards.std()),
-                    **{
-                        f"rewards/{n}/mean": float(finite[:, i].sum() / counted[i])
-                        for i, (n, _) in enumerate(functions)
-                    },
-                    "frac_reward_zero_std": pg.zero_std_fraction(all_rewards, config.num_generations),
-                    "completions/mean_length": float(lengths.float().mean()),
-                    "completions/clipped_ratio": float(all_truncated.float().mean()),
-                    "tokens/generated": int(lengths.sum()),
-                }
                 examples = [
                     {"step": step, "prompt": data.prompts[p], "completion": texts[i],
-                     "reward": float(local_rewards[i]), "advantage": float(batch["advantages"][i])}
+                     "reward": float(local_rewards[i]), "advantage": float(torch.cat([m["advantages"] for m in micro])[i])}
                     for i, (p, _) in enumerate(slots[: config.num_completions_to_print])
                 ]  # fmt: skip
 
         with watch.phase("training"):
+            for part in micro if iteration == 0 else []:
+                with torch.no_grad():
+                    if config.num_iterations > 1:  # the policy's values as it generated: the ratio's denominator
+                        part["old_log_probs"] = rollouts.completion_log_probs(model, part, config.temperature)[0]
+                    if reference_mode is not None:
+                        part["reference_log_probs"] = reference_log_probs(part)
             loss_sum, figures = 0.0, {}
             for part in loop.micro_batches_in_sync(accelerator, model, micro):
                 run.metrics.window.add_batch(part)

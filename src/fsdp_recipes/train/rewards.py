@@ -280,3 +280,25 @@ def _first_failing(name, function, prompts, completions, completion_ids, columns
         except Exception:  # noqa: BLE001
             return str(prompt_indices[i])
     return f"{min(prompt_indices)}..{max(prompt_indices)} (it fails only on the whole batch)"
+
+
+def score_completions(
+    functions: list[tuple[str, RewardFunction]],
+    weights: Sequence[float],
+    data,
+    prompt_indices: list[int],
+    completion_ids: list[list[int]],
+    texts: list[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`score` for completions of prompts of `data` (fsdp_recipes.data.prompts.Prompts), by index: as TRL calls
+    reward functions, completions of chat prompts as one assistant turn, every other column by name."""
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else list(texts)
+    return score(
+        functions,
+        weights,
+        prompts=[data.prompts[p] for p in prompt_indices],
+        completions=completions,
+        completion_ids=completion_ids,
+        columns={name: [values[p] for p in prompt_indices] for name, values in data.columns.items()},
+        prompt_indices=list(prompt_indices),
+    )

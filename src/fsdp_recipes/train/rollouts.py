@@ -238,3 +238,64 @@ class Stopwatch:
     def shares(self) -> dict[str, float]:
         total = sum(self.seconds.values()) or 1.0
         return {f"time/{name}_share": value / total for name, value in self.seconds.items()}
+
+
+def assemble_round(
+    accelerator,
+    *,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    truncated: list[bool],
+    rewards: torch.Tensor,
+    per_function: torch.Tensor,
+    function_names: list[str],
+    num_generations: int,
+    scale_rewards: str,
+    mask_truncated_completions: bool,
+    rows_per_micro_batch: int,
+    pad_token_id: int,
+) -> tuple[list[dict[str, torch.Tensor]], float, dict[str, float]]:
+    """Collective. This rank's scored completions made into training micro-batches: rewards gathered over ranks (the
+    global batch, slot order) give the group-normalised advantages; rows padded to the round's widest prompt and
+    completion on any rank. Returns the micro-batches (on the device), the global count of loss tokens, and the
+    round's figures under TRL's names (the same on every rank)."""
+    from fsdp_recipes.train.policy_gradient import group_advantages, zero_std_fraction
+
+    device, rank = accelerator.device, accelerator.process_index
+    all_rewards = accelerator.gather(rewards.to(device)).cpu()
+    all_per_function = accelerator.gather(per_function.T.contiguous().to(device)).cpu()
+    lengths = accelerator.gather(torch.tensor([len(c) for c in completion_ids], device=device)).cpu()
+    all_truncated = accelerator.gather(torch.tensor(truncated, device=device)).cpu()
+    widths = accelerator.gather(torch.tensor([[max(map(len, prompt_ids)), int(lengths.max())]], device=device))
+    prompt_width, completion_width = widths.amax(dim=0).tolist()
+    share = len(completion_ids)
+    batch = rollout_batch(
+        prompt_ids,
+        completion_ids,
+        pad_token_id=pad_token_id,
+        prompt_width=prompt_width,
+        completion_width=completion_width,
+    )
+    batch["advantages"] = group_advantages(all_rewards, num_generations, scale_rewards)[
+        rank * share : (rank + 1) * share
+    ]
+    if mask_truncated_completions:
+        batch["completion_mask"] *= (~torch.tensor(truncated)).long().unsqueeze(1)
+    batch["real_tokens"] = batch["attention_mask"].sum(dim=1)
+    global_tokens = float(accelerator.reduce(batch["completion_mask"].sum().to(device), reduction="sum"))
+    micro_batches = [
+        {key: value[start : start + rows_per_micro_batch].to(device) for key, value in batch.items()}
+        for start in range(0, share, rows_per_micro_batch)
+    ]
+    scored = (~all_per_function.isnan()).sum(dim=0).clamp(min=1)
+    totals = all_per_function.nan_to_num(0.0).sum(dim=0)
+    figures = {
+        "reward": float(all_rewards.mean()),
+        "reward_std": float(all_rewards.std()),
+        **{f"rewards/{name}/mean": float(totals[i] / scored[i]) for i, name in enumerate(function_names)},
+        "frac_reward_zero_std": zero_std_fraction(all_rewards, num_generations),
+        "completions/mean_length": float(lengths.float().mean()),
+        "completions/clipped_ratio": float(all_truncated.float().mean()),
+        "tokens/generated": int(lengths.sum()),
+    }
+    return micro_batches, global_tokens, figures
