@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.common import arguments, errors, yaml_json
 from fsdp_recipes.data import files, prompts
 from fsdp_recipes.models import adapters
 from fsdp_recipes.train import config as config_lib
@@ -163,22 +163,10 @@ class GRPOConfig(config_lib.TrainingConfig):
                 f"max_completion_length must be >= 1 and < max_length ({self.max_length}), leaving room for the "
                 f"prompt; got {self.max_completion_length}"
             )
-        if not (math.isfinite(self.beta) and self.beta >= 0):
-            problems.append(f"beta must be >= 0 (0: no reference model), got {self.beta}")
-        if not (math.isfinite(self.epsilon) and self.epsilon > 0):
-            problems.append(f"epsilon must be > 0 (0.2 is usual), got {self.epsilon}")
-        if self.epsilon_high is not None and not self.epsilon_high >= self.epsilon:
-            problems.append(f"epsilon_high must be >= epsilon ({self.epsilon}), got {self.epsilon_high}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            problems.append(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            problems.append(f"top_k must be >= 1 or null, got {self.top_k}")
-        if self.loss_type not in pg.LOSS_TYPES:
-            problems.append(f"loss_type {self.loss_type!r} is not one of {', '.join(pg.LOSS_TYPES)}")
-        if self.scale_rewards not in pg.SCALE_REWARDS:
-            problems.append(f"scale_rewards {self.scale_rewards!r} is not one of {', '.join(pg.SCALE_REWARDS)}")
+        problems += pg.objective_problems(
+            self.beta, self.epsilon, self.epsilon_high, self.loss_type, self.scale_rewards
+        )
+        problems += rollouts.sampling_problems(self.temperature, self.top_p, self.top_k)
         if self.num_iterations < 1:
             problems.append(f"num_iterations must be >= 1, got {self.num_iterations}")
         elif self.save_steps and self.save_steps % self.num_iterations:
@@ -369,6 +357,10 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
 
     # --- finish: summary, export, card, Hub ---------------------------------------------------------------------------
+    shares = {key: run.log.mean(f"time/{key}_share") for key in ("generation", "scoring", "training")}
+    run.summary["step_time_shares"] = shares  # means over the logged steps (each step since the last log)
+    if accelerator.is_main_process:
+        yaml_json.write_json(Path(config.output_dir) / "run_summary.json", run.summary)
     run.finish(model)
 
 

@@ -56,6 +56,7 @@ def test_two_processes_generate_and_learn_as_one(grpo_runs, setting):
     assert "gathered once per generation pass" in summary["generation"]
     assert summary["reference"] == {"full": "model", "lora": "adapters"}[setting]
     assert 0 < ones[1]["time/generation_share"] < 1 and ones[1]["tokens/generated_per_second"] > 0
+    assert 0 < summary["step_time_shares"]["generation"] < 1
 
 
 def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weights(
@@ -89,6 +90,7 @@ def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weight
         ({"max_completion_length": 24}, "max_completion_length must be >= 1 and < max_length"),
         ({"beta": -0.1}, "beta must be >= 0"),
         ({"epsilon": 0}, "epsilon must be > 0"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
         ({"reward_funcs": [], "reward_weights": None}, "reward_funcs is empty"),
         ({"reward_funcs": ["no_such_module_xyz:reward"], "reward_weights": None}, "could not be imported"),
         ({"reward_weights": [1.0]}, "reward_weights has 1 values for 2 reward_funcs"),

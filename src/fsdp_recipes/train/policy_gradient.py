@@ -20,11 +20,31 @@ exactly 1 and the clipped surrogate equals the unclipped one (its gradient is A 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's: a group whose rewards are all equal gets advantage 0, not a division by 0
+
+
+def objective_problems(
+    beta: float, epsilon: float, epsilon_high: float | None, loss_type: str, scale_rewards: str
+) -> list[str]:
+    """What is wrong with the objective's settings (TRL's names), for a config's `validate`."""
+    problems = []
+    if not (math.isfinite(beta) and beta >= 0):
+        problems.append(f"beta must be >= 0 (0: no reference model), got {beta}")
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        problems.append(f"epsilon must be > 0 (0.2 is usual), got {epsilon}")
+    if epsilon_high is not None and not epsilon_high >= epsilon:
+        problems.append(f"epsilon_high must be >= epsilon ({epsilon}), got {epsilon_high}")
+    if loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+    if scale_rewards not in SCALE_REWARDS:
+        problems.append(f"scale_rewards {scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+    return problems
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:

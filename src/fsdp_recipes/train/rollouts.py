@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Iterator
 
@@ -73,6 +74,18 @@ class GenerationSettings:
     top_k: int | None = None
     batch_size: int = 8
     seed: int = 42
+
+
+def sampling_problems(temperature: float, top_p: float, top_k: int | None) -> list[str]:
+    """What is wrong with the sampling settings, for a config's `validate`."""
+    problems = []
+    if not (math.isfinite(temperature) and temperature > 0):
+        problems.append(f"temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 1:
+        problems.append(f"top_k must be >= 1 or null, got {top_k}")
+    return problems
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list:
