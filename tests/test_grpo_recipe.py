@@ -65,7 +65,7 @@ def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weight
     """A run that fails after step 3 (its last checkpoint: step 2, between generation rounds) resumed: the same
     completions and losses as the uninterrupted run, bitwise-equal final weights. Sampling needs no saved state."""
     values = grpo_values(
-        pretrained_tiny_model, prompt_data, tmp_path / "whole", per_device_train_batch_size=8, save_steps=2
+        pretrained_tiny_model, prompt_data, tmp_path / "whole", per_device_train_batch_size=8, save_steps=2, max_steps=4
     )
     run_recipe_in_process("grpo", tmp_path, "whole", values)
     values["output_dir"] = str(tmp_path / "stopped")
