@@ -21,6 +21,7 @@ pytest_plugins = [
     "fixtures.dpo",
     "fixtures.reward_distill",
     "fixtures.preference",
+    "fixtures.grpo",
 ]
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 from transformers import SchedulerType
 
-from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
 from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields
 from fsdp_recipes.train.losses import LOSS_IMPLEMENTATIONS
 from fsdp_recipes.train.publishing import PublishingFields
+from fsdp_recipes.train.recipe_traits import RecipeTraits
 
 
 @dataclasses.dataclass
@@ -118,7 +118,7 @@ class RunConfig(RunCompatFields):
 
 
 @dataclasses.dataclass
-class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields):
+class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTraits):
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
     format, its loss), extends `validate`, and overrides the methods below that describe it to the shared layer."""
 
@@ -318,62 +318,6 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields):
             "is refused"
         },
     )
-
-    # --- what the shared layer asks of a recipe ---------------------------------------------------------------------
-    # A recipe's config class overrides these; nothing under src/ reads a field that only one recipe has.
-    def row_length(self) -> int:
-        """Tokens in one training row (what a row costs in activations; the estimator's sequence length)."""
-        return self.max_length
-
-    def micro_batch_rows(self) -> int:
-        """Rows one process runs forward per micro-step (a preference pair is two rows)."""
-        return self.per_device_train_batch_size
-
-    def packs_examples(self) -> bool:
-        """Whether a row holds several examples: they must not attend to each other (checked before loading)."""
-        return False
-
-    def frozen_model_copies(self) -> int:
-        """Whole frozen copies of the model kept beside the trained one (a reference model), sharded like it."""
-        return 0
-
-    def frozen_models(self) -> list[str]:
-        """Other models (folders or Hub ids) kept frozen beside the trained one, sharded like it at the compute dtype
-        (a distillation teacher), for the memory estimate."""
-        return []
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        """Fields that change the objective or the data (which rows, in which order, as which tokens): a resumed run
-        must keep the checkpoint's values, or one run would mix two trainings, unless `allow_config_change` names
-        them. A recipe's config adds its own: `super().resume_sensitive_fields() + (...)`."""
-        return (
-            "model_name_or_path",
-            "model_config",
-            "tokenizer_name_or_path",
-            "chat_template",
-            "dataset_name",
-            "dataset_config",
-            "dataset_mixture",
-            "dataset_train_split",
-            "dataset_test_split",
-            "eval_split_size",
-            "max_length",
-            "seed",
-            "train_sampling_strategy",
-            "lora_alpha",
-            "lora_dropout",
-            "use_rslora",
-        )
-
-    def resume_fixed_fields(self) -> tuple[str, ...]:
-        """Fields the checkpoint's tensors depend on (LoRA's shapes): no resume with other values, allowed or not."""
-        return ADAPTER_SHAPE_FIELDS
-
-    def memory_saving_alternatives(self) -> list[tuple[str, dict[str, Any]]]:
-        """Changes to this config that save memory the shared layer cannot know of, as (description, {field: value})
-        pairs; the description reads "what it saves: what it costs". The estimator suggests each (with its predicted
-        total) when a launch does not fit, on top of the changes every recipe has (LoRA, a smaller micro-batch)."""
-        return []
 
     def validate(self) -> list[str]:
         problems = super().validate() + self.training_compat_problems()

@@ -160,6 +160,19 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) ->
     return {"per_layer": layer, "logits": logits, "without_checkpointing": without, "with_checkpointing": with_ac}
 
 
+def generation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) -> int:
+    """A generation pass's peak (online RL; 0 otherwise): the KV cache of its sequences (keys and values of every
+    layer at the compute dtype), one decoding step's fp32 logits, and, when it keeps the weights gathered, the whole
+    model at the compute dtype. It comes between training micro-steps, so it competes with activations, not with them."""
+    if not workload.generation_sequences:
+        return 0
+    kv = info.num_kv_heads * info.head_dim
+    cache = 2 * info.num_layers * kv * compute_bytes * workload.generation_sequences * workload.generation_tokens
+    logits = FP32 * info.vocab_size * workload.generation_sequences
+    weights = compute_bytes * info.num_params if workload.generation_gathers_weights else 0
+    return cache + logits + weights
+
+
 def buffer_bytes(
     info: ModelInfo, units: list[Unit], layout: LaunchLayout, *, trainable_fraction: float = 1.0
 ) -> dict[str, int]:
@@ -204,6 +217,7 @@ class Estimate:
     host_state: dict[str, int] = field(default_factory=dict)
     adapters: Adapters | None = None
     frozen_copies: int = 0
+    generation: int = 0  # online RL's generation pass (generation_bytes): instead of activations, not with them
 
     @property
     def activations_used(self) -> int:
@@ -216,7 +230,8 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.device_state + self.activations_used + self.buffers["all_gather"] + self.buffers["reduce_scatter"]
+        training = self.activations_used + self.buffers["all_gather"] + self.buffers["reduce_scatter"]
+        return self.device_state + max(training, self.generation)
 
     @property
     def usable(self) -> int:
@@ -244,6 +259,7 @@ class Estimate:
             "logits": self.activations["logits"],
             "all_gather_buffers": self.buffers["all_gather"],
             "reduce_scatter_buffers": self.buffers["reduce_scatter"],
+            **({"generation": self.generation} if self.generation else {}),
             "total": self.total,
         }
 
@@ -298,6 +314,7 @@ def estimate(
         host,
         adapters,
         frozen_copies,
+        generation_bytes(info, workload, compute),
     )
 
 

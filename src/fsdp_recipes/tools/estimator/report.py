@@ -83,6 +83,11 @@ def render_report(report: dict[str, Any]) -> str:
         ),
         ("all-gather buffers (compute dtype)", g["all_gather_buffers"]),
         ("unsharded gradients / buckets", g["reduce_scatter_buffers"]),
+        *(
+            [("generation pass (KV cache, gathered weights; not with activations)", g["generation"])]
+            if g.get("generation")
+            else []
+        ),
     ]
     for label, value in rows:
         if value is None:

@@ -23,6 +23,9 @@ class Workload:
     gradient_accumulation_steps: int = 1
     loss_implementation: str = "chunked"
     loss_chunk_size: int = 1024
+    generation_sequences: int = 0  # online RL: sequences of one generation pass (its KV cache)
+    generation_tokens: int = 0  # ... and tokens each
+    generation_gathers_weights: bool = False  # the whole model held on every rank for that pass
 
     @property
     def tokens(self) -> int:
@@ -39,6 +42,7 @@ def workload_for(config: TrainingConfig) -> Workload:
         int(config.gradient_accumulation_steps),
         str(config.loss_implementation),
         int(config.loss_chunk_size),
+        *config.generation_footprint(),
     )
 
 
