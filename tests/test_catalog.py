@@ -44,6 +44,7 @@ PUBLISHED_BILLIONS = {
     "meta-llama/Llama-3.1-70B": 70.6,
     "Qwen/Qwen2.5-0.5B": 0.49,
     "Qwen/Qwen2.5-1.5B": 1.54,
+    "Qwen/Qwen2.5-1.5B-Instruct": 1.54,
     "Qwen/Qwen2.5-3B": 3.09,
     "Qwen/Qwen2.5-7B": 7.61,
     "Qwen/Qwen2.5-14B": 14.7,
