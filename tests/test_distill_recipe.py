@@ -1,6 +1,7 @@
 """recipes/distill.py: the chunked KD loss against the whole-logits computation (values and gradients, each kd_loss),
 what autograd keeps, kd_ratio 0 as SFT's loss exactly, and every error raised before weights load, in this process;
-the shared launch (tests/fixtures/reward_distill.py) shows 2 ranks equal to 1 process with the teacher sharded."""
+the shared runs (tests/fixtures/reward_distill.py: a 2-process launch and its 1-process twin here) show 2 ranks equal
+to 1 process with the teacher sharded."""
 
 from __future__ import annotations
 
@@ -213,9 +214,11 @@ def test_vocabulary_check_names_the_mismatch(tokenizer, tiny_model_config):
     distillation.check_shared_vocabulary(student, student, tokenizer, tokenizer, teacher="same")
 
 
-# ------------------------------------------------------------------------------------- the shared 2-process launch
+# -------------------------------------------------------------------------------------------------- the shared runs
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_with_the_teacher_sharded(reward_distill_launches):
+    """2 ranks x 4 rows and 1 process x 8 rows give the same losses, parts and gradient norms (rtol 1e-5), with the
+    teacher sharded on the 2 ranks (half its weights each, plus its whole output layer)."""
     two, one = reward_distill_launches["distill_two"], reward_distill_launches["distill_one"]
     records_two = {r["step"]: r for r in read_metrics(two) if "loss" in r}
     records_one = {r["step"]: r for r in read_metrics(one) if "loss" in r}

@@ -1,6 +1,7 @@
 """recipes/reward.py: the Bradley-Terry loss and accuracy against a direct computation, pooling and every error raised
-before weights load, in this process; the shared launches (tests/fixtures/reward_distill.py) show 2 ranks equal to
-1 process, a killed run resuming exactly, and an exported folder that scores pairs as the trained model did."""
+before weights load, in this process; the shared runs (tests/fixtures/reward_distill.py) show 2 ranks equal to
+1 process and an exported folder that scores pairs as the trained model did, and an interrupted copy of the 1-process
+run, resumed in this process, equals it exactly."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import pytest
 import torch
 import yaml
 from datasets import Dataset
+from safetensors.torch import load_file
 
-from fixtures.reward_distill import REWARD_STEPS, reward_values
+from fixtures.reward_distill import REWARD_STEPS, reward_one_values, reward_values
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
 from fsdp_recipes.data import preference
 from fsdp_recipes.train import reward
 from helpers.data import write_jsonl
 from helpers.paths import TOKENIZER
-from helpers.recipes import read_metrics, recipe_error_in_process
+from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 
 
 def step_records(output_dir: Path) -> dict[int, dict]:
@@ -140,7 +143,7 @@ def test_refuses_a_classifier_base_with_three_labels(tmp_path, capsys, pretraine
     assert "num_labels=3" in line and "ignore_mismatched_sizes: true" in line
 
 
-# ------------------------------------------------------------------------------------- the shared 2-process launches
+# -------------------------------------------------------------------------------------------------- the shared runs
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(reward_distill_launches):
     """The loss is the mean over the global batch's pairs however they are split: 2 ranks x 4 pairs x 2 micro-steps
@@ -164,21 +167,35 @@ def test_two_ranks_equal_one_process(reward_distill_launches):
     assert summary["reward_head"] == ["score"] and summary["data"]["margin_column"] is True
 
 
+FIGURES = ("loss", "grad_norm", "lr", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
+
+
 @pytest.mark.slow
-def test_a_killed_run_resumes_exactly(reward_distill_launches):
-    """The killed run logged steps 1-6 before dying in step 6's save; the resumed one starts again after step 3's
-    checkpoint: its steps 4-6 equal the killed run's bitwise."""
-    killed, result = reward_distill_launches["killed"]
-    assert result.returncode != 0
-    records = [r for r in read_metrics(reward_distill_launches["reward_two"]) if "loss" in r]
-    by_step: dict[int, list[dict]] = {}
-    for record in records:
-        by_step.setdefault(record["step"], []).append(record)
-    assert [len(by_step[s]) for s in sorted(by_step)] == [1, 1, 1, 2, 2, 2, 1, 1]
-    for step in (4, 5, 6):
-        first, again = by_step[step]
-        for name in ("loss", "grad_norm", "accuracy", "margin", "rewards/chosen", "rewards/rejected"):
-            assert first[name] == again[name], (step, name)
+def test_an_interrupted_run_resumes_exactly(
+    reward_distill_launches, tmp_path, pretrained_tiny_model, reward_pairs, monkeypatch
+):
+    """The 1-process run interrupted after step 5 (its last checkpoint: step 3) and resumed, in this process: it
+    re-takes steps 4-5 (logging step 4 and its held-out figures a second time), and every step's figures and the
+    final weights equal the uninterrupted run's (the shared 1-process run) bitwise."""
+    whole = reward_distill_launches["reward_one"]
+    values = reward_one_values(pretrained_tiny_model, reward_pairs, tmp_path / "stopped")
+    monkeypatch.setenv(FAULT_ENV, "raise-after-step:5")
+    with pytest.raises(InjectedFault):
+        run_recipe_in_process("reward", tmp_path, "stopped", values)
+    monkeypatch.delenv(FAULT_ENV)
+    run_recipe_in_process("reward", tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest"})
+    logged = read_metrics(tmp_path / "stopped")
+    steps = [r["step"] for r in logged if "loss" in r]
+    assert steps == [1, 2, 3, 4, 4, 5, 6, 7, 8]  # the stopped run's steps 1-4, then the resumed run's 4-8
+    expected = step_records(whole)
+    for record in (r for r in logged if "loss" in r):
+        assert {name: record[name] for name in FIGURES} == {name: expected[record["step"]][name] for name in FIGURES}
+    evals = [r for r in logged if "eval_loss" in r]  # every held-out figure, the records compared whole
+    expected_evals = {r["step"]: r for r in read_metrics(whole) if "eval_loss" in r}
+    assert [r["step"] for r in evals] == [4, 4, 8] and sorted(expected_evals) == [4, 8]
+    assert all(record == expected_evals[record["step"]] for record in evals)
+    for name, tensor in load_file(whole / "model.safetensors").items():
+        assert torch.equal(tensor, load_file(tmp_path / "stopped" / "model.safetensors")[name]), name
 
 
 @pytest.mark.slow
