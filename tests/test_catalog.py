@@ -251,6 +251,28 @@ def files_under(folder: Path) -> set[str]:
     return {path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()}
 
 
+def test_cp_leaves_out_what_runs_wrote_under_outputs(tmp_path):
+    """After `make demo` the DPO demo's model exists under outputs/ (checkpoints and all), and a run may have written
+    a config's output_dir: neither is an input `cp` copies; the data a config names still is."""
+    catalog = write_root(
+        tmp_path,
+        {
+            "dpo/demo": config_text(
+                "dpo/demo", "outputs/demo_reverse/latest", dataset_name="data/pairs", output_dir="outputs/dpo_run"
+            )
+        },
+        {"dpo": '"""A recipe."""\n'},
+    )
+    for written in ("outputs/demo_reverse/latest/checkpoints/step-1/model.safetensors", "outputs/dpo_run/x.json"):
+        (tmp_path / written).parent.mkdir(parents=True)
+        (tmp_path / written).write_text("{}")
+    (tmp_path / "data" / "pairs").mkdir(parents=True)
+    (tmp_path / "data" / "pairs" / "train.jsonl").write_text("{}\n")
+    planned = {path.as_posix() for path, _, _ in catalog.copy_plan(catalog.find("dpo/demo"))}
+    assert "data/pairs/train.jsonl" in planned
+    assert not [path for path in planned if path.startswith("outputs/")]
+
+
 def test_cp_config_copies_it_with_its_recipe_and_what_it_names(tmp_path, capsys):
     dest = tmp_path / "project"
     assert cli.main(["cp", "sft/demo_reverse", str(dest)]) == 0

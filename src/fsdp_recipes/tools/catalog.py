@@ -52,6 +52,9 @@ def source_root() -> Path:
     return bundled
 
 
+RUN_OUTPUTS = "outputs"  # where runs write (git-ignored): results, never inputs a copy needs
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     name: str
@@ -302,12 +305,16 @@ class Catalog:
 
     # --- copies --------------------------------------------------------------------------------------------------
     def needs(self, config: RecipeConfig) -> list[tuple[Path, str]]:
-        """Files the config's launch command and values name that exist under the root (relative path, why)."""
+        """Files the config's launch command and values name that exist under the root (relative path, why). What
+        runs wrote is not an input to copy: a config's `output_dir`, and a model another run left under outputs/ (the
+        demo chain's), which would bring its checkpoints along."""
         found: list[tuple[Path, str]] = []
         if config.launch and config.launch.accelerate_config:
             found.append((Path(config.launch.accelerate_config), "the Accelerate config its launch command names"))
         for key, value in config.values.items():
             if not isinstance(value, str) or Path(value).is_absolute() or ".." in Path(value).parts:
+                continue
+            if key == "output_dir" or Path(value).parts[:1] == (RUN_OUTPUTS,):
                 continue
             source = self.root / value
             if source.is_file():
