@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- data: SFT's tokens with loss masks, then rows (packed or not) ------------------------------------------------
     def prepare_data():
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         train_raw, eval_raw = files.split_train_eval(
-            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+            raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
         )
         options = dict(
             assistant_only_loss=config.assistant_only_loss,
@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     # --- the student, the frozen teacher, optimizer, schedule --------------------------------------------------------
     model = run.load_model(**adapters.loading_options(config, accelerator))
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     teacher_model = modeling.load_model(

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             config.reward_answer_column, config.reward_format_pattern, config.max_completion_length
         )
         functions = rewards.load_reward_functions(config.reward_funcs, options, device=accelerator.device)
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         split = config.dataset_train_split
         if split not in raw:
             raise errors.DataError(f"the data has no {split!r} split (it has: {', '.join(raw)})")
@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model = load()
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     model = adapters.apply(model, config, task="causal-lm")
     reference_mode = None if config.beta == 0 else ("adapters" if config.use_peft else "model")
     reference_copy = load() if reference_mode == "model" else None

@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- data: single answers marked good or bad, each with its KL row ------------------------------------------------
     def prepare_data():
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         train_raw, eval_raw = files.split_train_eval(
-            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+            raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
         )
         options = dict(
             max_length=config.max_length,
@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model = load()
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     reference_mode = config.reference_mode()

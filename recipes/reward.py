@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- data: pairs of answers to one prompt, the chosen one first, and their margins --------------------------------
     def prepare_data():
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config)
+        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         train_raw, eval_raw = files.split_train_eval(
-            raw, config.dataset_train_split, config.dataset_test_split, config.eval_split_size, config.seed
+            raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
         )
         options = dict(
             max_length=config.max_length, max_prompt_length=config.max_prompt_length, num_proc=config.dataset_num_proc
@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     head = classifier.head_module_names(model)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: the head trained in full
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
