@@ -81,5 +81,5 @@ def test_an_error_on_one_rank_stops_all_and_is_shown_once(stopped):
 def test_a_multi_gpu_launch_that_degraded_into_independent_processes_is_refused(stopped):
     out, result, _ = stopped["degraded"]
     assert result.returncode != 0
-    assert "every process would train alone" in result.stderr
+    assert "every process would train alone" in result.stderr, result.stderr[-3000:]  # the launch itself on failure
     assert not out.exists()
