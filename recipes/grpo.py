@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import sys
 from pathlib import Path
@@ -36,14 +35,16 @@ from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors, yaml_json
 from fsdp_recipes.data import files, prompts
 from fsdp_recipes.models import adapters
+from fsdp_recipes.train import completion_log, loop, reference, rewards, rollouts
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import loop, reference, rewards, rollouts
+from fsdp_recipes.train import online_rl_fields as online_rl
 from fsdp_recipes.train import policy_gradient as pg
 
 
 @dataclasses.dataclass
-class GRPOConfig(config_lib.TrainingConfig):
-    """The GRPO recipe's own settings, on top of those every training recipe has. Names follow TRL's GRPOConfig."""
+class GRPOConfig(online_rl.OnlineRLFields, config_lib.TrainingConfig):
+    """The GRPO recipe's settings: those of online RL (sampling, objective, rewards: `train/online_rl_fields.py`) and
+    of every training recipe, with defaults for RL. Names follow TRL's GRPOConfig."""
 
     output_dir: str = dataclasses.field(default="outputs/grpo", metadata={"help": "the run's folder (see sft.py)"})
     learning_rate: float = dataclasses.field(
@@ -68,118 +69,18 @@ class GRPOConfig(config_lib.TrainingConfig):
     dataset_prompt_column: str = dataclasses.field(
         default="prompt", metadata={"help": "the column of prompts, text or chat turns (e.g. question for gsm8k)"}
     )
-    num_generations: int = dataclasses.field(
-        default=8,
-        metadata={
-            "help": "completions per prompt (a group, >= 2): more = better advantage estimates, fewer prompts "
-            "per step; must divide the global batch of completions"
-        },
-    )
-    max_completion_length: int = dataclasses.field(
-        default=256, metadata={"help": "tokens generated per completion at most (memory: the KV cache grows with it)"}
-    )
-    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature (> 0)"})
-    top_p: float = dataclasses.field(default=1.0, metadata={"help": "nucleus sampling: 1.0 keeps every token"})
-    top_k: int | None = dataclasses.field(default=None, metadata={"help": "sample among the k likeliest (null: all)"})
-    beta: float = dataclasses.field(
-        default=0.0,
-        metadata={
-            "help": "KL coefficient: > 0 keeps the policy near the reference at the cost of a reference "
-            "forward per step (and, without LoRA, a frozen model copy); 0: no reference"
-        },
-    )
-    epsilon: float = dataclasses.field(default=0.2, metadata={"help": "the ratio is clipped to [1 - epsilon, ...]"})
-    epsilon_high: float | None = dataclasses.field(
-        default=None, metadata={"help": "upper clip 1 + epsilon_high (DAPO's clip-higher; null: epsilon)"}
-    )
-    loss_type: str = dataclasses.field(
-        default="dapo",
-        metadata={
-            "help": "how tokens are averaged over the global batch: dapo/bnpo (every token alike), grpo "
-            "(per completion, then over completions: favours short ones), dr_grpo (/ completions x max length)"
-        },
-    )
-    scale_rewards: str = dataclasses.field(
-        default="group", metadata={"help": "advantages divided by the std of the group, of the batch, or none"}
-    )
-    num_iterations: int = dataclasses.field(
-        default=1,
-        metadata={
-            "help": "optimizer steps per generation round (μ): > 1 reuses completions, clipped by "
-            "the ratio to the log-probs they were generated with"
-        },
-    )
-    mask_truncated_completions: bool = dataclasses.field(
-        default=False, metadata={"help": "completions cut at max_completion_length count for no token of the loss"}
-    )
-    reward_funcs: list[str] = dataclasses.field(
-        default_factory=list,
-        metadata={
-            "help": "rewards: built-ins (exact_match, partial_match, numeric_answer, format, length_penalty), "
-            "package.module:function, path/file.py:function, or a reward-model folder (one-label classifier)"
-        },
-    )
-    reward_weights: list[float] | None = dataclasses.field(
-        default=None, metadata={"help": "one weight per reward function (null: all 1.0)"}
-    )
-    reward_answer_column: str = dataclasses.field(
-        default="answer", metadata={"help": "the column exact_match, partial_match and numeric_answer compare with"}
-    )
-    reward_format_pattern: str = dataclasses.field(
-        default=rewards.RewardOptions.format_pattern, metadata={"help": "the regex the format reward matches"}
-    )
-    gather_weights_for_generation: bool = dataclasses.field(
-        default=True,
-        metadata={
-            "help": "hold the whole policy on every rank for a generation pass (one all-gather per pass, more "
-            "memory) instead of gathering each layer for every decoded token"
-        },
-    )
     num_completions_to_print: int = dataclasses.field(
-        default=4, metadata={"help": "completions (with prompt and reward) written to completions.jsonl per log"}
+        default=4,
+        metadata={"help": "completions (with prompt and reward) written to completions.jsonl and tables per log"},
     )
-
-    def frozen_model_copies(self) -> int:
-        return 1 if self.beta > 0 and not self.use_peft else 0
-
-    def generation_footprint(self) -> tuple[int, int, bool]:
-        return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "dataset_prompt_column", "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon",
-            "epsilon_high", "loss_type", "scale_rewards", "num_iterations", "mask_truncated_completions",
-            "reward_funcs", "reward_weights", "reward_answer_column", "reward_format_pattern",
-        )  # fmt: skip
+        return super().resume_sensitive_fields() + ("dataset_prompt_column",)
 
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.loss_implementation != "full_logits":
             problems.append("loss_implementation must be full_logits for GRPO (the chunked losses have no temperature)")
-        if self.num_generations < 2:
-            problems.append(f"num_generations must be >= 2 (a group to compare), got {self.num_generations}")
-        if not 1 <= self.max_completion_length < self.max_length:
-            problems.append(
-                f"max_completion_length must be >= 1 and < max_length ({self.max_length}), leaving room for the "
-                f"prompt; got {self.max_completion_length}"
-            )
-        problems += pg.objective_problems(
-            self.beta, self.epsilon, self.epsilon_high, self.loss_type, self.scale_rewards
-        )
-        problems += rollouts.sampling_problems(self.temperature, self.top_p, self.top_k)
-        if self.num_iterations < 1:
-            problems.append(f"num_iterations must be >= 1, got {self.num_iterations}")
-        elif self.save_steps and self.save_steps % self.num_iterations:
-            problems.append(
-                f"save_steps ({self.save_steps}) must be a multiple of num_iterations ({self.num_iterations}): a "
-                "checkpoint falls between generation rounds, so a resume regenerates nothing it had"
-            )
-        if not self.reward_funcs:
-            problems.append("reward_funcs is empty: name at least one (e.g. exact_match, or my_module:my_reward)")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            problems.append(
-                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
-            )
         return problems
 
 
@@ -197,10 +98,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"num_generations ({config.num_generations}) must divide the global batch of completions "
                 f"(per_device_train_batch_size x processes x gradient_accumulation_steps = {completions_per_step})"
             )
-        options = rewards.RewardOptions(
-            config.reward_answer_column, config.reward_format_pattern, config.max_completion_length
+        functions = rewards.load_reward_functions(
+            config.reward_funcs, config.reward_options(), device=accelerator.device
         )
-        functions = rewards.load_reward_functions(config.reward_funcs, options, device=accelerator.device)
         raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         split = config.dataset_train_split
         if split not in raw:
@@ -211,7 +111,6 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     functions, data = run.on_every_rank(prepare, main_process_first=True)
-    weights = config.reward_weights or [1.0] * len(functions)
     prompts_per_round = completions_per_step // config.num_generations
     schedule = rollouts.PromptSchedule(len(data), prompts_per_round, seed=config.seed)
     rounds = math.ceil(config.num_train_epochs * len(data) / prompts_per_round)
@@ -227,17 +126,14 @@ def main(argv: list[str] | None = None) -> None:
             gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
         )
     model = adapters.apply(model, config, task="causal-lm")
-    reference_mode = None if config.beta == 0 else ("adapters" if config.use_peft else "model")
+    reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None
     optimizer = loop.build_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)
     if reference_copy is not None:
         reference_copy = reference.shard_frozen_copy(accelerator, reference_copy)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    settings = rollouts.GenerationSettings(
-        config.max_completion_length, config.temperature, config.top_p, config.top_k,
-        config.per_device_eval_batch_size, config.seed,
-    )  # fmt: skip
+    settings = config.generation_settings(batch_size=config.per_device_eval_batch_size, seed=config.seed)
     fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
     reshard_after_forward = bool(getattr(fsdp_plugin, "reshard_after_forward", True))
 
@@ -272,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     # --- the loop: generate -> score -> advantages -> loss -> backward -> step --------------------------------------------
     model.train()
     bar = run.progress_bar(first_step)
-    watch, rollout, examples = rollouts.Stopwatch(), None, []
+    watch, rollout = rollouts.Stopwatch(), None
+    shown = completion_log.CompletionLog(accelerator, config.output_dir, count=config.num_completions_to_print)
     for step in range(first_step, total_steps + 1):
         round_index, iteration = divmod(step - 1, config.num_iterations)
         if iteration == 0:
@@ -293,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
                 indices = [p for p, _ in slots]
                 local_rewards, local_per_function = run.on_every_rank(
                     functools.partial(
-                        rewards.score_completions, functions, weights, data, indices, completion_ids, texts
+                        rewards.score_completions, functions, config.weights(), data, indices, completion_ids, texts
                     )
                 )
                 micro, global_tokens, rollout = rollouts.assemble_round(
@@ -303,11 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                     scale_rewards=config.scale_rewards, mask_truncated_completions=config.mask_truncated_completions,
                     rows_per_micro_batch=config.per_device_train_batch_size, pad_token_id=tokenizer.pad_token_id,
                 )  # fmt: skip
-                examples = [
-                    {"step": step, "prompt": data.prompts[p], "completion": texts[i],
-                     "reward": float(local_rewards[i]), "advantage": float(torch.cat([m["advantages"] for m in micro])[i])}
-                    for i, (p, _) in enumerate(slots[: config.num_completions_to_print])
-                ]  # fmt: skip
+                advantages = torch.cat([part["advantages"] for part in micro])
+                shown.keep(step, [data.prompts[p] for p in indices], texts, local_rewards, advantages)
 
         with watch.phase("training"):
             for part in micro if iteration == 0 else []:
@@ -347,10 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         speed = {}
         if iteration == 0:
             speed["tokens/generated_per_second"] = rollout["tokens/generated"] / max(watch.seconds["generation"], 1e-9)
-        if run.metrics.cadence.due(step) and examples and accelerator.is_main_process:
-            with open(Path(config.output_dir) / "completions.jsonl", "a") as out:  # the latest round's, once
-                out.writelines(json.dumps(example) + "\n" for example in examples)
-            examples = []
+        if run.metrics.cadence.due(step):
+            shown.write(step)
         run.metrics.log_step(
             step, loss_sum=loss_sum, target_count=1.0, grad_norm=grad_norm, sums=figures, **rollout, **timing, **speed
         )

@@ -59,6 +59,21 @@ def test_two_processes_generate_and_learn_as_one(grpo_runs, setting):
     assert 0 < summary["step_time_shares"]["generation"] < 1
 
 
+def assert_the_tracker_shows_the_logged_completions(output_dir: Path) -> None:
+    """TensorBoard's text tab gets, at each logging step, a table of the completions.jsonl rows written then."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(output_dir.rglob("events.out.tfevents.*")).parent), size_guidance={"tensors": 0})
+    events.Reload()
+    tables = {
+        event.step: event.tensor_proto.string_val[0].decode() for event in events.Tensors("completions/text_summary")
+    }
+    logged = completions_of(output_dir)
+    assert sorted(tables) == sorted({row["step"] for row in logged}) and tables
+    for row in logged:
+        assert f"| {row['completion']} | {row['reward']:.4g} |" in tables[row["step"]]
+
+
 def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weights(
     tmp_path, pretrained_tiny_model, prompt_data, monkeypatch
 ):
@@ -67,7 +82,8 @@ def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weight
     values = grpo_values(
         pretrained_tiny_model, prompt_data, tmp_path / "whole", per_device_train_batch_size=8, save_steps=2, max_steps=4
     )
-    run_recipe_in_process("grpo", tmp_path, "whole", values)
+    run_recipe_in_process("grpo", tmp_path, "whole", {**values, "report_to": "tensorboard"})
+    assert_the_tracker_shows_the_logged_completions(tmp_path / "whole")
     values["output_dir"] = str(tmp_path / "stopped")
     monkeypatch.setenv(FAULT_ENV, "raise-after-step:3")
     with pytest.raises(InjectedFault):

@@ -1,0 +1,172 @@
+"""The settings of online RL (TRL's GRPOConfig names and semantics): how completions are sampled, the clipped policy
+objective, the reward functions. A base a recipe's config class puts before `TrainingConfig`; each group checks its
+own values (`validate`, chained through the bases) and declares to the shared layer what it costs (a reference copy,
+a generation pass) and which fields a resume must keep."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp_recipes.train import policy_gradient, rewards, rollouts
+
+
+@dataclasses.dataclass
+class SamplingFields:
+    num_generations: int = dataclasses.field(
+        default=8,
+        metadata={
+            "help": "completions per prompt (a group, >= 2): more = better advantage estimates, fewer prompts "
+            "per step; must divide the global batch of completions"
+        },
+    )
+    max_completion_length: int = dataclasses.field(
+        default=256, metadata={"help": "tokens generated per completion at most (memory: the KV cache grows with it)"}
+    )
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature (> 0)"})
+    top_p: float = dataclasses.field(default=1.0, metadata={"help": "nucleus sampling: 1.0 keeps every token"})
+    top_k: int | None = dataclasses.field(default=None, metadata={"help": "sample among the k likeliest (null: all)"})
+    gather_weights_for_generation: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "hold the whole policy on every rank for a generation pass (one all-gather per pass, more "
+            "memory) instead of gathering each layer for every decoded token"
+        },
+    )
+
+    def generation_settings(self, *, batch_size: int, seed: int) -> rollouts.GenerationSettings:
+        return rollouts.GenerationSettings(
+            self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed
+        )
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if self.num_generations < 2:
+            problems.append(f"num_generations must be >= 2 (a group to compare), got {self.num_generations}")
+        if not 1 <= self.max_completion_length < self.max_length:
+            problems.append(
+                f"max_completion_length must be >= 1 and < max_length ({self.max_length}), leaving room for the "
+                f"prompt; got {self.max_completion_length}"
+            )
+        return problems + rollouts.sampling_problems(self.temperature, self.top_p, self.top_k)
+
+    def generation_footprint(self) -> tuple[int, int, bool]:
+        return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + (
+            "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
+        )  # fmt: skip
+
+
+@dataclasses.dataclass
+class PolicyObjectiveFields:
+    beta: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "KL coefficient: > 0 keeps the policy near the reference at the cost of a reference "
+            "forward per step (and, without LoRA, a frozen model copy); 0: no reference"
+        },
+    )
+    epsilon: float = dataclasses.field(default=0.2, metadata={"help": "the ratio is clipped to [1 - epsilon, ...]"})
+    epsilon_high: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "upper clip 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28: lets unlikely tokens of good "
+            "completions grow faster, against entropy collapse; null: epsilon)"
+        },
+    )
+    loss_type: str = dataclasses.field(
+        default="dapo",
+        metadata={
+            "help": "how tokens are averaged over the global batch: dapo/bnpo (every token alike), grpo "
+            "(per completion, then over completions: favours short ones), dr_grpo (/ completions x max length)"
+        },
+    )
+    scale_rewards: str = dataclasses.field(
+        default="group", metadata={"help": "advantages divided by the std of the group, of the batch, or none"}
+    )
+    num_iterations: int = dataclasses.field(
+        default=1,
+        metadata={
+            "help": "optimizer steps per generation round (μ): > 1 reuses completions, clipped by "
+            "the ratio to the log-probs they were generated with"
+        },
+    )
+    mask_truncated_completions: bool = dataclasses.field(
+        default=False, metadata={"help": "completions cut at max_completion_length count for no token of the loss"}
+    )
+
+    def reference_mode(self) -> str | None:
+        """What the KL term compares with: None (beta 0), the policy with its LoRA adapters off, or a frozen copy."""
+        if self.beta == 0:
+            return None
+        return "adapters" if self.use_peft else "model"
+
+    def frozen_model_copies(self) -> int:
+        return 1 if self.reference_mode() == "model" else 0
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        problems += policy_gradient.objective_problems(
+            self.beta, self.epsilon, self.epsilon_high, self.loss_type, self.scale_rewards
+        )
+        if self.num_iterations < 1:
+            problems.append(f"num_iterations must be >= 1, got {self.num_iterations}")
+        elif self.save_steps and self.save_steps % self.num_iterations:
+            problems.append(
+                f"save_steps ({self.save_steps}) must be a multiple of num_iterations ({self.num_iterations}): a "
+                "checkpoint falls between generation rounds, so a resume regenerates nothing it had"
+            )
+        return problems
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + (
+            "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
+            "mask_truncated_completions",
+        )  # fmt: skip
+
+
+@dataclasses.dataclass
+class RewardFields:
+    reward_funcs: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={
+            "help": "rewards: built-ins (exact_match, partial_match, numeric_answer, format, length_penalty), "
+            "package.module:function, path/file.py:function, or a reward-model folder (one-label classifier)"
+        },
+    )
+    reward_weights: list[float] | None = dataclasses.field(
+        default=None, metadata={"help": "one weight per reward function (null: all 1.0)"}
+    )
+    reward_answer_column: str = dataclasses.field(
+        default="answer", metadata={"help": "the column exact_match, partial_match and numeric_answer compare with"}
+    )
+    reward_format_pattern: str = dataclasses.field(
+        default=rewards.RewardOptions.format_pattern, metadata={"help": "the regex the format reward matches"}
+    )
+
+    def reward_options(self) -> rewards.RewardOptions:
+        return rewards.RewardOptions(self.reward_answer_column, self.reward_format_pattern, self.max_completion_length)
+
+    def weights(self) -> list[float]:
+        return self.reward_weights or [1.0] * len(self.reward_funcs)
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if not self.reward_funcs:
+            problems.append("reward_funcs is empty: name at least one (e.g. exact_match, or my_module:my_reward)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            problems.append(
+                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
+            )
+        return problems
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + (
+            "reward_funcs", "reward_weights", "reward_answer_column", "reward_format_pattern",
+        )  # fmt: skip
+
+
+@dataclasses.dataclass
+class OnlineRLFields(SamplingFields, PolicyObjectiveFields, RewardFields):
+    """Every online-RL setting; put it before `TrainingConfig` in a recipe config's bases."""
