@@ -9,7 +9,10 @@ the run, and the recipe's generation speed against a bare `model.generate` on th
   `time/scoring_share`, `time/training_share`, and `tokens/generated_per_second`, from --after's metrics.jsonl;
 - generation speed: `rollouts.generate_completions` (the recipe's generation step: per-slot seeded sampling) against
   `model.generate(do_sample=True)` on an unsharded copy of --before, the same 64 prompts x 8 generations, batches of
-  --batch-size, max_completion_length tokens; the median of 3 timed passes after a warm-up pass, in one process.
+  --batch-size, max_completion_length tokens, in one process: after a warm-up pass each, 7 rounds of one timed pass
+  each, alternated so that the shared machine's changing load hits both alike; the ratio is the median of the rounds'
+  ratios (with their range). --continuous-batching also times transformers' `generate_batch` (continuous batching,
+  sampling, the same prompts) once after a warm-up pass.
 """
 
 from __future__ import annotations
@@ -64,7 +67,15 @@ def step_breakdown(folder: str) -> dict:
 
 
 @torch.no_grad()
-def generation_speed(folder: str, rows: list[dict], *, max_tokens: int, batch_size: int) -> dict:
+def generation_speed(
+    folder: str,
+    rows: list[dict],
+    *,
+    max_tokens: int,
+    batch_size: int,
+    rounds: int = 7,
+    continuous_batching: bool = False,
+) -> dict:
     from fsdp_recipes.train import rollouts
 
     model, tokenizer = load(folder)
@@ -88,36 +99,65 @@ def generation_speed(folder: str, rows: list[dict], *, max_tokens: int, batch_si
             tokens += int((generated != tokenizer.pad_token_id).sum())
         return tokens
 
-    speeds = {}
-    for name, run in (("recipe", recipe), ("bare_generate", bare)):
-        run()
-        rates = []
-        for _ in range(3):
+    def continuous():  # transformers' continuous batching (paged KV cache, requests scheduled as slots free up)
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            max_new_tokens=max_tokens, do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        outputs = model.generate_batch(ids, generation_config=config, progress_bar=False)
+        return sum(len(output.generated_tokens) for output in outputs.values())
+
+    # Alternated, one pass each per round, so that a change in the machine's load hits both alike; the ratio is the
+    # median of the rounds' ratios.
+    recipe(), bare()
+    rates: dict[str, list[float]] = {"recipe": [], "bare_generate": []}
+    for _ in range(rounds):
+        for name, run in (("recipe", recipe), ("bare_generate", bare)):
             started = time.perf_counter()
             tokens = run()
-            rates.append(tokens / (time.perf_counter() - started))
-        speeds[f"{name}_tokens_per_second"] = statistics.median(rates)
-    speeds["ratio"] = speeds["recipe_tokens_per_second"] / speeds["bare_generate_tokens_per_second"]
+            rates[name].append(tokens / (time.perf_counter() - started))
+    speeds = {f"{name}_tokens_per_second": statistics.median(values) for name, values in rates.items()}
+    ratios = [mine / theirs for mine, theirs in zip(rates["recipe"], rates["bare_generate"])]
+    speeds["ratio"] = statistics.median(ratios)
+    speeds["ratio_range"] = [min(ratios), max(ratios)]
+    if continuous_batching:  # ~20x slower on CPU: one timed pass after a warm-up one
+        continuous()
+        started = time.perf_counter()
+        tokens = continuous()
+        speeds["continuous_batching_tokens_per_second"] = tokens / (time.perf_counter() - started)
     return speeds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the model GRPO started from")
-    parser.add_argument("--after", required=True, help="the GRPO run's output_dir")
+    parser.add_argument("--after", help="the GRPO run's output_dir (without it: the generation speeds only)")
     parser.add_argument("--held-out", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--continuous-batching", action="store_true", help="also time transformers' generate_batch (minutes on CPU)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][: args.held_out]
-    results = {
-        "held_out_prompts": len(rows),
-        "exact_match_before": greedy_exact_match(args.before, rows, args.max_new_tokens),
-        "exact_match_after": greedy_exact_match(args.after, rows, args.max_new_tokens),
-        "step_breakdown": step_breakdown(args.after),
-        "generation": generation_speed(args.before, rows, max_tokens=args.max_new_tokens, batch_size=args.batch_size),
-    }
+    results = {}
+    if args.after:
+        results = {
+            "held_out_prompts": len(rows),
+            "exact_match_before": greedy_exact_match(args.before, rows, args.max_new_tokens),
+            "exact_match_after": greedy_exact_match(args.after, rows, args.max_new_tokens),
+            "step_breakdown": step_breakdown(args.after),
+        }
+    results["generation"] = generation_speed(
+        args.before,
+        rows,
+        max_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        continuous_batching=args.continuous_batching,
+    )
     print(json.dumps(results, indent=2))
 
 

@@ -32,14 +32,14 @@ import torch
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
-from fsdp_recipes.data import chat, files, rows
+from fsdp_recipes.data import rows
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import distillation, evaluation, loop, losses, reference
+from fsdp_recipes.train import distillation, loop, losses, reference, supervised
 
 
 @dataclasses.dataclass
-class DistillConfig(config_lib.TrainingConfig):
+class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
     """The distillation recipe's own settings (SFT's data settings, and the teacher's), on top of those every training
     recipe has. Names follow TRL's SFTConfig/GKDConfig and torchtune's KD recipes."""
 
@@ -79,50 +79,12 @@ class DistillConfig(config_lib.TrainingConfig):
             "teacher), mode-seeking; jsd: Jensen-Shannon, symmetric and bounded"
         },
     )
-    packing: bool = dataclasses.field(
-        default=True,
-        metadata={"help": "pack several examples per row: less padding; examples never attend to each other"},
-    )
-    packing_row_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "tokens per packed row (null: max_length)"}
-    )
-    assistant_only_loss: bool = dataclasses.field(
-        default=True, metadata={"help": "conversational data: loss only on assistant turns"}
-    )
-    completion_only_loss: bool = dataclasses.field(
-        default=True, metadata={"help": "prompt/completion data: loss only on the completion"}
-    )
-    exact_match_eval_samples: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": "held-out examples whose greedy completion is compared with the reference, before and after "
-            "training (0: none); costs one generation per sample each time"
-        },
-    )
-    max_new_tokens: int = dataclasses.field(
-        default=64, metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"}
-    )
-
-    def row_length(self) -> int:
-        return (self.packing_row_length or self.max_length) if self.packing else self.max_length
-
-    def packs_examples(self) -> bool:
-        return self.packing
 
     def frozen_models(self) -> list[str]:
         return [self.teacher_model_name_or_path] if self.teacher_model_name_or_path else []
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "teacher_model_name_or_path",
-            "kd_ratio",
-            "temperature",
-            "kd_loss",
-            "packing",
-            "packing_row_length",
-            "assistant_only_loss",
-            "completion_only_loss",
-        )
+        return super().resume_sensitive_fields() + ("teacher_model_name_or_path", "kd_ratio", "temperature", "kd_loss")
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -136,10 +98,6 @@ class DistillConfig(config_lib.TrainingConfig):
             )
         if self.kd_loss not in distillation.KD_LOSSES:
             problems.append(f"kd_loss {self.kd_loss!r} is not one of {', '.join(distillation.KD_LOSSES)}")
-        if self.packing_row_length is not None and self.packing_row_length < 1:
-            problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
-        if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
-            problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
         return problems
 
 
@@ -166,31 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     teacher_config = run.on_every_rank(check_teacher)
 
     # --- data: SFT's tokens with loss masks, then rows (packed or not) ------------------------------------------------
-    def prepare_data():
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
-        train_raw, eval_raw = files.split_train_eval(
-            raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
-        )
-        options = dict(
-            assistant_only_loss=config.assistant_only_loss,
-            completion_only_loss=config.completion_only_loss,
-            max_length=config.max_length,
-            num_proc=config.dataset_num_proc,
-        )
-        train_tokens, train_stats = chat.tokenize_dataset(train_raw, tokenizer, name="train", **options)
-        train_rows = rows.build_rows(
-            train_tokens, max_length=config.packing_row_length or config.max_length, packing=config.packing
-        )
-        eval_rows = None
-        if eval_raw is not None:
-            eval_rows = rows.build_rows(
-                chat.tokenize_dataset(eval_raw, tokenizer, name="eval", **options)[0],
-                max_length=config.max_length,
-                packing=False,
-            )
-        return eval_raw, train_rows, eval_rows, train_stats
-
-    eval_raw, train_rows, eval_rows, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
+    data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer), main_process_first=True)
+    train_rows, eval_rows = data.train_rows, data.eval_rows
     train_loader = rows.train_dataloader(
         train_rows, config, num_processes=accelerator.num_processes, pad_token_id=tokenizer.pad_token_id
     )
@@ -234,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         summary=dict(
             train_rows=len(train_rows),
             eval_rows=len(eval_rows or []),
-            data=train_stats,
+            data=data.train_stats,
             loss=distill_loss.description,
             teacher=dict(
                 model=config.teacher_model_name_or_path,
@@ -245,17 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     def exact_match() -> dict:
-        return evaluation.exact_match_accuracy(
-            accelerator,
-            model,
-            tokenizer,
-            chat.generation_examples(eval_raw, tokenizer, config.exact_match_eval_samples),
-            max_new_tokens=config.max_new_tokens,
-            batch_size=config.per_device_eval_batch_size,
-        )
+        return supervised.exact_match(accelerator, model, tokenizer, data, config)
 
     results = {}
-    if config.exact_match_eval_samples and eval_raw is not None:
+    if supervised.exact_match_wanted(config, data):
         results["exact_match_before"] = run.measured_once("exact_match", lambda: exact_match()["exact_match"])
         accelerator.print(f"exact match before training: {results['exact_match_before']:.1%}")
 
@@ -288,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
 
     # --- finish: generation check, then summary, export, card, Hub ------------------------------------------------------
-    if config.exact_match_eval_samples and eval_raw is not None:
+    if supervised.exact_match_wanted(config, data):
         after = exact_match()
         results["exact_match_after"] = after["exact_match"]
         run.log.log({"step": total_steps, "exact_match": after["exact_match"]})

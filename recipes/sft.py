@@ -32,16 +32,17 @@ import sys
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
-from fsdp_recipes.data import chat, files, rows
+from fsdp_recipes.data import rows
 from fsdp_recipes.distributed import logs
 from fsdp_recipes.models import adapters
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, loop, losses
+from fsdp_recipes.train import loop, losses, supervised
 
 
 @dataclasses.dataclass
-class SFTConfig(config_lib.TrainingConfig):
-    """The SFT recipe's own settings, on top of those every training recipe has. Field names follow TRL's SFTConfig."""
+class SFTConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
+    """The SFT recipe's settings: the supervised data's (`train/supervised.py`: packing, loss masks, the exact-match
+    check) and those every training recipe has. Field names follow TRL's SFTConfig."""
 
     output_dir: str = dataclasses.field(
         default="outputs/sft",
@@ -50,66 +51,6 @@ class SFTConfig(config_lib.TrainingConfig):
             "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
         },
     )
-    packing: bool = dataclasses.field(
-        default=True,
-        metadata={"help": "pack several examples per row: less padding; examples never attend to each other"},
-    )
-    packing_row_length: int | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "tokens per packed row (null: max_length). Shorter rows cost less attention per token with "
-            "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut"
-        },
-    )
-    packing_strategy: str = dataclasses.field(
-        default="bfd",
-        metadata={
-            "help": "how examples share rows: bfd (best-fit decreasing, TRL's default); ffd (older TRL) is read as "
-            "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does"
-        },
-    )
-    assistant_only_loss: bool = dataclasses.field(
-        default=True, metadata={"help": "conversational data: loss only on assistant turns"}
-    )
-    completion_only_loss: bool = dataclasses.field(
-        default=True, metadata={"help": "prompt/completion data: loss only on the completion"}
-    )
-    exact_match_eval_samples: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": "held-out examples whose greedy completion is compared with the reference, before and after "
-            "training (0: none); costs one generation per sample each time"
-        },
-    )
-    max_new_tokens: int = dataclasses.field(
-        default=64, metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"}
-    )
-
-    def row_length(self) -> int:
-        return (self.packing_row_length or self.max_length) if self.packing else self.max_length
-
-    def packs_examples(self) -> bool:
-        return self.packing
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "packing",
-            "packing_row_length",
-            "assistant_only_loss",
-            "completion_only_loss",
-        )
-
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        if self.packing_row_length is not None and self.packing_row_length < 1:
-            problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
-        if self.packing_strategy not in ("bfd", "ffd"):
-            problems.append(
-                f"packing_strategy {self.packing_strategy!r} is not bfd (or ffd): SFT packs whole examples, never cut"
-            )
-        if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
-            problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
-        return problems
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,31 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     accelerator, tokenizer = run.accelerator, run.tokenizer
 
     # --- data: tokens with loss masks, then rows (packed or not) ------------------------------------------------------
-    def prepare_data():
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
-        train_raw, eval_raw = files.split_train_eval(
-            raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
-        )
-        options = dict(
-            assistant_only_loss=config.assistant_only_loss,
-            completion_only_loss=config.completion_only_loss,
-            max_length=config.max_length,
-            num_proc=config.dataset_num_proc,
-        )
-        train_tokens, train_stats = chat.tokenize_dataset(train_raw, tokenizer, name="train", **options)
-        train_rows = rows.build_rows(
-            train_tokens, max_length=config.packing_row_length or config.max_length, packing=config.packing
-        )
-        eval_rows = None
-        if eval_raw is not None:
-            eval_rows = rows.build_rows(
-                chat.tokenize_dataset(eval_raw, tokenizer, name="eval", **options)[0],
-                max_length=config.max_length,
-                packing=False,
-            )
-        return eval_raw, train_rows, eval_rows, train_stats
-
-    eval_raw, train_rows, eval_rows, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
+    data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer), main_process_first=True)
+    train_rows, eval_rows = data.train_rows, data.eval_rows
     train_loader = rows.train_dataloader(
         train_rows, config, num_processes=accelerator.num_processes, pad_token_id=tokenizer.pad_token_id
     )
@@ -166,22 +84,18 @@ def main(argv: list[str] | None = None) -> None:
         total_steps=total_steps,
         evaluator=run.loss_evaluator(model, eval_rows, token_loss.loss_sum),
         summary=dict(
-            train_rows=len(train_rows), eval_rows=len(eval_rows or []), data=train_stats, loss=token_loss.description
+            train_rows=len(train_rows),
+            eval_rows=len(eval_rows or []),
+            data=data.train_stats,
+            loss=token_loss.description,
         ),
     )
 
     def exact_match() -> dict:
-        return evaluation.exact_match_accuracy(
-            accelerator,
-            model,
-            tokenizer,
-            chat.generation_examples(eval_raw, tokenizer, config.exact_match_eval_samples),
-            max_new_tokens=config.max_new_tokens,
-            batch_size=config.per_device_eval_batch_size,
-        )
+        return supervised.exact_match(accelerator, model, tokenizer, data, config)
 
     results = {}
-    if config.exact_match_eval_samples and eval_raw is not None:
+    if supervised.exact_match_wanted(config, data):
         results["exact_match_before"] = run.measured_once("exact_match", lambda: exact_match()["exact_match"])
         logs.info(f"exact match before training: {results['exact_match_before']:.1%}")
 
@@ -212,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
 
     # --- finish: generation check, then summary, export, card, Hub ------------------------------------------------------
-    if config.exact_match_eval_samples and eval_raw is not None:
+    if supervised.exact_match_wanted(config, data):
         after = exact_match()
         results["exact_match_after"] = after["exact_match"]
         run.log.log({"step": total_steps, "exact_match": after["exact_match"]})

@@ -1,0 +1,121 @@
+"""Supervised data (TRL's SFTConfig names): chat or prompt/completion examples made into token rows with loss on the
+assistant / completion tokens, packed or not, and the held-out exact-match check of greedy completions. The settings
+are a base a recipe's config class puts before `TrainingConfig` (SFT and distillation train on the same data)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fsdp_recipes.data import chat, files, rows
+from fsdp_recipes.train import evaluation
+
+
+@dataclasses.dataclass
+class SupervisedFields:
+    packing: bool = dataclasses.field(
+        default=True,
+        metadata={"help": "pack several examples per row: less padding; examples never attend to each other"},
+    )
+    packing_row_length: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "tokens per packed row (null: max_length). Shorter rows cost less attention per token with "
+            "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut"
+        },
+    )
+    packing_strategy: str = dataclasses.field(
+        default="bfd",
+        metadata={
+            "help": "how examples share rows: bfd (best-fit decreasing, TRL's default); ffd (older TRL) is read as "
+            "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does"
+        },
+    )
+    assistant_only_loss: bool = dataclasses.field(
+        default=True, metadata={"help": "conversational data: loss only on assistant turns"}
+    )
+    completion_only_loss: bool = dataclasses.field(
+        default=True, metadata={"help": "prompt/completion data: loss only on the completion"}
+    )
+    exact_match_eval_samples: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "held-out examples whose greedy completion is compared with the reference, before and after "
+            "training (0: none); costs one generation per sample each time"
+        },
+    )
+    max_new_tokens: int = dataclasses.field(
+        default=64, metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"}
+    )
+
+    def row_length(self) -> int:
+        return (self.packing_row_length or self.max_length) if self.packing else self.max_length
+
+    def packs_examples(self) -> bool:
+        return self.packing
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + (
+            "packing", "packing_row_length", "assistant_only_loss", "completion_only_loss",
+        )  # fmt: skip
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if self.packing_row_length is not None and self.packing_row_length < 1:
+            problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
+        if self.packing_strategy not in ("bfd", "ffd"):
+            problems.append(
+                f"packing_strategy {self.packing_strategy!r} is not bfd (or ffd): SFT packs whole examples, never cut"
+            )
+        if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
+            problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
+        return problems
+
+
+@dataclasses.dataclass
+class SupervisedData:
+    train_rows: list
+    eval_rows: list | None
+    eval_raw: Any  # the held-out examples as read (the exact-match check generates from their prompts)
+    train_stats: dict
+
+
+def prepare(config: SupervisedFields, tokenizer) -> SupervisedData:
+    """The config's data read, split (held-out rows carved only when something evaluates), tokenized with loss masks
+    and made into rows: training rows packed as asked, held-out rows one example each."""
+    raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
+    train_raw, eval_raw = files.split_train_eval(
+        raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
+    )
+    options = dict(
+        assistant_only_loss=config.assistant_only_loss,
+        completion_only_loss=config.completion_only_loss,
+        max_length=config.max_length,
+        num_proc=config.dataset_num_proc,
+    )
+    train_tokens, train_stats = chat.tokenize_dataset(train_raw, tokenizer, name="train", **options)
+    train_rows = rows.build_rows(
+        train_tokens, max_length=config.packing_row_length or config.max_length, packing=config.packing
+    )
+    eval_rows = None
+    if eval_raw is not None:
+        eval_tokens = chat.tokenize_dataset(eval_raw, tokenizer, name="eval", **options)[0]
+        eval_rows = rows.build_rows(eval_tokens, max_length=config.max_length, packing=False)
+    return SupervisedData(train_rows, eval_rows, eval_raw, train_stats)
+
+
+def exact_match_wanted(config: SupervisedFields, data: SupervisedData) -> bool:
+    return bool(config.exact_match_eval_samples) and data.eval_raw is not None
+
+
+def exact_match(accelerator, model, tokenizer, data: SupervisedData, config: SupervisedFields) -> dict:
+    """Collective. The held-out exact match of greedy completions (`evaluation.exact_match_accuracy`) of the first
+    `exact_match_eval_samples` held-out examples."""
+    return evaluation.exact_match_accuracy(
+        accelerator,
+        model,
+        tokenizer,
+        chat.generation_examples(data.eval_raw, tokenizer, config.exact_match_eval_samples),
+        max_new_tokens=config.max_new_tokens,
+        batch_size=config.per_device_eval_batch_size,
+    )
