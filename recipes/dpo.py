@@ -37,8 +37,9 @@ from fsdp_recipes.train import evaluation, loop, losses, preference_losses, refe
 
 
 @dataclasses.dataclass
-class DPOConfig(config_lib.TrainingConfig):
-    """The DPO recipe's own settings, on top of those every training recipe has. Names follow TRL's DPOConfig."""
+class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
+    """The DPO recipe's settings: the preference losses', the reference's (`train/reference.py`: beta, prompt length,
+    precomputed values) and those every training recipe has. Names follow TRL's DPOConfig."""
 
     output_dir: str = dataclasses.field(
         default="outputs/dpo",
@@ -53,9 +54,6 @@ class DPOConfig(config_lib.TrainingConfig):
             "help": "AdamW's peak learning rate. DPO moves a trained model a little: full fine-tuning rates are "
             "~10x too high"
         },
-    )
-    beta: float = dataclasses.field(
-        default=0.1, metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"}
     )
     loss_type: str | list[str] = dataclasses.field(
         default_factory=lambda: "sigmoid",  # a factory: argparse reads this field as a list, and keeps only those
@@ -77,16 +75,6 @@ class DPOConfig(config_lib.TrainingConfig):
     cpo_alpha: float = dataclasses.field(
         default=0.0, metadata={"help": "simpo: weight of the chosen NLL added (TRL's default 1.0 is CPO-SimPO)"}
     )
-    max_prompt_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
-    )
-    precompute_ref_log_probs: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "help": "one pass before training stores the reference's values: no reference model in memory or "
-            "forward per step afterwards, at the cost of that pass"
-        },
-    )
 
     def __post_init__(self):
         if isinstance(self.loss_type, list) and len(self.loss_type) == 1:  # `--loss_type ipo` parses as a list
@@ -95,38 +83,21 @@ class DPOConfig(config_lib.TrainingConfig):
     def micro_batch_rows(self) -> int:
         return 2 * self.per_device_train_batch_size  # a pair: its chosen and its rejected row
 
-    def reference_mode(self) -> str:
-        if not preference_losses.needs_reference(self.loss_type):
-            return "none"  # simpo, orpo, sft: no reference model, no precompute pass
-        return reference.mode_for(precompute=self.precompute_ref_log_probs, use_peft=self.use_peft)
-
-    def frozen_model_copies(self) -> int:
-        return reference.frozen_copies(self.reference_mode())
+    def needs_reference(self) -> bool:
+        return preference_losses.needs_reference(self.loss_type)  # simpo, orpo, sft: no reference model, no pass
 
     def min_max_length(self) -> tuple[int, str]:
         return 2, "a pair's rows need a prompt token and an answer token predicted from it"
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         return super().resume_sensitive_fields() + (
-            "beta",
             "loss_type",
             "loss_weights",
             "label_smoothing",
             "discopop_tau",
             "simpo_gamma",
             "cpo_alpha",
-            "max_prompt_length",
         )
-
-    def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
-        if not self.frozen_model_copies():
-            return []
-        return [
-            (
-                "no reference model copy: one pass of the starting model over the data before training; no copy kept",
-                {"precompute_ref_log_probs": True},
-            )
-        ]
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -144,8 +115,6 @@ class DPOConfig(config_lib.TrainingConfig):
                 f"precompute_ref_log_probs: loss_type {self.loss_type} needs no reference, so there is nothing to "
                 "precompute: remove it (or add a loss that compares with the reference)"
             )
-        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
-            problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
         return problems
 
 

@@ -39,17 +39,15 @@ from fsdp_recipes.train import kto, loop, losses, reference
 
 
 @dataclasses.dataclass
-class KTOConfig(config_lib.TrainingConfig):
-    """The KTO recipe's own settings, on top of those every training recipe has. Names follow TRL's KTOConfig."""
+class KTOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
+    """The KTO recipe's settings: its loss's, the reference's (`train/reference.py`: beta, prompt length, precomputed
+    values) and those every training recipe has. Names follow TRL's KTOConfig."""
 
     output_dir: str = dataclasses.field(
         default="outputs/kto", metadata={"help": "the run's folder (as recipes/dpo.py's)"}
     )
     learning_rate: float = dataclasses.field(
         default=1e-6, metadata={"help": "AdamW's peak learning rate; like DPO, KTO moves a trained model a little"}
-    )
-    beta: float = dataclasses.field(
-        default=0.1, metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"}
     )
     loss_type: str = dataclasses.field(
         default="kto",
@@ -61,39 +59,16 @@ class KTOConfig(config_lib.TrainingConfig):
     undesirable_weight: float = dataclasses.field(
         default=1.0, metadata={"help": "weight of the bad answers' losses (raise it when they are the fewer)"}
     )
-    max_prompt_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
-    )
-    precompute_ref_log_probs: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "one pass before training stores the reference's values: no reference model kept"},
-    )
-
-    def reference_mode(self) -> str:
-        return reference.mode_for(precompute=self.precompute_ref_log_probs, use_peft=self.use_peft)
-
-    def frozen_model_copies(self) -> int:
-        return reference.frozen_copies(self.reference_mode())
-
-    def min_max_length(self) -> tuple[int, str]:
-        return 2, "an example needs a prompt token and an answer token predicted from it"
 
     def resume_sensitive_fields(self) -> tuple[str, ...]:
-        fields = ("beta", "loss_type", "desirable_weight", "undesirable_weight", "max_prompt_length")
+        fields = ("loss_type", "desirable_weight", "undesirable_weight")
         return super().resume_sensitive_fields() + fields
-
-    def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
-        return [("no reference model copy: one pass before training", {"precompute_ref_log_probs": True})] * bool(
-            self.frozen_model_copies()
-        )
 
     def validate(self) -> list[str]:
         problems = super().validate()
         problems += kto.configuration_problems(
             self.loss_type, self.beta, self.desirable_weight, self.undesirable_weight
         )
-        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
-            problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
         return problems
 
 

@@ -15,6 +15,7 @@ it was before training, three ways (`reference_mode`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -40,6 +41,60 @@ def mode_for(*, precompute: bool, use_peft: bool) -> str:
 def frozen_copies(mode: str) -> int:
     """Model copies the reference adds to what each device holds (for the memory estimate)."""
     return 1 if mode == "model" else 0
+
+
+@dataclasses.dataclass
+class ReferenceFields:
+    """The settings of a loss that keeps the policy near a frozen reference (DPO, KTO; TRL's names): a base a recipe
+    config puts before `TrainingConfig`. A recipe whose loss may need no reference overrides `needs_reference`."""
+
+    beta: float = dataclasses.field(
+        default=0.1, metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"}
+    )
+    max_prompt_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
+    )
+    precompute_ref_log_probs: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "one pass before training stores the reference's values: no reference model in memory or "
+            "forward per step afterwards, at the cost of that pass"
+        },
+    )
+
+    def needs_reference(self) -> bool:
+        return True
+
+    def reference_mode(self) -> str:
+        """One of MODES, or "none" when the loss needs no reference (nothing loaded, nothing precomputed)."""
+        if not self.needs_reference():
+            return "none"
+        return mode_for(precompute=self.precompute_ref_log_probs, use_peft=self.use_peft)
+
+    def frozen_model_copies(self) -> int:
+        return frozen_copies(self.reference_mode())
+
+    def min_max_length(self) -> tuple[int, str]:
+        return 2, "a row needs a prompt token and an answer token predicted from it"
+
+    def memory_saving_alternatives(self) -> list[tuple[str, dict]]:
+        if not self.frozen_model_copies():
+            return []
+        return [
+            (
+                "no reference model copy: one pass of the starting model over the data before training; no copy kept",
+                {"precompute_ref_log_probs": True},
+            )
+        ]
+
+    def resume_sensitive_fields(self) -> tuple[str, ...]:
+        return super().resume_sensitive_fields() + ("beta", "max_prompt_length")
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
+            problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
+        return problems
 
 
 def shard_frozen_copy(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
