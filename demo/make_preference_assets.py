@@ -9,14 +9,24 @@ explicit-prompt format:
      "chosen": [{"role": "assistant", "content": "cba"}],
      "rejected": [{"role": "assistant", "content": "bca"}]}
 
+The reward-model demo's pairs (`--reward-out-dir`, demo/assets/reverse_reward) are a larger set made the same way: a
+reward model learns from one score per answer, not DPO's per-token log-probabilities, and on the DPO set's 2,000 pairs
+it memorises the swapped-letter pairs instead of learning to check each letter against the prompt (held-out accuracy
+stops near 0.84; docs/reward-and-distillation.md). So every one of the 4,000 training strings gets 8 near misses
+(a draw that repeats one of that string's earlier near misses is redrawn, up to 10 times): 32,000 pairs, shuffled,
+stored gzipped (`train.jsonl.gz`, which `datasets` reads as it is). Its `test.jsonl` is the DPO set's 200 held-out
+pairs, so the two demos' held-out figures are on the same pairs.
+
 Usage::
 
-    python demo/make_preference_assets.py [--source demo/assets/reverse] [--out-dir demo/assets/reverse_preferences]
+    python demo/make_preference_assets.py [--source demo/assets/reverse] [--out-dir demo/assets/reverse_preferences] \
+        [--reward-out-dir demo/assets/reverse_reward]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 from pathlib import Path
@@ -58,16 +68,49 @@ def pairs(source: Path, seed: int) -> list[dict]:
     return records
 
 
+def reward_pairs(source: Path, seed: int, near_misses: int) -> list[dict]:
+    """Every string of `source` with `near_misses` near misses (as `mistake` draws them, redrawn when one repeats),
+    shuffled."""
+    rng = random.Random(seed)
+    records = []
+    for line in source.read_text().splitlines():
+        user, assistant = json.loads(line)["messages"]
+        original = user["content"].removeprefix("reverse: ")
+        drawn: set[str] = set()
+        for _ in range(near_misses):
+            for _ in range(10):
+                wrong = mistake(assistant["content"], original, rng)
+                if wrong not in drawn:
+                    break
+            drawn.add(wrong)
+            records.append(
+                {"prompt": [user], "chosen": [assistant], "rejected": [{"role": "assistant", "content": wrong}]}
+            )
+    rng.shuffle(records)
+    return records
+
+
+def as_jsonl(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, default=Path(__file__).parent / "assets" / "reverse")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "assets" / "reverse_preferences")
+    parser.add_argument("--reward-out-dir", type=Path, default=Path(__file__).parent / "assets" / "reverse_reward")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for split, seed, limit in (("train", 0, 2000), ("test", 1, 200)):
         records = pairs(args.source / f"{split}.jsonl", seed)[:limit]
-        (args.out_dir / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (args.out_dir / f"{split}.jsonl").write_text(as_jsonl(records))
         print(f"{args.out_dir / f'{split}.jsonl'}: {len(records)} pairs")
+    args.reward_out_dir.mkdir(parents=True, exist_ok=True)
+    records = reward_pairs(args.source / "train.jsonl", seed=0, near_misses=8)
+    # mtime=0: the same bytes on every rebuild
+    (args.reward_out_dir / "train.jsonl.gz").write_bytes(gzip.compress(as_jsonl(records).encode(), mtime=0))
+    (args.reward_out_dir / "test.jsonl").write_text((args.out_dir / "test.jsonl").read_text())
+    print(f"{args.reward_out_dir / 'train.jsonl.gz'}: {len(records)} pairs; test.jsonl: the {args.out_dir.name} ones")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
 from fsdp_recipes.data import preference
 from fsdp_recipes.train import reward
 from helpers.data import write_jsonl
-from helpers.paths import TOKENIZER
+from helpers.paths import REPO, TOKENIZER
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 
 
@@ -227,3 +227,34 @@ def test_exported_reward_model_scores_pairs_as_the_trained_model_did(reward_dist
     entries = meta["model-index"][0]["results"]
     values = {metric["type"]: metric["value"] for entry in entries for metric in entry["metrics"]}
     assert values["accuracy"] == results["eval_accuracy"] and values["margin"] == results["eval_margin"]
+
+
+def test_the_reward_demo_pairs_are_what_the_generator_makes_and_share_the_dpo_held_out_pairs(tmp_path, monkeypatch):
+    """demo/assets/reverse_reward (the reward demo's 32,000 pairs) rebuilds byte for byte, the DPO set beside it is
+    unchanged, and both hold out the same 200 pairs, so the two demos' held-out figures compare."""
+    import importlib.util
+    import sys
+
+    from fsdp_recipes.data import files
+
+    assets = REPO / "demo" / "assets"
+    spec = importlib.util.spec_from_file_location("make_preference_assets", REPO / "demo" / "make_preference_assets.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    argv = ["make_preference_assets.py", "--out-dir", str(tmp_path / "dpo"), "--reward-out-dir", str(tmp_path / "rw")]
+    monkeypatch.setattr(sys, "argv", argv)
+    generator.main()
+    for rebuilt, shipped in (("dpo", "reverse_preferences"), ("rw", "reverse_reward")):
+        names = sorted(path.name for path in (assets / shipped).iterdir())
+        assert sorted(path.name for path in (tmp_path / rebuilt).iterdir()) == names
+        for name in names:
+            assert (tmp_path / rebuilt / name).read_bytes() == (assets / shipped / name).read_bytes(), name
+    assert (assets / "reverse_reward" / "test.jsonl").read_bytes() == (
+        assets / "reverse_preferences" / "test.jsonl"
+    ).read_bytes()
+
+    pairs = files.load_raw_dataset(str(assets / "reverse_reward"))
+    assert (len(pairs["train"]), len(pairs["test"])) == (32000, 200)
+    for pair in pairs["train"].select(range(0, 32000, 97)):
+        prompt, chosen = pair["prompt"][0]["content"], pair["chosen"][0]["content"]
+        assert chosen == prompt.removeprefix("reverse: ")[::-1] != pair["rejected"][0]["content"]
