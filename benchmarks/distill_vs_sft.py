@@ -1,12 +1,16 @@
 """The distillation demo against plain SFT of the same student for the same steps: held-out exact match of each.
 
-    python benchmarks/distill_vs_sft.py [--max_steps 300] [--json]
+    python benchmarks/distill_vs_sft.py [--max_steps 300] [--seeds 42 43] [--set field=value ...] [--json]
 
 Needs the SFT demo's model at outputs/demo_reverse/latest (the teacher; `make demo` writes it). Runs, one process each
 (no launcher), recipes/distill.py with recipes/configs/distill/demo_reverse.yaml, and recipes/sft.py with the same
-student, data, steps, batch, schedule and seed (kd_ratio 0 in effect), each into a folder under --work_dir, then
-prints the exact match of the 200 held-out strings after training for both. One process sees the 2-process global batch
-(per_device_train_batch_size doubled).
+student, data, steps, batch, schedule and seed (the config without its teacher settings), each into a folder under
+--work_dir, then prints the exact match of the 200 held-out strings after training for both, per seed. One process
+sees the 2-process global batch (per_device_train_batch_size doubled).
+
+--set field=value changes the config for both recipes (e.g. model_config=..., learning_rate=1e-3); distillation's own
+fields (kd_ratio, temperature, kd_loss) go to distill.py alone. --recipes distill runs one side only (to try KD
+settings against an SFT baseline already measured with the same student, steps and seed).
 """
 
 from __future__ import annotations
@@ -21,13 +25,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "recipes" / "configs" / "distill" / "demo_reverse.yaml"
 DISTILL_ONLY = ("teacher_model_name_or_path", "kd_ratio", "temperature", "kd_loss")
+LABELS = {"distill": "distilled", "sft": "plain SFT"}
 
 
-def run(recipe: str, config: Path, output_dir: Path) -> float:
+def run(recipe: str, config: Path, output_dir: Path) -> dict:
     command = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), "--config", str(config)]
     command += ["--output_dir", str(output_dir), "--report_to", "none", "--overwrite_output_dir", "true"]
     subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    return json.loads((output_dir / "eval_results.json").read_text())["exact_match_after"]
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "exact_match_after": json.loads((output_dir / "eval_results.json").read_text())["exact_match_after"],
+        "eval_loss": {row["step"]: round(row["eval_loss"], 4) for row in metrics if "eval_loss" in row},
+    }
 
 
 def main() -> None:
@@ -35,6 +44,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max_steps", type=int, default=None, help="default: the demo config's")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the demo config's seed")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="a config change (YAML value)"
+    )
+    parser.add_argument("--recipes", nargs="+", choices=("distill", "sft"), default=["distill", "sft"])
     parser.add_argument("--work_dir", default=str(REPO / "outputs" / "distill_vs_sft"))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -44,19 +58,30 @@ def main() -> None:
     values["per_device_train_batch_size"] *= 2  # one process: the demo's 2-process global batch
     if args.max_steps:
         values["max_steps"] = args.max_steps
-    configs = {}
-    for recipe in ("distill", "sft"):
-        chosen = values if recipe == "distill" else {k: v for k, v in values.items() if k not in DISTILL_ONLY}
-        configs[recipe] = work / f"{recipe}.yaml"
-        configs[recipe].write_text(yaml.safe_dump(chosen))
-    results = {recipe: run(recipe, configs[recipe], work / recipe) for recipe in ("distill", "sft")}
-    report = {"max_steps": values["max_steps"], "exact_match_after": results}
+    for change in args.set:
+        field, _, value = change.partition("=")
+        values[field] = yaml.safe_load(value)
+    results: dict[str, dict[int, dict]] = {recipe: {} for recipe in args.recipes}
+    for seed in args.seeds or [values["seed"]]:
+        for recipe in args.recipes:
+            chosen = {**values, "seed": seed}
+            if recipe == "sft":
+                chosen = {k: v for k, v in chosen.items() if k not in DISTILL_ONLY}
+            config = work / f"{recipe}_seed{seed}.yaml"
+            config.write_text(yaml.safe_dump(chosen))
+            results[recipe][seed] = run(recipe, config, work / f"{recipe}_seed{seed}")
+    report = {"max_steps": values["max_steps"], "changes": args.set, "results": results}
+    (work / "report.json").write_text(json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report))
-    else:
-        print(f"held-out exact match after {values['max_steps']} steps (200 strings, greedy):")
-        for recipe, value in results.items():
-            print(f"  {'distilled' if recipe == 'distill' else 'plain SFT'}: {value:.1%}")
+        return
+    print(
+        f"held-out exact match after {values['max_steps']} steps (200 strings, greedy){' with ' if args.set else ''}"
+        f"{', '.join(args.set)}:"
+    )
+    for recipe, by_seed in results.items():
+        figures = ", ".join(f"seed {seed}: {result['exact_match_after']:.1%}" for seed, result in by_seed.items())
+        print(f"  {LABELS[recipe]}: {figures}")
 
 
 if __name__ == "__main__":

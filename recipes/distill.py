@@ -83,6 +83,9 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
     def frozen_models(self) -> list[str]:
         return [self.teacher_model_name_or_path] if self.teacher_model_name_or_path else []
 
+    def loss_chunk_buffers(self) -> int:
+        return distillation.PEAK_CHUNK_BUFFERS if self.kd_ratio > 0 else 1
+
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         return super().resume_sensitive_fields() + ("teacher_model_name_or_path", "kd_ratio", "temperature", "kd_loss")
 

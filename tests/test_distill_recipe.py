@@ -260,3 +260,31 @@ def test_the_estimate_counts_the_teacher_sharded_and_its_output_layer_whole():
         dataclasses.replace(config, values={**config.values, "teacher_model_name_or_path": None})
     ).per_gpu()
     assert "teacher_model" not in without and without["total"] == per_gpu["total"] - per_gpu["teacher_model"]
+
+
+def test_the_estimate_counts_the_kd_losss_chunk_buffers():
+    """The KD loss holds PEAK_CHUNK_BUFFERS chunk x vocabulary fp32 tensors at its peak where cross-entropy reuses one:
+    the 8B -> 1B config's loss term against the same config at kd_ratio 0 (SFT's loss), and the prediction for
+    benchmarks/distill_loss_memory.py's shapes against its measured 3.43 GiB (128,256 vocabulary, 2 x 1,024 tokens,
+    1,024-token chunks, fp32; docs/reward-and-distillation.md)."""
+    from fsdp_recipes.tools.catalog import Catalog, model_info
+    from fsdp_recipes.tools.estimator import MODEL_SHAPES
+    from fsdp_recipes.tools.estimator.formulas import activation_bytes
+    from fsdp_recipes.tools.estimator.recipe import recipe_config
+    from fsdp_recipes.tools.estimator.workload import workload_for
+
+    catalog = Catalog()
+    config = catalog.find("distill/llama-3.1-8b_to_llama-3.2-1b")
+    script = next(recipe.path for recipe in catalog.recipes() if recipe.name == "distill")
+    student = model_info(MODEL_SHAPES / "meta-llama/Llama-3.2-1B" / "config.json")
+
+    def loss_bytes(info=student, compute_bytes=2, **changes):
+        workload = workload_for(recipe_config({**config.values, **changes}, script=script, where=config.key))
+        return activation_bytes(info, workload, compute_bytes)["logits"]
+
+    chunk = 4 * student.vocab_size * config.values["loss_chunk_size"]
+    assert distillation.PEAK_CHUNK_BUFFERS > 1
+    assert loss_bytes() - loss_bytes(kd_ratio=0.0) == (distillation.PEAK_CHUNK_BUFFERS - 1) * chunk
+    benchmark = dict(max_length=1024, per_device_train_batch_size=2, loss_chunk_size=1024)  # its student: hidden 64
+    measured = 3.43 * 2**30
+    assert loss_bytes(dataclasses.replace(student, hidden_size=64), 4, **benchmark) == pytest.approx(measured, rel=0.05)

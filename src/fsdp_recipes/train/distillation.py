@@ -29,6 +29,13 @@ from fsdp_recipes.train.losses import _logits_transform, chunked_token_losses, m
 
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
+# chunk x vocabulary fp32 tensors the loss holds at its peak, for the memory estimate: per chunk both models' logits,
+# both log-probabilities, the teacher's probabilities and their product in forward, the autograd graph of the
+# recomputed chunk in backward, besides cross-entropy's buffer. Measured (benchmarks/distill_loss_memory.py, 128,256
+# vocabulary, 2 x 1,024 tokens, kd_ratio 0.5): 3.43 GiB with 1,024-token chunks = 7.0 chunks, 0.95 GiB with 256 = 7.8
+# chunks. With kd_ratio 1 there is no cross-entropy: one chunk fewer, so 7 is then an upper bound.
+PEAK_CHUNK_BUFFERS = 7
+
 
 def kd_token_losses(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kd_loss: str, temperature: float):
     """Per-row divergence between the softened distributions of two [rows, vocabulary] fp32 logit tensors."""

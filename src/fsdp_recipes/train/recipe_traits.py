@@ -36,6 +36,11 @@ class RecipeTraits:
         (a distillation teacher), for the memory estimate."""
         return []
 
+    def loss_chunk_buffers(self) -> int:
+        """fp32 tensors of loss_chunk_size x vocabulary the chunked loss holds at its peak (the memory estimate):
+        cross-entropy reuses one; a loss comparing two models' distributions holds more."""
+        return 1
+
     def generation_footprint(self) -> tuple[int, int, bool]:
         """What one generation pass during training holds (online RL): (sequences, tokens each) in its KV cache, and
         whether the whole model is gathered on every rank for it. (0, 0, False): the recipe does not generate."""

@@ -152,8 +152,10 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) ->
         # fp32 logits, cross-entropy's fp32 log-probabilities and, in backward, their gradient (measured: 5.81 GiB
         # against 5.87 predicted, benchmarks/chunked_loss_memory.py)
         logits = 3 * FP32 * info.vocab_size * tokens
-    else:  # one chunk's fp32 logits (one reused buffer), plus the hidden states of the tokens that carry loss
-        logits = FP32 * info.vocab_size * min(workload.loss_chunk_size, tokens) + c * h * tokens
+    else:  # one chunk's fp32 logits (one reused buffer; a distillation loss holds several), plus the hidden states of
+        # the tokens that carry loss
+        chunk = FP32 * info.vocab_size * min(workload.loss_chunk_size, tokens)
+        logits = workload.loss_chunk_buffers * chunk + c * h * tokens
     checkpoint = c * h * tokens  # each layer's input, kept when its activations are recomputed
     without = info.num_layers * layer + other + logits
     with_ac = info.num_layers * checkpoint + max(layer, other + logits)

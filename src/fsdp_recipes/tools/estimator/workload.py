@@ -26,6 +26,7 @@ class Workload:
     generation_sequences: int = 0  # online RL: sequences of one generation pass (its KV cache)
     generation_tokens: int = 0  # ... and tokens each
     generation_gathers_weights: bool = False  # the whole model held on every rank for that pass
+    loss_chunk_buffers: int = 1  # chunked loss: fp32 chunk x vocabulary tensors held at its peak (distillation: 7)
 
     @property
     def tokens(self) -> int:
@@ -43,6 +44,7 @@ def workload_for(config: TrainingConfig) -> Workload:
         str(config.loss_implementation),
         int(config.loss_chunk_size),
         *config.generation_footprint(),
+        loss_chunk_buffers=int(config.loss_chunk_buffers()),
     )
 
 
