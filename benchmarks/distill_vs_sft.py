@@ -5,8 +5,9 @@
 Needs the SFT demo's model at outputs/demo_reverse/latest (the teacher; `make demo` writes it). Runs, one process each
 (no launcher), recipes/distill.py with recipes/configs/distill/demo_reverse.yaml, and recipes/sft.py with the same
 student, data, steps, batch, schedule and seed (the config without its teacher settings), each into a folder under
---work_dir, then prints the exact match of the 200 held-out strings after training for both, per seed. One process
-sees the 2-process global batch (per_device_train_batch_size doubled).
+--work_dir, then prints the exact match of the 200 held-out strings after training for both, per seed, and apart for
+the strings of up to 6 letters and the longer ones (the demo data cuts some of the longer answers to 6 letters), scored
+again from the exported folders. One process sees the 2-process global batch (per_device_train_batch_size doubled).
 
 --set field=value changes the config for both recipes (e.g. model_config=..., learning_rate=1e-3); distillation's own
 fields (kd_ratio, temperature, kd_loss) go to distill.py alone. --recipes distill runs one side only (to try KD
@@ -28,13 +29,30 @@ DISTILL_ONLY = ("teacher_model_name_or_path", "kd_ratio", "temperature", "kd_los
 LABELS = {"distill": "distilled", "sft": "plain SFT"}
 
 
-def run(recipe: str, config: Path, output_dir: Path) -> dict:
+def exact_match_by_length(folder: Path, test_file: Path, longest_short: int = 6) -> dict:
+    """Greedy exact match of the exported model on the held-out strings of at most `longest_short` letters and on the
+    longer ones (those the demo data's cut answers are about)."""
+    from grpo_demo import greedy_exact_match  # benchmarks/ is the script's folder, so on sys.path
+
+    rows = []
+    for line in test_file.read_text().splitlines():
+        user, assistant = json.loads(line)["messages"]
+        rows.append({"prompt": [user], "answer": assistant["content"]})
+    groups = {
+        f"<= {longest_short} letters": [row for row in rows if len(row["answer"]) <= longest_short],
+        f"> {longest_short} letters": [row for row in rows if len(row["answer"]) > longest_short],
+    }
+    return {name: round(greedy_exact_match(str(folder), group, 12), 4) for name, group in groups.items() if group}
+
+
+def run(recipe: str, config: Path, output_dir: Path, test_file: Path) -> dict:
     command = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), "--config", str(config)]
     command += ["--output_dir", str(output_dir), "--report_to", "none", "--overwrite_output_dir", "true"]
     subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return {
         "exact_match_after": json.loads((output_dir / "eval_results.json").read_text())["exact_match_after"],
+        "exact_match_by_length": exact_match_by_length(output_dir, test_file),
         "eval_loss": {row["step"]: round(row["eval_loss"], 4) for row in metrics if "eval_loss" in row},
     }
 
@@ -69,7 +87,8 @@ def main() -> None:
                 chosen = {k: v for k, v in chosen.items() if k not in DISTILL_ONLY}
             config = work / f"{recipe}_seed{seed}.yaml"
             config.write_text(yaml.safe_dump(chosen))
-            results[recipe][seed] = run(recipe, config, work / f"{recipe}_seed{seed}")
+            test_file = REPO / values["dataset_name"] / "test.jsonl"
+            results[recipe][seed] = run(recipe, config, work / f"{recipe}_seed{seed}", test_file)
     report = {"max_steps": values["max_steps"], "changes": args.set, "results": results}
     (work / "report.json").write_text(json.dumps(report, indent=1))
     if args.json:
@@ -82,6 +101,9 @@ def main() -> None:
     for recipe, by_seed in results.items():
         figures = ", ".join(f"seed {seed}: {result['exact_match_after']:.1%}" for seed, result in by_seed.items())
         print(f"  {LABELS[recipe]}: {figures}")
+        for group in next(iter(by_seed.values()))["exact_match_by_length"]:
+            figures = ", ".join(f"{result['exact_match_by_length'][group]:.1%}" for result in by_seed.values())
+            print(f"    strings of {group}: {figures}")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,17 @@ stops near 0.84; docs/reward-and-distillation.md). So every one of the 4,000 tra
 stored gzipped (`train.jsonl.gz`, which `datasets` reads as it is). Its `test.jsonl` is the DPO set's 200 held-out
 pairs, so the two demos' held-out figures are on the same pairs.
 
+The distillation demo's data (`--cut-out-dir`, demo/assets/reverse_cut) is the SFT demo's data as a generation budget
+would leave it: each answer longer than 6 letters is cut to its first 6 with probability 0.6 (the chat template still
+closes the turn), in the SFT format (`messages`); its `test.jsonl` is the SFT demo's 200 held-out strings, answers
+whole. Plain SFT learns to stop after 6 letters; a student distilled from the SFT demo's model learns the teacher's
+next token at each position instead, which after 6 letters of a longer string is its 7th letter
+(docs/reward-and-distillation.md).
+
 Usage::
 
     python demo/make_preference_assets.py [--source demo/assets/reverse] [--out-dir demo/assets/reverse_preferences] \
-        [--reward-out-dir demo/assets/reverse_reward]
+        [--reward-out-dir demo/assets/reverse_reward] [--cut-out-dir demo/assets/reverse_cut]
 """
 
 from __future__ import annotations
@@ -90,6 +97,19 @@ def reward_pairs(source: Path, seed: int, near_misses: int) -> list[dict]:
     return records
 
 
+def cut_answers(source: Path, seed: int, keep: int, rate: float) -> list[dict]:
+    """The chat examples of `source` in order, each answer longer than `keep` letters cut to its first `keep` with
+    probability `rate`."""
+    rng = random.Random(seed)
+    records = []
+    for line in source.read_text().splitlines():
+        user, assistant = json.loads(line)["messages"]
+        if len(assistant["content"]) > keep and rng.random() < rate:
+            assistant = {"role": "assistant", "content": assistant["content"][:keep]}
+        records.append({"messages": [user, assistant]})
+    return records
+
+
 def as_jsonl(records: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in records)
 
@@ -99,6 +119,7 @@ def main() -> None:
     parser.add_argument("--source", type=Path, default=Path(__file__).parent / "assets" / "reverse")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "assets" / "reverse_preferences")
     parser.add_argument("--reward-out-dir", type=Path, default=Path(__file__).parent / "assets" / "reverse_reward")
+    parser.add_argument("--cut-out-dir", type=Path, default=Path(__file__).parent / "assets" / "reverse_cut")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for split, seed, limit in (("train", 0, 2000), ("test", 1, 200)):
@@ -111,6 +132,14 @@ def main() -> None:
     (args.reward_out_dir / "train.jsonl.gz").write_bytes(gzip.compress(as_jsonl(records).encode(), mtime=0))
     (args.reward_out_dir / "test.jsonl").write_text((args.out_dir / "test.jsonl").read_text())
     print(f"{args.reward_out_dir / 'train.jsonl.gz'}: {len(records)} pairs; test.jsonl: the {args.out_dir.name} ones")
+    args.cut_out_dir.mkdir(parents=True, exist_ok=True)
+    records = cut_answers(args.source / "train.jsonl", seed=2, keep=6, rate=0.6)
+    (args.cut_out_dir / "train.jsonl").write_text(as_jsonl(records))
+    (args.cut_out_dir / "test.jsonl").write_text((args.source / "test.jsonl").read_text())
+    cut = sum(
+        len(r["messages"][1]["content"]) < len(r["messages"][0]["content"].removeprefix("reverse: ")) for r in records
+    )
+    print(f"{args.cut_out_dir / 'train.jsonl'}: {len(records)} examples, {cut} answers cut to 6 letters")
 
 
 if __name__ == "__main__":

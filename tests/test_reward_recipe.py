@@ -229,9 +229,10 @@ def test_exported_reward_model_scores_pairs_as_the_trained_model_did(reward_dist
     assert values["accuracy"] == results["eval_accuracy"] and values["margin"] == results["eval_margin"]
 
 
-def test_the_reward_demo_pairs_are_what_the_generator_makes_and_share_the_dpo_held_out_pairs(tmp_path, monkeypatch):
-    """demo/assets/reverse_reward (the reward demo's 32,000 pairs) rebuilds byte for byte, the DPO set beside it is
-    unchanged, and both hold out the same 200 pairs, so the two demos' held-out figures compare."""
+def test_the_demo_sets_made_from_the_reversal_data_rebuild_and_hold_out_the_right_data(tmp_path, monkeypatch):
+    """demo/assets/reverse_reward (the reward demo's 32,000 pairs) and reverse_cut (the distillation demo's answers,
+    some cut short) rebuild byte for byte, the DPO set beside them is unchanged, and the DPO and reward sets hold out
+    the same 200 pairs, so the two demos' held-out figures compare."""
     import importlib.util
     import sys
 
@@ -242,9 +243,9 @@ def test_the_reward_demo_pairs_are_what_the_generator_makes_and_share_the_dpo_he
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
     argv = ["make_preference_assets.py", "--out-dir", str(tmp_path / "dpo"), "--reward-out-dir", str(tmp_path / "rw")]
-    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "argv", argv + ["--cut-out-dir", str(tmp_path / "cut")])
     generator.main()
-    for rebuilt, shipped in (("dpo", "reverse_preferences"), ("rw", "reverse_reward")):
+    for rebuilt, shipped in (("dpo", "reverse_preferences"), ("rw", "reverse_reward"), ("cut", "reverse_cut")):
         names = sorted(path.name for path in (assets / shipped).iterdir())
         assert sorted(path.name for path in (tmp_path / rebuilt).iterdir()) == names
         for name in names:
@@ -252,6 +253,18 @@ def test_the_reward_demo_pairs_are_what_the_generator_makes_and_share_the_dpo_he
     assert (assets / "reverse_reward" / "test.jsonl").read_bytes() == (
         assets / "reverse_preferences" / "test.jsonl"
     ).read_bytes()
+
+    # the distillation demo's data: the SFT demo's prompts in order, 60% of answers over 6 letters cut to their first
+    # 6 (every other answer whole), the test split whole
+    whole, cut = (files.load_raw_dataset(str(assets / name)) for name in ("reverse", "reverse_cut"))
+    assert cut["test"]["messages"] == whole["test"]["messages"]
+    pairs_of_answers = [
+        (w[1]["content"], c[1]["content"]) for w, c in zip(whole["train"]["messages"], cut["train"]["messages"])
+    ]
+    assert [c[0] for c in cut["train"]["messages"]] == [w[0] for w in whole["train"]["messages"]]
+    shortened = [len(full) > 6 and short == full[:6] for full, short in pairs_of_answers]
+    assert all(short == full for (full, short), was_cut in zip(pairs_of_answers, shortened) if not was_cut)
+    assert sum(shortened) == 793 and 0.55 < 793 / sum(len(full) > 6 for full, _ in pairs_of_answers) < 0.65
 
     pairs = files.load_raw_dataset(str(assets / "reverse_reward"))
     assert (len(pairs["train"]), len(pairs["test"])) == (32000, 200)
