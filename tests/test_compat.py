@@ -448,3 +448,23 @@ def test_upstream_keys_on_the_command_line_say_where_they_live():
     problems = " | ".join(refused.value.problems)
     assert "--deepspeed cannot be set here" in problems and "from-deepspeed" in problems
     assert "--local_rank cannot be set here: the launcher sets each process's rank" in problems
+
+
+def test_trl_gkd_keys_off_are_noted_and_on_are_refused_naming_what_is_missing(tmp_path):
+    """A TRL GKDConfig's `lmbda: 0` / `seq_kd: false` mean what distillation here does (listed as ignored); on-policy
+    or sequence-level KD is refused with one line each, before anything loads."""
+    from fsdp_recipes.common.arguments import parse_config
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.train.config import TrainingConfig
+
+    config_file = tmp_path / "gkd.yaml"
+    config_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nlmbda: 0.0\nseq_kd: false\n")
+    config = parse_config(TrainingConfig, ["--config", str(config_file)])
+    assert config.upstream_notes["lmbda"].startswith("ignored: on-policy distillation")
+    assert config.upstream_notes["seq_kd"].startswith("ignored: sequence-level KD")
+    config_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nlmbda: 0.5\nseq_kd: true\n")
+    with pytest.raises(ConfigError) as refused:
+        parse_config(TrainingConfig, ["--config", str(config_file)])
+    problems = refused.value.problems
+    assert any(p.startswith("lmbda: 0.5 in ") and "on-policy distillation" in p and "remove it" in p for p in problems)
+    assert any(p.startswith("seq_kd: True in ") and "sequence-level KD" in p for p in problems)

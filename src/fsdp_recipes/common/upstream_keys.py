@@ -52,6 +52,16 @@ IGNORED = {
     ),
     "logging_first_step": ((True, False), "the first step's figures are always logged"),
     "disable_tqdm": ((True, False), "only the main process shows the step progress bar"),
+    "lmbda": (
+        (0,),
+        "on-policy distillation (TRL GKD's lmbda: a share of batches whose completions the student samples and the "
+        "teacher scores) is not implemented; distillation here trains on the data's completions, which is lmbda 0",
+    ),
+    "seq_kd": (
+        (False,),
+        "sequence-level KD (TRL GKD's seq_kd: training on completions the teacher generates) is not implemented; "
+        "generate them with the teacher first and train on that data",
+    ),
 }
 
 
