@@ -12,13 +12,9 @@ gradient and cross-entropy's buffers. Step time: the median of 3 steps after one
 
 from __future__ import annotations
 
-import argparse
 import json
-import resource
-import statistics
-import subprocess
-import sys
-import time
+
+import memory_harness  # benchmarks/, the script's own folder
 
 MODES = ("no_logits", "full_logits", "chunked", "torch_linear_ce")
 
@@ -63,44 +59,17 @@ def child(mode: str, args) -> dict:
         value.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(4):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"mode": mode, "peak_bytes": peak, "step_s": statistics.median(times[1:]), "loss": loss.description}
+    peak, step_s = memory_harness.peak_and_step_time(step, device)
+    return {"mode": mode, "peak_bytes": peak, "step_s": step_s, "loss": loss.description}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--vocab", type=int, default=128_256)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=1024)
-    parser.add_argument("--child")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = memory_harness.parser(__doc__, rows=4).parse_args()
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
-    passed = [a for a in sys.argv[1:] if a != "--json"]
-    results = {}
-    for mode in MODES:
-        out = subprocess.run(
-            [sys.executable, __file__, *passed, "--child", mode], capture_output=True, text=True, check=True
-        )
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    results = memory_harness.each_mode_in_a_fresh_process(__file__, MODES)
     base = results["no_logits"]["peak_bytes"]
     whole, chunked, torch_kernel = results["full_logits"], results["chunked"], results["torch_linear_ce"]
     report = {
