@@ -15,7 +15,7 @@ jsd), computed a chunk of tokens at a time from both models' hidden states so ne
 (held-out loss, optional exact match, export, card, Hub). With kd_ratio 0 it is SFT's loss exactly.
 
 Teacher logits are computed at every step, not precomputed to disk: a stored top-k would be approximate and the whole
-distribution is vocabulary x tokens of storage (docs/distillation.md).
+distribution is vocabulary x tokens of storage (docs/reward-and-distillation.md).
 
 Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: no teacher, kd_ratio
 outside [0, 1], temperature <= 0, a kd_loss that is not one of the three, a teacher whose vocabulary size or tokenizer
