@@ -35,14 +35,13 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors, yaml_json
+from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.data import classification, files, held_out
 from fsdp_recipes.models import adapters, modeling
-from fsdp_recipes.publish import hub, model_index, model_source
-from fsdp_recipes.train import classifier, compat, evaluation, losses
+from fsdp_recipes.publish import evaluation_results, hub, model_source
+from fsdp_recipes.train import classifier, evaluation, losses
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import metrics as metrics_lib
 
 
 @dataclasses.dataclass
@@ -173,19 +172,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         data = data.select(range(min(config.max_eval_samples, len(data)))) if config.max_eval_samples else data
         if task == "sequence-classification":
-            columns = dict(text_column=config.text_column, text_pair_column=config.text_pair_column)
-            classification.check_columns(data, **columns, label_column=config.label_column, name="eval")
-            label2id = {name: int(i) for i, name in model_config.id2label.items()}
-            unnamed = all(name == f"LABEL_{i}" for name, i in label2id.items())
-            labels = classification.label_ids(data, config.label_column, label2id, name="eval", ids_allowed=unnamed)
-            rows, _ = classification.tokenize(
+            rows = classification.rows_for_trained_classes(
                 data,
                 tokenizer,
-                **columns,
-                labels=labels,
+                model_config.id2label,
+                text_column=config.text_column,
+                text_pair_column=config.text_pair_column,
+                label_column=config.label_column,
                 max_length=config.max_length,
                 num_proc=config.dataset_num_proc,
-                name="eval",
             )
             return split, {"classification": rows}
         parts = {}
@@ -260,49 +255,22 @@ def main(argv: list[str] | None = None) -> None:
             names = [model_config.id2label[i] for i in range(model_config.num_labels)]
             results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], gathered, names)
 
-    # --- results: eval_results.json, the card's model-index, the tracker, the Hub ----------------------------------------
-    if config.trackers():
-        accelerator.init_trackers(
-            config=metrics_lib.numeric_fields(config_lib.config_to_dict(config), keep_text=True),
-            **compat.tracker_options(config, run.name),
-        )
-        accelerator.log(metrics_lib.numeric_fields(results), step=0)
-        accelerator.end_training()
+    # --- results: the tracker, eval_results.json, the predictions, the card's model-index, the Hub ----------------------
+    evaluation_results.log_to_trackers(accelerator, config, results, run_name=run.name)
     if accelerator.is_main_process:
-        folder, source = run.output_dir, run.source
-        folder.mkdir(parents=True, exist_ok=True)
-        yaml_json.write_json(
-            folder / "eval_results.json",
-            dict(
-                model=source.name,
-                dataset=config.dataset_name,
-                dataset_config=config.dataset_config,
-                split=split,
-                **results,
-            ),
-        )
-        if loaders:  # every example once, in dataset order, to read what the model answered
-            name = model_config.id2label.get if task == "sequence-classification" else str
-            yaml_json.write_jsonl(
-                folder / "eval_predictions.jsonl",
-                [
-                    dict(prediction=name(p), reference=name(r))
-                    for p, r in zip(gathered["predictions"], gathered["references"])
-                ],
-            )
-        card_results = model_index.eval_results(
+        source, folder = run.source, run.output_dir
+        card_results = evaluation_results.write(
+            folder,
             results,
-            task=modeling.pipeline_tag(task),
+            model=source.name,
             dataset=config.dataset_name,
             dataset_config=config.dataset_config,
             split=split,
-        )
-        model_index.update_card(
-            folder,
-            card_results,
-            model_name=run.hub_model_id or Path(source.name).name,
             pipeline_tag=modeling.pipeline_tag(task),
+            card_model_name=run.hub_model_id or Path(source.name).name,
             base_model=source.name if source.kind == "hub" else None,
+            predictions=(gathered["predictions"], gathered["references"]) if loaders else None,
+            label_name=model_config.id2label.get if task == "sequence-classification" else str,
         )
         print("results:\n" + format_table(list(results.items())))
         if config.push_to_hub:

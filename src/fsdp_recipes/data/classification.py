@@ -134,6 +134,30 @@ def tokenize(
     return tokenized.remove_columns("truncated").add_column("labels", list(labels)), stats
 
 
+def rows_for_trained_classes(
+    dataset: Dataset,
+    tokenizer,
+    id2label: dict[int, str],
+    *,
+    text_column: str,
+    text_pair_column: str | None,
+    label_column: str,
+    max_length: int,
+    num_proc: int | None = None,
+    name: str = "eval",
+) -> Dataset:
+    """Rows for a classifier that already has its classes (`id2label`, as evaluating one does): the columns checked,
+    each label read by the class's name, or as an id when the model names none (transformers' LABEL_0, ...)."""
+    columns = dict(text_column=text_column, text_pair_column=text_pair_column)
+    check_columns(dataset, **columns, label_column=label_column, name=name)
+    label2id = {label: int(index) for index, label in id2label.items()}
+    unnamed = all(label == f"LABEL_{index}" for label, index in label2id.items())
+    labels = label_ids(dataset, label_column, label2id, name=name, ids_allowed=unnamed)
+    return tokenize(dataset, tokenizer, **columns, labels=labels, max_length=max_length, num_proc=num_proc, name=name)[
+        0
+    ]
+
+
 def class_weights(labels: list[int], num_labels: int, spec: str | None) -> torch.Tensor | None:
     """The loss weight of each class: None (plain cross-entropy); "balanced": n / (classes x n_class) over the training
     labels, so every class weighs as much in total (a class absent from training gets 0); or "w0,w1,..." by id."""
