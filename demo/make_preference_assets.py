@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Preference pairs for the DPO demo, made from the SFT demo's string-reversal data (deterministic, local).
+"""The demo sets made from the SFT demo's string-reversal data: DPO and reward pairs, distillation's cut answers.
 
-Each pair answers one `reverse: ...` prompt twice: `chosen` is the reversed string, `rejected` a plausible mistake
-(two neighbouring letters swapped, one letter dropped, one repeated, or the string left as it was). Conversational
-explicit-prompt format:
+All deterministic and local. Each DPO pair answers one `reverse: ...` prompt twice: `chosen` is the reversed string,
+`rejected` a plausible mistake (two neighbouring letters swapped, one letter dropped, one repeated, or the string left
+as it was). Conversational explicit-prompt format:
 
     {"prompt": [{"role": "user", "content": "reverse: abc"}],
      "chosen": [{"role": "assistant", "content": "cba"}],
