@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- the student, the frozen teacher, optimizer, schedule --------------------------------------------------------
     model = run.load_model(**adapters.loading_options(config, accelerator))
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        )
+        modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     teacher_model = modeling.load_model(

@@ -31,7 +31,7 @@ import torch
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import files, preference, rows
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import evaluation, loop, losses, preference_losses, reference
 
@@ -164,9 +164,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = load()
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        )
+        modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     reference_mode = config.reference_mode()

@@ -34,7 +34,7 @@ import torch
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors, yaml_json
 from fsdp_recipes.data import files, prompts
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import completion_log, loop, reference, rewards, rollouts
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import online_rl_fields as online_rl
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = load()
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        )
+        modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")
     reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None

@@ -34,7 +34,7 @@ import torch
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import files, preference, rows
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import model_index
 from fsdp_recipes.train import classifier, evaluation, loop, losses, reward
 from fsdp_recipes.train import config as config_lib
@@ -141,9 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     head = classifier.head_module_names(model)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        )
+        modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: the head trained in full
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)

@@ -34,7 +34,7 @@ from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import rows
 from fsdp_recipes.distributed import logs
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import loop, losses, supervised
 
@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = run.load_model(**adapters.loading_options(config, accelerator))
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        )
+        modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
     optimizer = loop.build_optimizer(model, config)

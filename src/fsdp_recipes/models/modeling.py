@@ -394,6 +394,12 @@ def activation_checkpointing_mechanism(accelerator: Accelerator, model_gradient_
     return "model (gradient_checkpointing)" if model_gradient_checkpointing else "none"
 
 
+def checkpoint_activations(model: torch.nn.Module, options: dict | None) -> None:
+    """transformers' gradient checkpointing on `model`; `options` go to `gradient_checkpointing_enable` (None:
+    non-reentrant, which FSDP2 and frozen inputs such as LoRA's need)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options or {"use_reentrant": False})
+
+
 def count_non_embedding_parameters(model: torch.nn.Module) -> int:
     """Parameters minus the input embedding table (a lookup, not a matmul), for FLOPs per token."""
     embedding = model.get_input_embeddings().weight.numel()
