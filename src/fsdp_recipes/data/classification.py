@@ -153,9 +153,10 @@ def rows_for_trained_classes(
     label2id = {label: int(index) for index, label in id2label.items()}
     unnamed = all(label == f"LABEL_{index}" for label, index in label2id.items())
     labels = label_ids(dataset, label_column, label2id, name=name, ids_allowed=unnamed)
-    return tokenize(dataset, tokenizer, **columns, labels=labels, max_length=max_length, num_proc=num_proc, name=name)[
-        0
-    ]
+    rows, _ = tokenize(
+        dataset, tokenizer, **columns, labels=labels, max_length=max_length, num_proc=num_proc, name=name
+    )
+    return rows
 
 
 def class_weights(labels: list[int], num_labels: int, spec: str | None) -> torch.Tensor | None:
