@@ -14,6 +14,7 @@ took and fails loudly otherwise, and tests/test_distributed.py runs it under rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, TypeVar
 
@@ -55,7 +56,22 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
     else:
         accelerator = Accelerator(**accelerator_kwargs)
     refuse_degraded_launch(accelerator)
+    keep_fp32_module_outputs(accelerator)
     return accelerator
+
+
+def keep_fp32_module_outputs(accelerator: Accelerator) -> None:
+    """Under FSDP2 mixed precision accelerate asks every sharded module to cast its floating outputs to the compute
+    dtype (`MixedPrecisionPolicy.output_dtype`). Layers computing in bf16 return bf16 anyway; what the cast changes
+    is the outputs deliberately kept in fp32: the chunked loss's per-token losses, which the output layer returns,
+    would be rounded to bf16 (8 bits of mantissa) before any sum or log-ratio. torchtitan leaves output_dtype unset,
+    as this does; parameters still gather in the compute dtype and gradients still reduce in reduce_dtype."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if accelerator.distributed_type != DistributedType.FSDP or plugin.fsdp_version != 2 or policy is None:
+        return
+    if getattr(policy, "output_dtype", None) is not None:
+        plugin.mixed_precision_policy = dataclasses.replace(policy, output_dtype=None)
 
 
 def _build_cpu_fsdp2_accelerator(**accelerator_kwargs: Any) -> Accelerator:
