@@ -209,3 +209,21 @@ def test_chunked_autograd_function_is_checked_by_gradcheck():
         atol=1e-2,
         rtol=1e-2,
     )
+
+
+def test_under_regional_compilation_the_loss_is_not_recompiled_per_batch():
+    """torch_compile: accelerate's compile_regions compiles the output layer too, and the chunked loss inside it keeps
+    only the tokens with a target, a count that changes every batch. Traced, that was a new graph per count until
+    dynamo's recompile limit (seen on the GPU run, docs/gpu.md); the loss must stay out of the compiled region."""
+    from accelerate.utils import compile_regions
+
+    model = tiny_llama()
+    loss = TokenLoss(model, "chunked", chunk_size=7)
+    compiled = compile_regions(model, backend="eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt_length in (3, 5, 9):  # a different number of targets each batch
+            batch = packed_batch()
+            batch["targets"][:, :prompt_length] = IGNORE_INDEX
+            expected = TokenLoss(tiny_llama(), "full_logits").loss_sum(tiny_llama(), batch)
+            torch.testing.assert_close(loss.loss_sum(compiled, batch), expected, rtol=1e-5, atol=1e-5)

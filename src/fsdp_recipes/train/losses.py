@@ -218,6 +218,9 @@ class TokenLoss:
         """Sum of per-token cross-entropy over the batch's targets."""
         return self.token_losses(model, batch).sum()
 
+    # Kept out of torch.compile (torch_compile compiles the output layer as a region of its own): the loss keeps only
+    # the tokens with a target, a count that changes every batch, so a traced loss would be a new graph per batch.
+    @torch.compiler.disable
     def _losses(self, hidden: torch.Tensor) -> torch.Tensor:
         weight, bias = self.head.weight, getattr(self.head, "bias", None)
         if self.implementation == "liger":
