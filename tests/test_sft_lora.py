@@ -369,3 +369,20 @@ def test_qlora_on_two_ranks_trains_as_one_process_and_exports(tmp_path, pretrain
     )
     packed = [m.weight.data for m in quantised.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
     assert packed and sum(int(torch.isnan(weight).sum()) for weight in packed) > 0
+
+
+def test_a_4bit_base_counts_as_many_parameters_for_flops_as_the_unquantised_model(pretrained_tiny_model):
+    """MFU counts the weights a token meets; QLoRA's packed 4-bit storage holds several per element (the GPU run's
+    QLoRA MFU read 2.4 times too low before this, docs/gpu.md)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from fsdp_recipes.models.modeling import count_non_embedding_parameters
+
+    plain = AutoModelForCausalLM.from_pretrained(pretrained_tiny_model)
+    quantised = AutoModelForCausalLM.from_pretrained(
+        pretrained_tiny_model,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16),
+    )
+    assert sum(p.numel() for p in quantised.parameters()) < sum(p.numel() for p in plain.parameters())
+    assert count_non_embedding_parameters(quantised) == count_non_embedding_parameters(plain)

@@ -401,9 +401,16 @@ def checkpoint_activations(model: torch.nn.Module, options: dict | None) -> None
 
 
 def count_non_embedding_parameters(model: torch.nn.Module) -> int:
-    """Parameters minus the input embedding table (a lookup, not a matmul), for FLOPs per token."""
+    """Parameters minus the input embedding table (a lookup, not a matmul), for FLOPs per token. A linear layer's
+    weight counts as in_features x out_features: a 4-bit (QLoRA) weight is stored packed, two to four weights per
+    element, and counting its elements undercounted a QLoRA run's FLOPs 2.4-fold (docs/gpu.md)."""
     embedding = model.get_input_embeddings().weight.numel()
-    return sum(p.numel() for p in model.parameters()) - embedding
+    total = 0
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            is_linear_weight = isinstance(module, torch.nn.Linear) and name == "weight"
+            total += module.in_features * module.out_features if is_linear_weight else param.numel()
+    return total - embedding
 
 
 def check_tokenizer_fits_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
