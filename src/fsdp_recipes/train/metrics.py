@@ -221,7 +221,7 @@ def throughput_record(
     )
     achieved = per_device * per_token
     memory = values_of_all_ranks(accelerator, peak_memory_bytes(accelerator.device))
-    return {
+    record = {
         "tokens_per_second": tokens_per_second,
         "tokens_per_second_per_device": per_device,
         "padding_fraction": 1.0 - real_tokens / max(slots, 1.0),
@@ -232,6 +232,12 @@ def throughput_record(
         "mfu": achieved / peak_flops if peak_flops else None,
         "peak_memory_gib_per_rank": [round(m / 2**30, 4) for m in memory],
     }
+    if accelerator.device.type == "cuda":  # what tensors held, beside what the allocator kept: the estimator's measure
+        import torch
+
+        allocated = values_of_all_ranks(accelerator, int(torch.cuda.max_memory_allocated(accelerator.device)))
+        record["peak_allocated_gib_per_rank"] = [round(m / 2**30, 4) for m in allocated]
+    return record
 
 
 class StepLogger:

@@ -88,6 +88,11 @@ def render_report(report: dict[str, Any]) -> str:
             if g.get("generation")
             else []
         ),
+        *(
+            [("optimizer step (AdamW temporary; not with activations)", g["optimizer_step"])]
+            if g.get("optimizer_step")
+            else []
+        ),
     ]
     for label, value in rows:
         if value is None:
