@@ -28,10 +28,14 @@ import torch
 PROMPTS = Path(__file__).resolve().parents[1] / "demo" / "assets" / "reverse_prompts" / "test.jsonl"
 
 
+DEVICE, DTYPE = "cpu", "float32"  # --device, --dtype
+
+
 def load(folder: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, DTYPE)).to(DEVICE)
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
@@ -47,7 +51,7 @@ def greedy_exact_match(folder: str, rows: list[dict], max_new_tokens: int) -> fl
     hits = 0
     ids = prompt_ids(tokenizer, rows)
     for start in range(0, len(rows), 50):
-        batch = tokenizer.pad({"input_ids": ids[start : start + 50]}, return_tensors="pt")
+        batch = tokenizer.pad({"input_ids": ids[start : start + 50]}, return_tensors="pt").to(DEVICE)
         output = model.generate(
             **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
@@ -91,7 +95,7 @@ def generation_speed(
         tokenizer.padding_side = "left"
         tokens = 0
         for start in range(0, len(ids), batch_size):
-            batch = tokenizer.pad({"input_ids": ids[start : start + batch_size]}, return_tensors="pt")
+            batch = tokenizer.pad({"input_ids": ids[start : start + batch_size]}, return_tensors="pt").to(DEVICE)
             output = model.generate(
                 **batch, max_new_tokens=max_tokens, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id
             )
@@ -115,8 +119,10 @@ def generation_speed(
     rates: dict[str, list[float]] = {"recipe": [], "bare_generate": []}
     for _ in range(rounds):
         for name, run in (("recipe", recipe), ("bare_generate", bare)):
+            synchronize()
             started = time.perf_counter()
             tokens = run()
+            synchronize()
             rates[name].append(tokens / (time.perf_counter() - started))
     speeds = {f"{name}_tokens_per_second": statistics.median(values) for name, values in rates.items()}
     ratios = [mine / theirs for mine, theirs in zip(rates["recipe"], rates["bare_generate"])]
@@ -130,7 +136,13 @@ def generation_speed(
     return speeds
 
 
+def synchronize() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def main() -> None:
+    global DEVICE, DTYPE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the model GRPO started from")
     parser.add_argument("--after", help="the GRPO run's output_dir (without it: the generation speeds only)")
@@ -140,7 +152,10 @@ def main() -> None:
     parser.add_argument(
         "--continuous-batching", action="store_true", help="also time transformers' generate_batch (minutes on CPU)"
     )
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the models' dtype")
     args = parser.parse_args()
+    DEVICE, DTYPE = args.device, args.dtype
     torch.manual_seed(0)
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][: args.held_out]
     results = {}
