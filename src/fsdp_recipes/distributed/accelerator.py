@@ -81,6 +81,7 @@ def _build_cpu_fsdp2_accelerator(**accelerator_kwargs: Any) -> Accelerator:
             "Accelerate config with `fsdp_version: 2`; FSDP1 configs run on GPU machines only."
         )
     plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* environment
+    _offload_without_pinned_memory(plugin)
     # Accelerator() would build the HSDP ParallelismConfig from the environment and reject it for MULTI_CPU, so it is
     # hidden here and attached after the switch to FSDP (_attach_cpu_hsdp_mesh).
     hsdp_requested = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
@@ -95,6 +96,15 @@ def _build_cpu_fsdp2_accelerator(**accelerator_kwargs: Any) -> Accelerator:
     if hsdp_requested:
         _attach_cpu_hsdp_mesh(accelerator)
     return accelerator
+
+
+def _offload_without_pinned_memory(plugin: FullyShardedDataParallelPlugin) -> None:
+    """CPU offload rehearsed on CPU: FSDP2's offload policy pins the host copies, which needs an accelerator; without
+    pinning, the offload code path (parameters and gradients kept on the host, the step run there) is the same."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
 @contextlib.contextmanager
