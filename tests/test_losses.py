@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
 from fsdp_recipes.train import losses as losses_module
 from fsdp_recipes.train.losses import (
@@ -191,7 +192,7 @@ def test_a_transformation_not_recognised_up_front_is_caught_at_the_first_step():
         return output
 
     model.forward = scaled_forward.__get__(model)
-    with pytest.raises(RuntimeError, match="loss_implementation: full_logits"):
+    with pytest.raises(ConfigError, match="LlamaForCausalLM transforms the output.*loss_implementation: full_logits"):
         loss.loss_sum(model, packed_batch())
 
 

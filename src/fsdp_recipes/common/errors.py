@@ -100,13 +100,21 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
 
 
 def _report_user_error(error: UserError) -> None:
-    """`error: <message>` (once: by the main rank, or by the rank that met it alone), exit status 2."""
+    """`error: <message>` (once: by the main rank, or by the rank that met it alone), exit status 2. A progress bar
+    left open (an error met inside the loop) is closed first, so that the message starts a line of its own."""
+    _close_progress_bars()
     if is_main_rank():
         print(f"error: {error}", file=sys.stderr, flush=True)
     elif not error.reported_by_main_rank:
         print(f"error: rank {os.environ.get('RANK')}: {error}", file=sys.stderr, flush=True)
     _destroy_process_group()
     sys.exit(USER_ERROR_EXIT_CODE)
+
+
+def _close_progress_bars() -> None:
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 _PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
 
 
@@ -180,6 +181,7 @@ class TokenLoss:
         if implementation not in LOSS_IMPLEMENTATIONS:
             raise ValueError(f"loss_implementation {implementation!r} is not one of {LOSS_IMPLEMENTATIONS}")
         self.head = model.get_output_embeddings()
+        self.model_type = type(model).__name__
         self.chunk_size = chunk_size
         self._targets = self._returned = None
         reason = _logits_transform(model.config) if implementation != "full_logits" else None
@@ -231,10 +233,14 @@ class TokenLoss:
         return losses
 
     def _check_untouched(self, output: torch.Tensor) -> torch.Tensor:
+        """The model must return what its output layer returned: anything done to it after the layer (soft-capping,
+        scaling) would be done to per-token losses instead of logits. Met at the first forward, before any weight
+        changes, on every rank alike: a user error with its fix, not a crash."""
         if self.implementation in ("chunked", "linear_cross_entropy") and output is not self._returned:
-            raise RuntimeError(
-                "the model transformed the output of its output layer, so the chunked loss would be wrong for it: set "
-                "loss_implementation: full_logits (and report the model type, so it is recognised up front)"
+            raise ConfigError(
+                f"{self.model_type} transforms the output of its output layer after the layer runs, so the "
+                f"{self.implementation} loss, computed inside that layer, would be wrong for it: set "
+                "loss_implementation: full_logits (and report the model type, so that it is recognised before loading)"
             )
         return output
 
