@@ -92,3 +92,48 @@ def base_recipe_values(tiny_model_config: Path, chat_data: Path, output_dir: Pat
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch_environment_of(accelerate_config: Path, *, mixed_precision: str | None = None) -> dict[str, str]:
+    """What `accelerate launch --config_file ACCELERATE_CONFIG --num_processes 1` exports to its one process (computed
+    with the launcher's own code), plus torchrun's rank variables: a launch of one process, in this one. An HSDP mesh
+    needs 2 processes or more, so its sizes are dropped: one process is plain FSDP2 with the config's settings."""
+    import yaml as yaml_module
+
+    from fsdp_recipes.distributed.launch_checks import exported_environment
+    from helpers.launch import free_port
+
+    environment = exported_environment(accelerate_config)
+    declared = yaml_module.safe_load(accelerate_config.read_text()).get("mixed_precision", "no")
+    environment["ACCELERATE_MIXED_PRECISION"] = mixed_precision or environment.get(
+        "ACCELERATE_MIXED_PRECISION", declared
+    )
+    for key in [key for key in environment if key.startswith("PARALLELISM_CONFIG_")]:
+        del environment[key]
+    environment.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    environment.update(
+        WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    )  # fmt: skip
+    return environment
+
+
+def run_recipe_launched_here(
+    recipe: str, tmp: Path, name: str, values: dict, accelerate_config: Path, *, mixed_precision: str | None = None
+) -> None:
+    """recipes/<recipe>.py's main in this process as a 1-process `accelerate launch` of `accelerate_config` runs it:
+    its FSDP settings and mixed precision, FSDP2 over a 1-rank gloo group (so accelerate's wrapping and FSDP's
+    mixed-precision policy are what a GPU launch gets), at a cost of seconds instead of a ~15 s launch."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    os.environ.update(launch_environment_of(accelerate_config, mixed_precision=mixed_precision))
+    try:
+        run_recipe_in_process(recipe, tmp, name, values)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
