@@ -198,7 +198,7 @@ class TokenLoss:
             self.description = "whole logits"
         if self.implementation != "full_logits":
             original = self.head.forward
-            self.head.forward = lambda hidden: original(hidden) if self._targets is None else self._losses(hidden)
+            self.head.forward = lambda hidden: self._head_forward(original, hidden)
 
     def token_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token NLL, shaped like the batch's targets (0 where there is no target), in fp32."""
@@ -220,9 +220,16 @@ class TokenLoss:
         """Sum of per-token cross-entropy over the batch's targets."""
         return self.token_losses(model, batch).sum()
 
-    # Kept out of torch.compile (torch_compile compiles the output layer as a region of its own): the loss keeps only
-    # the tokens with a target, a count that changes every batch, so a traced loss would be a new graph per batch.
-    @torch.compiler.disable
+    def _head_forward(self, original, hidden: torch.Tensor) -> torch.Tensor:
+        if self._targets is None:
+            return original(hidden)
+        if torch.compiler.is_compiling():
+            # Kept out of torch.compile (torch_compile compiles the output layer as a region of its own): the loss
+            # keeps only the tokens with a target, a count that changes every batch, so a traced loss would be a new
+            # graph per batch. (A decorator would import dynamo, ~6 s, in every process, compiled or not.)
+            return torch.compiler.disable(self._losses)(hidden)
+        return self._losses(hidden)
+
     def _losses(self, hidden: torch.Tensor) -> torch.Tensor:
         weight, bias = self.head.weight, getattr(self.head, "bias", None)
         if self.implementation == "liger":
@@ -284,7 +291,7 @@ def loss_implementation_problem(implementation: str, device_type: str) -> str | 
     return None
 
 
-# ------------------------------------------------------------------------- preference (train/preference_losses.py)
+# ------------------------------------------------------------------------- preference (methods/preference/objectives.py)
 def sequence_log_probs(token_losses: torch.Tensor) -> torch.Tensor:
     """Each row's summed log-probability of its target tokens, from per-token NLL shaped [rows, width] (0 where a
     position has no target, as `TokenLoss.token_losses` returns it)."""
