@@ -10,7 +10,7 @@ RSS is a per-process high-water mark):
 - no_logits: the teacher's and the student's final hidden states only (their sums as the loss; the output layers
   still get a gradient and optimizer state): the floor every mode shares;
 - full_logits: both models' logits for the whole micro-batch in fp32, then CE and KD (what most trainers do);
-- chunked: `fsdp_recipes.train.distillation.DistillationLoss`, --chunk tokens at a time.
+- chunked: `fsdp_recipes.methods.distill.distillation.DistillationLoss`, --chunk tokens at a time.
 
 The memory attributable to the loss is a mode's peak minus no_logits' peak. Step time: the median of 3 steps after one
 warm-up step, in the same process.
@@ -31,7 +31,7 @@ def child(mode: str, args) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from fsdp_recipes.data.rows import IGNORE_INDEX
-    from fsdp_recipes.train import distillation
+    from fsdp_recipes.methods.distill import distillation
 
     torch.manual_seed(0)
     device = torch.device(args.device)

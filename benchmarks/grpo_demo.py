@@ -39,7 +39,7 @@ def load(folder: str):
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
-    from fsdp_recipes.data.prompts import tokenize_prompt
+    from fsdp_recipes.methods.grpo.prompts import tokenize_prompt
 
     return [tokenize_prompt(row["prompt"], tokenizer) for row in rows]
 
@@ -80,7 +80,7 @@ def generation_speed(
     rounds: int = 7,
     continuous_batching: bool = False,
 ) -> dict:
-    from fsdp_recipes.train import rollouts
+    from fsdp_recipes.methods.grpo import rollouts
 
     model, tokenizer = load(folder)
     ids = [p for p in prompt_ids(tokenizer, rows[:64]) for _ in range(8)]

@@ -25,9 +25,9 @@ PROMPTS = Path(__file__).resolve().parents[1] / "demo" / "assets" / "reverse_pro
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.data.prompts import tokenize_prompt
     from fsdp_recipes.distributed.accelerator import build_accelerator
-    from fsdp_recipes.train import rollouts
+    from fsdp_recipes.methods.grpo import rollouts
+    from fsdp_recipes.methods.grpo.prompts import tokenize_prompt
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)

@@ -31,11 +31,12 @@ import sys
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
-from fsdp_recipes.data import classification, files, rows
+from fsdp_recipes.data import files, rows
+from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import model_index
-from fsdp_recipes.train import classifier, evaluation, loop
 from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import evaluation, loop
 
 
 @dataclasses.dataclass
@@ -202,15 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = classifier.loss_sum(model, batch, weights)
             accelerator.backward(loss * scale)
-            loss_sum += loss.item()
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        run.fault_point(step)
+            loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
+        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         run.metrics.log_step(step, loss_sum=loss_sum, target_count=weight_total, grad_norm=grad_norm)
         run.evaluation.maybe_evaluate(step)

@@ -7,11 +7,11 @@ Top to bottom: the config; the run (accelerator, seed, every check that needs no
 the teacher's: its config and tokenizer read, no weights, its vocabulary checked against the student's); the data,
 exactly as sft.py reads it (`messages` or `prompt`/`completion` columns, loss on the tokens SFT trains, packed rows);
 the student (the model being trained) and the teacher (`teacher_model_name_or_path`: frozen, in the compute dtype,
-sharded like the student as DPO's reference copy is, `fsdp_recipes.train.reference.shard_frozen_copy`);
+sharded like the student as DPO's reference copy is, `fsdp_recipes.train.frozen_copy`);
 `accelerator.prepare`; the loop, whose loss per target token is `(1 - kd_ratio) x cross-entropy + kd_ratio x KD`,
 KD comparing the student's and teacher's distributions softened by `temperature` (`kd_loss`: forward_kl, reverse_kl or
 jsd), computed a chunk of tokens at a time from both models' hidden states so neither model's fp32 logits exist whole
-(`fsdp_recipes.train.distillation`), averaged over every target token of the global batch; and the finish as sft.py's
+(`fsdp_recipes.methods.distill.distillation`), averaged over every target token of the global batch; and the finish as sft.py's
 (held-out loss, optional exact match, export, card, Hub). With kd_ratio 0 it is SFT's loss exactly.
 
 Teacher logits are computed at every step, not precomputed to disk: a stored top-k would be approximate and the whole
@@ -33,9 +33,11 @@ import torch
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import rows
+from fsdp_recipes.methods.distill import distillation
+from fsdp_recipes.methods.sft import supervised
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import distillation, loop, losses, reference, supervised
+from fsdp_recipes.train import frozen_copy, loop, losses
 
 
 @dataclasses.dataclass
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    teacher.teacher = reference.shard_frozen_copy(accelerator, teacher_model)
+    teacher.teacher = frozen_copy.shard_frozen_copy(accelerator, teacher_model)
     teacher.gather_head()  # a collective under FSDP2: the teacher's output layer, whole on every rank
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
@@ -199,17 +201,10 @@ def main(argv: list[str] | None = None) -> None:
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = distill_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
-            loss_sum += loss.item()
+            loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
             for name, value in distill_loss.last_parts.items():
                 parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + value
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        run.fault_point(step)
+        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts)
         run.evaluation.maybe_evaluate(step)

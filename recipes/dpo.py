@@ -7,11 +7,11 @@ Top to bottom: the config; the run (accelerator, seed, every check that needs no
 data (TRL's preference formats: `prompt`/`chosen`/`rejected`, or `chosen`/`rejected` with the prompt they share;
 strings or chat turns; loss on the answers' tokens only); the policy (the model being trained: usually an SFT
 model, e.g. the folder `recipes/sft.py` exported) and the frozen reference it is compared with, one of three ways
-(`fsdp_recipes.train.reference`): the policy with its LoRA adapters off (`use_peft`), a frozen copy sharded like the policy,
+(`fsdp_recipes.methods.preference.reference`): the policy with its LoRA adapters off (`use_peft`), a frozen copy sharded like the policy,
 or values precomputed before the first step (`precompute_ref_log_probs`); `accelerator.prepare`; the loop: for a batch
 of pairs (chosen and rejected rows in one forward), the summed log-probability of each answer under the policy and the
 reference, the preference loss (`loss_type`: TRL's DPO catalogue, one loss or a weighted list, `loss_weights`; or
-SimPO/ORPO, which need no reference: none is then loaded or precomputed; `fsdp_recipes.train.preference_losses`),
+SimPO/ORPO, which need no reference: none is then loaded or precomputed; `fsdp_recipes.methods.preference.objectives`),
 averaged over every pair of the global batch; and the finish as every recipe's (export, card, Hub). Logged under TRL's names: `rewards/chosen`,
 `rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected` (and `loss/<type>`
 for each of several losses), and the same with `eval_` on held-out pairs every `eval_steps`.
@@ -30,15 +30,16 @@ import torch
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
-from fsdp_recipes.data import files, preference, rows
+from fsdp_recipes.data import files, rows
+from fsdp_recipes.methods.preference import objectives, paired, reference
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, loop, losses, preference_losses, reference
+from fsdp_recipes.train import evaluation, loop, losses
 
 
 @dataclasses.dataclass
 class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
-    """The DPO recipe's settings: the preference losses', the reference's (`train/reference.py`: beta, prompt length,
+    """The DPO recipe's settings: the preference losses', the reference's (`methods/preference/reference.py`: beta, prompt length,
     precomputed values) and those every training recipe has. Names follow TRL's DPOConfig."""
 
     output_dir: str = dataclasses.field(
@@ -59,7 +60,7 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
         default_factory=lambda: "sigmoid",  # a factory: argparse reads this field as a list, and keeps only those
         metadata={
             "help": "one loss or a list, summed with loss_weights (TRL's names). Reference-based: "
-            + ", ".join(preference_losses.NEEDS_REFERENCE)
+            + ", ".join(objectives.NEEDS_REFERENCE)
             + "; needing no reference model (none is loaded when all are): sft (chosen NLL; [sigmoid, sft] is RPO), "
             "simpo, orpo. docs/preference.md gives each formula"
         },
@@ -84,7 +85,7 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
         return 2 * self.per_device_train_batch_size  # a pair: its chosen and its rejected row
 
     def needs_reference(self) -> bool:
-        return preference_losses.needs_reference(self.loss_type)  # simpo, orpo, sft: no reference model, no pass
+        return objectives.needs_reference(self.loss_type)  # simpo, orpo, sft: no reference model, no pass
 
     def min_max_length(self) -> tuple[int, str]:
         return 2, "a pair's rows need a prompt token and an answer token predicted from it"
@@ -101,7 +102,7 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate()
-        problems += preference_losses.configuration_problems(
+        problems += objectives.configuration_problems(
             self.loss_type,
             self.loss_weights,
             beta=self.beta,
@@ -132,10 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         options = dict(
             max_length=config.max_length, max_prompt_length=config.max_prompt_length, num_proc=config.dataset_num_proc
         )
-        train_pairs, train_stats = preference.tokenize_pairs(train_raw, tokenizer, name="train", **options)
+        train_pairs, train_stats = paired.tokenize_pairs(train_raw, tokenizer, name="train", **options)
         eval_pairs = None
         if eval_raw is not None:
-            eval_pairs = preference.tokenize_pairs(eval_raw, tokenizer, name="eval", **options)[0]
+            eval_pairs = paired.tokenize_pairs(eval_raw, tokenizer, name="eval", **options)[0]
         return train_pairs, eval_pairs, train_stats
 
     train_pairs, eval_pairs, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     if run.resumed and config.reference_mode() == "precomputed":
         splits = {"train": train_pairs, "eval": eval_pairs}
         stored = run.on_every_rank(lambda: reference.read_checked(run.checkpoint, splits))
-    collate = preference.PairCollator(tokenizer.pad_token_id)
+    collate = paired.PairCollator(tokenizer.pad_token_id)
     train_loader = rows.train_dataloader(
         train_pairs,
         config,
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
 
-    objective = preference_losses.PreferenceLoss.from_config(config)
+    objective = objectives.PreferenceLoss.from_config(config)
 
     def pair_losses(model, batch, reference_log_probs):
         """Per-pair losses, rewards and components, and the policy's log-probabilities of each answer."""
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def held_out(model, batch):
         result, policy_chosen, policy_rejected = pair_losses(model, batch, references["eval"])
-        return {"loss": result.loss, **preference_losses.pair_figures(result, policy_chosen, policy_rejected)}
+        return {"loss": result.loss, **objectives.pair_figures(result, policy_chosen, policy_rejected)}
 
     evaluator = evaluation.MetricEvaluator(
         accelerator, model, in_order.get("eval"), predict=held_out, metrics={}, every=config.eval_steps
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             data=train_stats,
             loss=f"{objective.description}; token log-probs: {token_loss.description}",
             reference=f"{references['train'].description}, for {', '.join(needing)}"
-            if (needing := preference_losses.needs_reference(config.loss_type))
+            if (needing := objectives.needs_reference(config.loss_type))
             else f"none: loss_type {config.loss_type} needs no reference model and no precompute pass",
         ),
         checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)}  # kept with every checkpoint
@@ -231,23 +232,16 @@ def main(argv: list[str] | None = None) -> None:
     bar = run.progress_bar(first_step)
     for step in range(first_step, total_steps + 1):
         micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
-        pair_count = run.sum_over_ranks(sum(preference.count_pairs(batch) for batch in micro_batches))
+        pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)
         loss_sum, figures = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             result, policy_chosen, policy_rejected = pair_losses(model, batch, references["train"])
             accelerator.backward(result.loss.sum() * scale)
-            loss_sum += result.loss.sum().item()
-            for name, value in preference_losses.pair_figures(result, policy_chosen, policy_rejected).items():
-                figures[name] = figures.get(name, 0.0) + value.sum().item()
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        run.fault_point(step)
+            loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
+            for name, value in objectives.pair_figures(result, policy_chosen, policy_rejected).items():
+                figures[name] = figures.get(name, 0.0) + value.sum().detach()
+        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         run.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
         run.evaluation.maybe_evaluate(step)

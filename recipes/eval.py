@@ -37,11 +37,12 @@ from pathlib import Path
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.common.tables import format_table
-from fsdp_recipes.data import classification, files, held_out
+from fsdp_recipes.data import files, held_out
+from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import evaluation_results, hub, model_source
-from fsdp_recipes.train import classifier, evaluation, losses
 from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import evaluation, losses
 
 
 @dataclasses.dataclass

@@ -6,12 +6,12 @@
 Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
 data (TRL's KTO format: `prompt`, `completion`, `label` true/false, strings or chat turns; preference pairs are
 unpaired, the run summary says so; each example also gets a KL row, its prompt with another example's completion:
-`fsdp_recipes.data.unpaired`); the policy and the frozen reference, one of three ways as in recipes/dpo.py (the policy
+`fsdp_recipes.methods.preference.unpaired`); the policy and the frozen reference, one of three ways as in recipes/dpo.py (the policy
 with its LoRA adapters off, a frozen copy sharded like the policy, or values precomputed before the first step:
-`fsdp_recipes.train.reference`); `accelerator.prepare`; the loop: for each optimizer step, first (no gradients) the
+`fsdp_recipes.methods.preference.reference`); `accelerator.prepare`; the loop: for each optimizer step, first (no gradients) the
 reference's log-probabilities of every row and the policy's of the KL rows, whose mean log-ratio over the global batch
 is the KL estimate; then for each micro-batch the policy's log-probability of each example's completion, the KTO loss
-(`loss_type` kto or apo_zero_unpaired, `beta`, `desirable_weight`, `undesirable_weight`: `fsdp_recipes.train.kto`),
+(`loss_type` kto or apo_zero_unpaired, `beta`, `desirable_weight`, `undesirable_weight`: `fsdp_recipes.methods.preference.kto`),
 averaged over every example of the global batch, backward; step; and the finish as every recipe's (export, card, Hub).
 Logged under TRL's names: `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `logps/chosen`, `logps/rejected`
 (means over the good, or the bad, answers), `kl`, and the same with `eval_` on held-out examples every `eval_steps`.
@@ -32,15 +32,16 @@ import torch
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
-from fsdp_recipes.data import files, rows, unpaired
+from fsdp_recipes.data import files, rows
+from fsdp_recipes.methods.preference import kto, reference, unpaired
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import kto, loop, losses, reference
+from fsdp_recipes.train import loop, losses
 
 
 @dataclasses.dataclass
 class KTOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
-    """The KTO recipe's settings: its loss's, the reference's (`train/reference.py`: beta, prompt length, precomputed
+    """The KTO recipe's settings: its loss's, the reference's (`methods/preference/reference.py`: beta, prompt length, precomputed
     values) and those every training recipe has. Names follow TRL's KTOConfig."""
 
     output_dir: str = dataclasses.field(
@@ -191,18 +192,11 @@ def main(argv: list[str] | None = None) -> None:
             policy = losses.sequence_log_probs(token_loss.token_losses(model, kto.example_rows(batch)))
             result = objective(policy, reference_values_of_examples, batch["label"], kl)
             accelerator.backward(result.loss.sum() * scale)
-            loss_sum += result.loss.sum().item()
+            loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             sums = kto.figure_sums(result, policy, batch["label"], examples=examples, desirable=desirable)
             for name, value in sums.items():
                 figures[name] = figures.get(name, 0.0) + value
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        run.fault_point(step)
+        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         run.metrics.log_step(step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, sums=figures, kl=kl)
         run.evaluation.maybe_evaluate(step)

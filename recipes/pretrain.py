@@ -221,15 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
-            loss_sum += loss.item()
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        run.fault_point(step)
+            loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
+        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
         run.evaluation.maybe_evaluate(step)

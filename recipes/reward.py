@@ -33,11 +33,14 @@ import torch
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
-from fsdp_recipes.data import files, preference, rows
+from fsdp_recipes.data import files, rows
+from fsdp_recipes.methods.classify import classifier
+from fsdp_recipes.methods.preference import paired
+from fsdp_recipes.methods.reward import reward_model
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import model_index
-from fsdp_recipes.train import classifier, evaluation, loop, losses, reward
 from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import evaluation, loop, losses
 
 
 @dataclasses.dataclass
@@ -106,21 +109,21 @@ def main(argv: list[str] | None = None) -> None:
         options = dict(
             max_length=config.max_length, max_prompt_length=config.max_prompt_length, num_proc=config.dataset_num_proc
         )
-        train_pairs, stats = preference.tokenize_pairs(train_raw, tokenizer, name="train", **options)
-        train_pairs, stats["margin_column"] = reward.add_margins(train_pairs, train_raw, name="train")
+        train_pairs, stats = paired.tokenize_pairs(train_raw, tokenizer, name="train", **options)
+        train_pairs, stats["margin_column"] = reward_model.add_margins(train_pairs, train_raw, name="train")
         eval_pairs = split = None
         if eval_raw is not None:
-            eval_pairs = preference.tokenize_pairs(eval_raw, tokenizer, name="eval", **options)[0]
-            eval_pairs = reward.add_margins(eval_pairs, eval_raw, name="eval")[0]
+            eval_pairs = paired.tokenize_pairs(eval_raw, tokenizer, name="eval", **options)[0]
+            eval_pairs = reward_model.add_margins(eval_pairs, eval_raw, name="eval")[0]
             split = config.dataset_test_split if config.dataset_test_split in raw else "train (held out)"
         return train_pairs, eval_pairs, split, stats
 
     train_pairs, eval_pairs, eval_split, train_stats = run.on_every_rank(prepare_data, main_process_first=True)
-    reward.check_head(
+    reward_model.check_head(
         run.model_config, ignore_mismatched_sizes=config.ignore_mismatched_sizes, source=config.model_name_or_path
     )
-    reward.configure(run.model_config, pad_token_id=tokenizer.pad_token_id)
-    collate = reward.RewardCollator(tokenizer.pad_token_id)
+    reward_model.configure(run.model_config, pad_token_id=tokenizer.pad_token_id)
+    collate = reward_model.RewardCollator(tokenizer.pad_token_id)
     train_loader = rows.train_dataloader(
         train_pairs,
         config,
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     evaluator = evaluation.MetricEvaluator(
-        accelerator, model, eval_loader, predict=reward.make_predict(center), metrics={}, every=config.eval_steps
+        accelerator, model, eval_loader, predict=reward_model.make_predict(center), metrics={}, every=config.eval_steps
     )
     batches, first_step = run.begin(
         model,
@@ -172,26 +175,19 @@ def main(argv: list[str] | None = None) -> None:
     bar = run.progress_bar(first_step)
     for step in range(first_step, total_steps + 1):
         micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
-        pair_count = run.sum_over_ranks(sum(preference.count_pairs(batch) for batch in micro_batches))
+        pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)  # a rank's share of the global mean over pairs
         loss_sum, figures = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
-            chosen, rejected = reward.rewards(model, batch)
-            pair_loss = reward.bradley_terry_losses(
+            chosen, rejected = reward_model.rewards(model, batch)
+            pair_loss = reward_model.bradley_terry_losses(
                 chosen, rejected, margin=batch["margin"], center_rewards_coefficient=center
             )
             accelerator.backward(pair_loss.sum() * scale)
-            loss_sum += pair_loss.sum().item()
-            for name, value in reward.metric_sums(chosen, rejected).items():
+            loss_sum += pair_loss.sum().detach()  # on the device: no host sync per micro-batch
+            for name, value in reward_model.metric_sums(chosen, rejected).items():
                 figures[name] = figures.get(name, 0.0) + value
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        run.fault_point(step)
+        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         run.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
         run.evaluation.maybe_evaluate(step)

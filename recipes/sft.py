@@ -34,14 +34,15 @@ from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, errors
 from fsdp_recipes.data import rows
 from fsdp_recipes.distributed import logs
+from fsdp_recipes.methods.sft import supervised
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import loop, losses, supervised
+from fsdp_recipes.train import loop, losses
 
 
 @dataclasses.dataclass
 class SFTConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
-    """The SFT recipe's settings: the supervised data's (`train/supervised.py`: packing, loss masks, the exact-match
+    """The SFT recipe's settings: the supervised data's (`methods/sft/supervised.py`: packing, loss masks, the exact-match
     check) and those every training recipe has. Field names follow TRL's SFTConfig."""
 
     output_dir: str = dataclasses.field(
@@ -108,15 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
-            loss_sum += loss.item()
-        grad_norm = (
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm) if config.max_grad_norm else None
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        run.fault_point(step)
+            loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
+        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
         run.evaluation.maybe_evaluate(step)

@@ -572,7 +572,7 @@ def test_a_classifier_max_length_counts_the_tokenizers_special_tokens(given):
     from datasets import Dataset
 
     from fsdp_recipes.common.errors import DataError
-    from fsdp_recipes.data import classification
+    from fsdp_recipes.methods.classify import classification
 
     class AddsClsAndSep:  # a BERT-like tokenizer: [CLS] text [SEP]
         def num_special_tokens_to_add(self, pair=False):

@@ -15,8 +15,7 @@ from datasets import ClassLabel, Dataset, Features
 from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, classify_values
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError, DataError
-from fsdp_recipes.data import classification
-from fsdp_recipes.train import classifier
+from fsdp_recipes.methods.classify import classification, classifier
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.recipes import load_recipe, read_metrics, recipe_config, recipe_error_in_process
 

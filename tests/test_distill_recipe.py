@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fixtures.reward_distill import DISTILL_STEPS, distill_values
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
-from fsdp_recipes.train import distillation, losses
+from fsdp_recipes.methods.distill import distillation
+from fsdp_recipes.train import losses
 from helpers.recipes import read_metrics, recipe_error_in_process
 
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from fixtures.dpo import DPO_STEPS, dpo_values, run_dpo
 from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
-from fsdp_recipes.data import preference
-from fsdp_recipes.train import losses, preference_losses
+from fsdp_recipes.methods.preference import objectives, paired
+from fsdp_recipes.train import losses
 from helpers.launch import alongside
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 
@@ -93,7 +93,7 @@ def test_two_ranks_with_a_sharded_reference_equal_one_process_with_precomputed_v
 def test_values_precomputed_on_two_ranks_are_one_process_values(dpo_launches, one_process_precomputed):
     """Each rank computes its share of the pairs; gathered, every pair's values are the ones one process computes, and
     training on them gives the losses of one process and of the live reference."""
-    from fsdp_recipes.train import reference
+    from fsdp_recipes.methods.preference import reference
 
     two_ranks = dpo_launches["precomputed"]
     tables = [reference.read_tables(run) for run in (two_ranks, one_process_precomputed)]  # output_dir holds them too
@@ -318,8 +318,8 @@ def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, 
     data = Dataset.from_dict(
         {"prompt": ["reverse: abc", "reverse: hello"], "chosen": ["cba", "olleh"], "rejected": ["bca", "hello"]}
     )
-    pairs, _ = preference.tokenize_pairs(data, tokenizer, max_length=64)
-    batch = preference.PairCollator(tokenizer.pad_token_id)(list(pairs))
+    pairs, _ = paired.tokenize_pairs(data, tokenizer, max_length=64)
+    batch = paired.PairCollator(tokenizer.pad_token_id)(list(pairs))
     policy = AutoModelForCausalLM.from_pretrained(pretrained_tiny_model, dtype=torch.float32)
     token_loss = losses.TokenLoss(policy)
     with torch.no_grad():
@@ -340,7 +340,7 @@ def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, 
     lengths = (targets != losses.IGNORE_INDEX).sum(1).chunk(2)
 
     def loss(loss_type, **options):
-        objective = preference_losses.PreferenceLoss((loss_type,), (1.0,), beta, **options)
+        objective = objectives.PreferenceLoss((loss_type,), (1.0,), beta, **options)
         return objective(pc, pr, rc, rr, *lengths)
 
     sigmoid = loss("sigmoid", label_smoothing=0.1)
@@ -352,6 +352,6 @@ def test_the_loss_of_a_batch_is_the_formula_on_independent_log_probs(tokenizer, 
     torch.testing.assert_close(loss("hinge").loss, torch.clamp(1 - beta * h, min=0))
     ipo = loss("ipo").loss
     torch.testing.assert_close(ipo, ((pc - rc) / lengths[0] - (pr - rr) / lengths[1] - 1 / (2 * beta)) ** 2)
-    same = preference_losses.PreferenceLoss(("sigmoid",), (1.0,), beta)(pc, pr, pc, pr, *lengths)
+    same = objectives.PreferenceLoss(("sigmoid",), (1.0,), beta)(pc, pr, pc, pr, *lengths)
     assert torch.equal(same.loss, torch.full((2,), math.log(2)))
     assert not same.chosen_rewards.any() and not same.rejected_rewards.any()

@@ -37,7 +37,7 @@ def _generation_worker(rank: int, model_dir: str, port: int, out_dir: str) -> No
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.train import rollouts
+    from fsdp_recipes.methods.grpo import rollouts
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -1,4 +1,4 @@
-"""The GRPO objective (fsdp_recipes.train.policy_gradient) and the reward functions (fsdp_recipes.train.rewards)
+"""The GRPO objective (fsdp_recipes.methods.grpo.policy_gradient) and the reward functions (fsdp_recipes.methods.grpo.rewards)
 against direct computations; no processes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fsdp_recipes.common.errors import ConfigError, DataError
-from fsdp_recipes.train import policy_gradient as pg
-from fsdp_recipes.train import rewards, rollouts
+from fsdp_recipes.methods.grpo import policy_gradient as pg
+from fsdp_recipes.methods.grpo import rewards, rollouts
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 3.0, 4.0, 1.0])
 

@@ -1,4 +1,4 @@
-"""KTO's in-process pieces (data/unpaired.py, train/kto.py, recipes/kto.py's checks): TRL's KTO format and paired
+"""KTO's in-process pieces (methods/preference/unpaired.py, methods/preference/kto.py, recipes/kto.py's checks): TRL's KTO format and paired
 data unpaired, the fixed mismatched rows of the KL estimate, the loss and the KL estimate against their formulas, the
 per-class figures, and bad input refused before loading. The recipe's launches are in tests/test_preference_runs.py."""
 
@@ -14,9 +14,9 @@ from test_losses import tiny_llama
 
 from fixtures.dpo import dpo_values
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import unpaired
 from fsdp_recipes.data.rows import IGNORE_INDEX
-from fsdp_recipes.train import kto, losses
+from fsdp_recipes.methods.preference import kto, unpaired
+from fsdp_recipes.train import losses
 from helpers.recipes import recipe_error_in_process
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fsdp_recipes"
-LAYERS = ["common", "distributed", "data", "models", "train", "publish", "run", "tools"]
+LAYERS = ["common", "distributed", "data", "models", "train", "methods", "publish", "run", "tools"]
+# A method's package (methods/<method>/) may use another method only where declared here: reward models train on
+# preference pairs (methods/preference/paired.py). Everything else a method needs is in the generic layers below it.
+METHOD_DEPENDENCIES = {"reward": {"preference"}}
 # The one import upwards: a run prints the estimator's prediction beside the bytes its ranks measure.
 ALLOWED_UPWARDS = {("fsdp_recipes.run.runs", "fsdp_recipes.tools.estimator")}
 MAX_LINES = 450
@@ -71,6 +74,20 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+def undeclared_method_imports(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, imports in sorted(graph.items()):
+        if not module.startswith("fsdp_recipes.methods."):
+            continue
+        method = module.split(".")[2]
+        for imported in sorted(imports):
+            if imported.startswith("fsdp_recipes.methods."):
+                other = imported.split(".")[2]
+                if other != method and other not in METHOD_DEPENDENCIES.get(method, set()):
+                    problems.append(f"{module} (method {method}) imports {imported} (method {other}), undeclared")
+    return problems
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Every import cycle, each once (Tarjan's strongly connected components of more than one module)."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
@@ -113,6 +130,18 @@ def test_no_module_imports_a_layer_above_its_own():
     assert layering_violations(GRAPH) == []
 
 
+def test_a_method_uses_another_only_where_declared():
+    assert undeclared_method_imports(GRAPH) == []
+
+
+def test_methods_live_in_packages_of_their_own_and_the_generic_layers_know_none():
+    """`train/` and `data/` know no method (the layer order forbids the import; this names what each package holds),
+    and every module under methods/ is in a method's package."""
+    methods = {module.split(".")[2] for module in GRAPH if module.startswith("fsdp_recipes.methods.")}
+    assert methods == {"sft", "preference", "reward", "classify", "distill", "grpo"}
+    assert [path.name for path in (PACKAGE / "methods").glob("*.py")] == ["__init__.py"]
+
+
 def test_no_import_cycles():
     assert cycles(GRAPH) == []
 
@@ -137,3 +166,18 @@ def test_the_checks_catch_a_back_import_and_a_cycle(tmp_path):
         "fsdp_recipes.common.errors (layer common) imports fsdp_recipes.train.loop (layer train, above it)"
     ]
     assert cycles(graph) == [["fsdp_recipes.common.errors", "fsdp_recipes.train.loop", "fsdp_recipes.train.other"]]
+
+
+def test_the_check_catches_an_undeclared_import_between_methods(tmp_path):
+    package = tmp_path / "fsdp_recipes"
+    for folder in ("methods", "methods/grpo", "methods/sft", "methods/reward", "methods/preference"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "methods" / "sft" / "data.py").write_text("")
+    (package / "methods" / "preference" / "paired.py").write_text("")
+    (package / "methods" / "grpo" / "rollouts.py").write_text("from fsdp_recipes.methods.sft import data\n")
+    (package / "methods" / "reward" / "model.py").write_text("from fsdp_recipes.methods.preference import paired\n")
+    assert undeclared_method_imports(import_graph(package)) == [
+        "fsdp_recipes.methods.grpo.rollouts (method grpo) imports fsdp_recipes.methods.sft.data (method sft), undeclared"
+    ]

@@ -12,8 +12,8 @@ from datasets import Dataset
 from test_losses import tiny_llama
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import preference
 from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.methods.preference import paired
 from fsdp_recipes.train import losses
 
 
@@ -25,7 +25,7 @@ def split(tokenizer, columns: dict, **options) -> list[tuple[str, str, str, str]
     """Each pair as the decoded (chosen prompt, chosen answer, rejected prompt, rejected answer): the prompt is what
     carries no target, the answer what does (targets are shifted, so the trained tokens are the targets)."""
     options.setdefault("max_length", 128)
-    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, **options)
+    pairs, _ = paired.tokenize_pairs(Dataset.from_dict(columns), tokenizer, **options)
     decoded = []
     for pair in pairs:
         sides = []
@@ -40,12 +40,12 @@ def split(tokenizer, columns: dict, **options) -> list[tuple[str, str, str, str]
 
 # ------------------------------------------------------------------------------------------------ formats
 def test_formats_are_recognised_by_their_columns():
-    assert preference.detect_format(["prompt", "chosen", "rejected", "score"]) == "explicit"
-    assert preference.detect_format(["rejected", "chosen"]) == "implicit"
+    assert paired.detect_format(["prompt", "chosen", "rejected", "score"]) == "explicit"
+    assert paired.detect_format(["rejected", "chosen"]) == "implicit"
     with pytest.raises(DataError, match=r"columns \['completion', 'prompt'\].*'prompt', 'chosen' and 'rejected'"):
-        preference.detect_format(["prompt", "completion"])
+        paired.detect_format(["prompt", "completion"])
     with pytest.raises(DataError, match=r"columns \['chosen'\]"):
-        preference.detect_format(["chosen"])
+        paired.detect_format(["chosen"])
 
 
 def test_explicit_strings_keep_the_prompt_out_of_the_loss_and_end_answers_with_eos(tokenizer):
@@ -82,7 +82,7 @@ def test_implicit_conversations_share_their_leading_turns_as_the_prompt(tokenize
 
 
 def test_pairs_are_numbered_and_counted(tokenizer):
-    pairs, stats = preference.tokenize_pairs(
+    pairs, stats = paired.tokenize_pairs(
         Dataset.from_dict({"prompt": ["p: ", "pp: "], "chosen": ["a", "bb"], "rejected": ["c", "d"]}),
         tokenizer,
         max_length=64,
@@ -115,16 +115,16 @@ def test_an_answer_with_nothing_left_after_truncation_names_its_pair_and_the_fix
         match=r"pair 2 of the eval split: its chosen answer has no token left after "
         r"truncation to max_length=12\. Raise max_length, set \(or lower\) max_prompt",
     ):
-        preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=12, name="eval")
+        paired.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=12, name="eval")
 
 
 def test_an_empty_answer_names_its_pair(tokenizer):
     columns = {"prompt": ["p: ", "q: "], "chosen": ["a", "b"], "rejected": ["c", ""]}
     with pytest.raises(DataError, match=r"pair 1 of the train split: 'rejected' is empty.*Fix or remove that pair"):
-        preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+        paired.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
     implicit = {"chosen": ["reverse: ab => ba"], "rejected": ["reverse: ab => ba and more"]}  # chosen is a prefix
     with pytest.raises(DataError, match=r"pair 0 of the train split: 'chosen' is empty"):
-        preference.tokenize_pairs(Dataset.from_dict(implicit), tokenizer, max_length=64)
+        paired.tokenize_pairs(Dataset.from_dict(implicit), tokenizer, max_length=64)
 
 
 def test_a_template_that_does_not_extend_the_prompt_is_refused_with_a_fix_for_dpo(tokenizer):
@@ -141,7 +141,7 @@ def test_a_template_that_does_not_extend_the_prompt_is_refused_with_a_fix_for_dp
         "rejected": [[turn("assistant", "ab")]],
     }
     with pytest.raises(DataError) as error:
-        preference.tokenize_pairs(Dataset.from_dict(columns), marking, max_length=64)
+        paired.tokenize_pairs(Dataset.from_dict(columns), marking, max_length=64)
     message = str(error.value)
     assert message.startswith("pair 0 of the train split: the chat template")
     assert "chat_template" in message and "assistant_only_loss" not in message  # no SFT option to point at
@@ -151,19 +151,19 @@ def test_a_template_that_does_not_extend_the_prompt_is_refused_with_a_fix_for_dp
 def test_a_pair_is_keyed_by_its_content_not_its_position(tokenizer):
     """Precomputed reference values are found by this key: the same pair anywhere has it, an edited one does not."""
     columns = {"prompt": ["p: ", "q: ", "p: "], "chosen": ["ab", "c", "ab"], "rejected": ["x", "yz", "xy"]}
-    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
-    moved, _ = preference.tokenize_pairs(
+    pairs, _ = paired.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+    moved, _ = paired.tokenize_pairs(
         Dataset.from_dict({k: v[::-1] for k, v in columns.items()}), tokenizer, max_length=64
     )
     assert len(set(pairs["key"])) == 3 and sorted(pairs["key"]) == sorted(moved["key"])
-    batch = preference.PairCollator(tokenizer.pad_token_id)([pairs[1], pairs[0]])
+    batch = paired.PairCollator(tokenizer.pad_token_id)([pairs[1], pairs[0]])
     assert batch["pair_key"].tolist() == [pairs[1]["key"], pairs[0]["key"]]
 
 
 def test_a_batch_of_pairs_is_the_chosen_rows_then_the_rejected_rows(tokenizer):
     columns = {"prompt": ["p: ", "long prompt: ", "q: "], "chosen": ["ab", "c", "defg"], "rejected": ["x", "yz", "w"]}
-    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
-    batch = preference.PairCollator(tokenizer.pad_token_id)([pairs[2], pairs[0], pairs[1]])
+    pairs, _ = paired.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+    batch = paired.PairCollator(tokenizer.pad_token_id)([pairs[2], pairs[0], pairs[1]])
     assert batch["pair_index"].tolist() == [2, 0, 1]  # dataset positions of the pairs, in batch order
     width = max(len(pairs[i][f"{side}_input_ids"]) for i in range(3) for side in ("chosen", "rejected"))
     assert batch["input_ids"].shape == batch["targets"].shape == batch["position_ids"].shape == (6, width)
@@ -190,8 +190,8 @@ def test_summed_log_probs_equal_log_softmax_and_gather_on_whole_logits(tokenizer
         "chosen": ["cba", "olleh"],
         "rejected": ["bca", "hello"],
     }
-    pairs, _ = preference.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
-    batch = preference.PairCollator(tokenizer.pad_token_id)(list(pairs))
+    pairs, _ = paired.tokenize_pairs(Dataset.from_dict(columns), tokenizer, max_length=64)
+    batch = paired.PairCollator(tokenizer.pad_token_id)(list(pairs))
     model = tiny_llama(vocab_size=len(tokenizer))
     with torch.no_grad():
         summed = losses.sequence_log_probs(losses.TokenLoss(model, chunk_size=7).token_losses(model, batch))

@@ -1,4 +1,4 @@
-"""Preference losses (fsdp_recipes.train.preference_losses) against their formulas written out in plain Python on fixed
+"""Preference losses (fsdp_recipes.methods.preference.objectives) against their formulas written out in plain Python on fixed
 numbers: every DPO loss type of TRL's catalogue, SimPO and ORPO, weighted combinations, the values at the first step
 (policy = reference), the figures logged, and the configuration checks. In-process, well under a second in all."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fsdp_recipes.train import preference_losses as pl
+from fsdp_recipes.methods.preference import objectives as pl
 
 # Three pairs: summed completion log-probabilities of policy and reference, and each answer's completion tokens.
 PC, PR = [-5.0, -3.0, -12.0], [-8.5, -2.0, -9.0]

@@ -47,7 +47,7 @@ def test_kto_with_a_sharded_copy_on_two_ranks_equals_one_process_with_precompute
     """The 2-process run computes the reference with a frozen copy sharded like the policy; the 1-process twin
     precomputes both rows of every example (its completion and its KL row) before the first step, by content. Losses
     and every figure (the KL estimate included) agree."""
-    from fsdp_recipes.train import reference
+    from fsdp_recipes.methods.preference import reference
 
     two, one = preference_runs["kto_two"], preference_runs["kto_one"]
     first = step_records(two)[1]

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from fixtures.reward_distill import REWARD_STEPS, reward_one_values, reward_values
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
-from fsdp_recipes.data import preference
-from fsdp_recipes.train import reward
+from fsdp_recipes.methods.preference import paired
+from fsdp_recipes.methods.reward import reward_model
 from helpers.data import write_jsonl
 from helpers.paths import REPO, TOKENIZER
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
@@ -34,19 +34,19 @@ def test_bradley_terry_loss_and_accuracy_equal_a_direct_computation():
     chosen = torch.tensor([2.0, -1.0, 0.5, 3.0])
     rejected = torch.tensor([1.0, 0.5, 0.5, -2.0])
     margin = torch.tensor([0.0, 0.5, 1.0, 2.0])
-    got = reward.bradley_terry_losses(chosen, rejected, margin=margin, center_rewards_coefficient=0.1)
+    got = reward_model.bradley_terry_losses(chosen, rejected, margin=margin, center_rewards_coefficient=0.1)
     expected = [
         math.log1p(math.exp(-(c - r - m))) + 0.1 * (c + r) ** 2
         for c, r, m in zip(chosen.tolist(), rejected.tolist(), margin.tolist())
     ]
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-6, atol=1e-7)
-    plain = reward.bradley_terry_losses(chosen, rejected)
+    plain = reward_model.bradley_terry_losses(chosen, rejected)
     torch.testing.assert_close(plain, -torch.log(torch.sigmoid(chosen - rejected)))
-    sums = reward.metric_sums(chosen, rejected)
+    sums = reward_model.metric_sums(chosen, rejected)
     assert sums["accuracy"] == 2.0  # the tie (0.5, 0.5) is not a win
     assert sums["margin"] == pytest.approx(1.0 - 1.5 + 0.0 + 5.0)
     # a large negative difference stays finite (log-sigmoid, not log of a sigmoid that underflows)
-    assert torch.isfinite(reward.bradley_terry_losses(torch.tensor([-200.0]), torch.tensor([200.0]))).all()
+    assert torch.isfinite(reward_model.bradley_terry_losses(torch.tensor([-200.0]), torch.tensor([200.0]))).all()
 
 
 def test_collator_masks_padding_and_the_model_pools_each_rows_last_real_token(tokenizer, tiny_model_config):
@@ -59,30 +59,30 @@ def test_collator_masks_padding_and_the_model_pools_each_rows_last_real_token(to
             {"prompt": "reverse: abcdefg", "chosen": "gfedcba", "rejected": "gfedcab", "margin": 0.0},
         ]
     )
-    pairs, _ = preference.tokenize_pairs(pairs_raw, tokenizer, max_length=48)
-    pairs, has_margin = reward.add_margins(pairs, pairs_raw, name="train")
+    pairs, _ = paired.tokenize_pairs(pairs_raw, tokenizer, max_length=48)
+    pairs, has_margin = reward_model.add_margins(pairs, pairs_raw, name="train")
     assert has_margin
-    collate = reward.RewardCollator(tokenizer.pad_token_id)
+    collate = reward_model.RewardCollator(tokenizer.pad_token_id)
     batch = collate([pairs[0], pairs[1]])
     assert batch["margin"].tolist() == [1.0, 0.0]
     assert batch["attention_mask"].sum(1).tolist() == batch["real_tokens"].tolist()
     config = AutoConfig.from_pretrained(tiny_model_config)
-    reward.configure(config, pad_token_id=tokenizer.pad_token_id)
+    reward_model.configure(config, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config).eval()
     with torch.no_grad():
-        together = torch.cat(reward.rewards(model, batch))
-        alone = [torch.cat(reward.rewards(model, collate([pair]))) for pair in (pairs[0], pairs[1])]
+        together = torch.cat(reward_model.rewards(model, batch))
+        alone = [torch.cat(reward_model.rewards(model, collate([pair]))) for pair in (pairs[0], pairs[1])]
     torch.testing.assert_close(together, torch.stack([alone[0][0], alone[1][0], alone[0][1], alone[1][1]]))
 
 
 def test_margins_must_be_finite_numbers():
     pairs = Dataset.from_dict({"index": [0, 1]})
     with pytest.raises(DataError, match="pair 1 of the train split: its 'margin' is nan"):
-        reward.add_margins(pairs, Dataset.from_dict({"margin": [1.0, float("nan")]}), name="train")
+        reward_model.add_margins(pairs, Dataset.from_dict({"margin": [1.0, float("nan")]}), name="train")
     with pytest.raises(DataError, match="pair 0 of the eval split: its 'margin' is 'big'"):
-        reward.add_margins(pairs, Dataset.from_dict({"margin": ["big", "1"]}), name="eval")
-    added, present = reward.add_margins(pairs, Dataset.from_dict({"other": [1, 2]}), name="train")
+        reward_model.add_margins(pairs, Dataset.from_dict({"margin": ["big", "1"]}), name="eval")
+    added, present = reward_model.add_margins(pairs, Dataset.from_dict({"other": [1, 2]}), name="train")
     assert not present and added["margin"] == [0.0, 0.0]
 
 
@@ -92,10 +92,10 @@ def test_a_classifier_base_with_another_number_of_labels_is_refused_with_the_fix
     config = AutoConfig.from_pretrained(tiny_model_config, num_labels=3)
     config.architectures = ["LlamaForSequenceClassification"]
     with pytest.raises(ConfigError, match="num_labels=3.*ignore_mismatched_sizes: true"):
-        reward.check_head(config, ignore_mismatched_sizes=False, source="some/classifier")
-    reward.check_head(config, ignore_mismatched_sizes=True, source="some/classifier")
+        reward_model.check_head(config, ignore_mismatched_sizes=False, source="some/classifier")
+    reward_model.check_head(config, ignore_mismatched_sizes=True, source="some/classifier")
     config.num_labels = 1
-    reward.check_head(config, ignore_mismatched_sizes=False, source="some/reward-model")
+    reward_model.check_head(config, ignore_mismatched_sizes=False, source="some/reward-model")
 
 
 # ------------------------------------------------------------------------------ errors before weights load, in-process
@@ -209,10 +209,10 @@ def test_exported_reward_model_scores_pairs_as_the_trained_model_did(reward_dist
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert model.config.num_labels == 1 and model.config.problem_type == "regression"
     raw = Dataset.from_list([json.loads(line) for line in (reward_pairs / "test.jsonl").read_text().splitlines()])
-    pairs, _ = preference.tokenize_pairs(raw, tokenizer, max_length=48)
-    pairs, _ = reward.add_margins(pairs, raw, name="eval")
+    pairs, _ = paired.tokenize_pairs(raw, tokenizer, max_length=48)
+    pairs, _ = reward_model.add_margins(pairs, raw, name="eval")
     with torch.no_grad():
-        chosen, rejected = reward.rewards(model, reward.RewardCollator(tokenizer.pad_token_id)(list(pairs)))
+        chosen, rejected = reward_model.rewards(model, reward_model.RewardCollator(tokenizer.pad_token_id)(list(pairs)))
     assert results["eval_samples"] == len(raw)
     assert results["eval_accuracy"] == pytest.approx((chosen > rejected).float().mean().item(), abs=1e-9)
     assert results["eval_margin"] == pytest.approx((chosen - rejected).mean().item(), rel=1e-5, abs=1e-6)

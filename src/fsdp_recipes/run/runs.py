@@ -133,9 +133,24 @@ class Run(StartedRun):
         )
 
     def progress_bar(self, first_step: int) -> tqdm:
-        return tqdm(
+        """The run's progress bar (main process only), which `optimizer_step` advances."""
+        self.bar = tqdm(
             total=self.total_steps, initial=first_step - 1, disable=not self.accelerator.is_main_process, desc=self.name
         )
+        return self.bar
+
+    def optimizer_step(self, step: int, model, optimizer, scheduler) -> torch.Tensor | None:
+        """What ends optimizer step `step` in every recipe: the gradients clipped to `max_grad_norm` (0: not
+        clipped), the optimizer and the schedule stepped, the gradients freed, the progress bar advanced, and
+        FSDP_RECIPES_FAULT's point after a step. Returns the gradient norm before clipping (None when not clipped)."""
+        max_norm = self.config.max_grad_norm
+        grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.bar.update(1)
+        self.fault_point(step)
+        return grad_norm
 
     def begin(
         self,

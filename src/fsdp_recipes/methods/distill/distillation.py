@@ -197,7 +197,7 @@ class DistillationLoss:
         self.head = student.get_output_embeddings()
         self._active: dict | None = None
         self._returned = None
-        self.last_parts: dict[str, float] = {}
+        self.last_parts: dict[str, torch.Tensor] = {}
         original = self.head.forward
         self.head.forward = lambda hidden: original(hidden) if self._active is None else self._losses(hidden)
         self.description = (
@@ -245,7 +245,7 @@ class DistillationLoss:
                 chunk_size=self.chunk_size,
             )
             total = parts["kd"] * self.kd_ratio if total is None else total + self.kd_ratio * parts["kd"]
-        self.last_parts = {name: value.detach().sum().item() for name, value in parts.items()}
+        self.last_parts = {name: value.detach().sum() for name, value in parts.items()}  # read at logging steps
         self._returned = total
         return total
 

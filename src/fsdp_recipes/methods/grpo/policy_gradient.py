@@ -135,15 +135,16 @@ def token_weights(
     return mask / max(global_tokens, 1.0)  # dapo, bnpo
 
 
-def loss_figures(terms: dict[str, torch.Tensor], entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def loss_figures(terms: dict[str, torch.Tensor], entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """This rank's sums of the per-token figures TRL logs as token means (divide by the global token count):
-    `kl`, `entropy`, `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`."""
+    `kl`, `entropy`, `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`. Kept on the device
+    until a logging step reads them."""
     mask = mask.float()
-    low, high = terms["low_clipped"] * mask, terms["high_clipped"] * mask
+    low, high = terms["low_clipped"].detach() * mask, terms["high_clipped"].detach() * mask
     return {
-        "kl": float((terms["kl"] * mask).sum()),
-        "entropy": float((entropy.detach() * mask).sum()),
-        "clip_ratio/low_mean": float(low.sum()),
-        "clip_ratio/high_mean": float(high.sum()),
-        "clip_ratio/region_mean": float(((low + high) > 0).float().sum()),
+        "kl": (terms["kl"].detach() * mask).sum(),
+        "entropy": (entropy.detach() * mask).sum(),
+        "clip_ratio/low_mean": low.sum(),
+        "clip_ratio/high_mean": high.sum(),
+        "clip_ratio/region_mean": ((low + high) > 0).float().sum(),
     }

@@ -290,7 +290,7 @@ def score_completions(
     completion_ids: list[list[int]],
     texts: list[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`score` for completions of prompts of `data` (fsdp_recipes.data.prompts.Prompts), by index: as TRL calls
+    """`score` for completions of prompts of `data` (fsdp_recipes.methods.grpo.prompts.Prompts), by index: as TRL calls
     reward functions, completions of chat prompts as one assistant turn, every other column by name."""
     completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else list(texts)
     return score(

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from fsdp_recipes.methods.grpo.policy_gradient import token_log_probs
 from fsdp_recipes.train.evaluation import ReproducibleSampling
-from fsdp_recipes.train.policy_gradient import token_log_probs
 
 
 class PromptSchedule:
@@ -272,7 +272,7 @@ def assemble_round(
     global batch, slot order) give the group-normalised advantages; rows padded to the round's widest prompt and
     completion on any rank. Returns the micro-batches (on the device), the global count of loss tokens, and the
     round's figures under TRL's names (the same on every rank)."""
-    from fsdp_recipes.train.policy_gradient import group_advantages, zero_std_fraction
+    from fsdp_recipes.methods.grpo.policy_gradient import group_advantages, zero_std_fraction
 
     device, rank = accelerator.device, accelerator.process_index
     all_rewards = accelerator.gather(rewards.to(device)).cpu()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdp_recipes.train import policy_gradient, rewards, rollouts
+from fsdp_recipes.methods.grpo import policy_gradient, rewards, rollouts
 
 
 @dataclasses.dataclass

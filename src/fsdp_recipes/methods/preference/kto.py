@@ -1,4 +1,4 @@
-"""KTO (Kahneman-Tversky optimisation) on answers marked good or bad one by one (`data/unpaired.py`), as TRL's
+"""KTO (Kahneman-Tversky optimisation) on answers marked good or bad one by one (`methods/preference/unpaired.py`), as TRL's
 KTOTrainer computes it, from summed completion log-probabilities:
 
 - r = policy - reference log-probability of an example's completion (its implicit reward is beta x r);
@@ -94,7 +94,7 @@ class KTOLoss:
 
 def figure_sums(
     result: KTOResult, policy: torch.Tensor, labels: torch.Tensor, *, examples: float, desirable: float
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
     """This rank's sums of TRL's per-class figures, scaled so that the metrics log (which divides every sum by the
     step's `examples`, all ranks) shows each as its mean over its class: `desirable` good answers in the step, all
     ranks. A class the step lacks is left out (every rank knows the global counts, so all leave out the same)."""
@@ -102,8 +102,9 @@ def figure_sums(
     for name, mask, count in (("chosen", labels.bool(), desirable), ("rejected", ~labels.bool(), examples - desirable)):
         if count:
             scale = examples / count
-            sums[f"rewards/{name}"] = result.rewards[mask].sum().item() * scale
-            sums[f"logps/{name}"] = policy.detach()[mask].sum().item() * scale
+            # multiplied by the mask, not indexed with it: boolean indexing waits for the device
+            sums[f"rewards/{name}"] = (result.rewards.detach() * mask).sum() * scale
+            sums[f"logps/{name}"] = (policy.detach() * mask).sum() * scale
     if desirable and examples - desirable:
         sums["rewards/margins"] = sums["rewards/chosen"] - sums["rewards/rejected"]
     return sums
@@ -142,6 +143,6 @@ class KTOEvaluator(Evaluation):
         result = self.objective(policy, reference, labels, kl)
         examples, desirable = float(labels.numel()), float(labels.sum())
         figures = figure_sums(result, policy, labels, examples=examples, desirable=desirable)
-        results = {name: value / examples for name, value in figures.items()}
+        results = {name: float(value) / examples for name, value in figures.items()}
         results.update(loss=result.loss.mean().item(), kl=kl, samples=labels.numel())
         return {f"eval_{name}": value for name, value in results.items()}

@@ -25,6 +25,7 @@ import torch
 from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.train import frozen_copy
 from fsdp_recipes.train.losses import TokenLoss, sequence_log_probs
 
 MODES = ("adapters", "model", "precomputed")
@@ -97,22 +98,6 @@ class ReferenceFields:
         return problems
 
 
-def shard_frozen_copy(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """`model`, frozen and in eval mode, sharded as accelerate shards the policy (the Accelerate config's wrap
-    classes, resharding and mixed precision); unchanged without FSDP but moved to the device."""
-    from accelerate.utils import DistributedType
-
-    model.requires_grad_(False)
-    model.eval()
-    if accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2:
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-        return fsdp2_prepare_model(accelerator, model)
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise ConfigError("a reference model copy needs FSDP2 (fsdp_version: 2); or set precompute_ref_log_probs: true")
-    return model.to(accelerator.device)
-
-
 def for_splits(
     mode: str,
     accelerator: Accelerator,
@@ -133,7 +118,7 @@ def for_splits(
         return dict.fromkeys(loaders), None
     if mode == "model":
         copy_loss = TokenLoss(copy, token_loss.implementation, chunk_size=token_loss.chunk_size)
-        shared = ReferenceLogProbs("model", copy=shard_frozen_copy(accelerator, copy), copy_loss=copy_loss)
+        shared = ReferenceLogProbs("model", copy=frozen_copy.shard_frozen_copy(accelerator, copy), copy_loss=copy_loss)
         return dict.fromkeys(loaders, shared), None
     if mode == "adapters":
         return dict.fromkeys(loaders, ReferenceLogProbs("adapters", policy=policy, token_loss=token_loss)), None

@@ -3,7 +3,7 @@
 `chosen`/`rejected` alone) are unpaired as TRL's `unpair_preference_dataset` does: each pair gives its chosen answer
 (label true) and its rejected one (label false), and the run summary says so.
 
-Each example becomes two rows (`preference.PairCollator` with sides "completion" and "kl"): its prompt with its own
+Each example becomes two rows (`paired.PairCollator` with sides "completion" and "kl"): its prompt with its own
 completion, and its prompt with another example's completion, a mismatched pair from which KTO estimates the KL term
 (KL(policy || reference) ~ the mean over a batch of the mismatched rows' log-ratios). TRL rotates completions by one
 within each device batch; here each example's partner is fixed once, by a derangement seeded with the run's seed
@@ -20,8 +20,8 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import preference
 from fsdp_recipes.data.rows import shifted_targets
+from fsdp_recipes.methods.preference import paired
 
 COLUMNS = ("prompt", "completion", "label")
 SIDES = ("completion", "kl")
@@ -33,7 +33,7 @@ def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
     if all(column in columns for column in COLUMNS):
         return dataset, None
     try:
-        data_format = preference.detect_format(columns)
+        data_format = paired.detect_format(columns)
     except DataError:
         raise DataError(
             f"the {name} split has columns {sorted(columns)}, but KTO needs 'prompt', 'completion' and 'label' (true "
@@ -46,7 +46,7 @@ def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
             prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
         else:
             try:
-                prompt, chosen, rejected = preference.split_implicit_prompt(example["chosen"], example["rejected"])
+                prompt, chosen, rejected = paired.split_implicit_prompt(example["chosen"], example["rejected"])
             except ValueError as error:
                 raise DataError(f"pair {index} of the {name} split: {error}. Fix or remove that pair.") from None
         prompts.append(prompt)
@@ -90,7 +90,7 @@ def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_leng
         raise DataError(f"example {index} of the {name} split: 'completion' is empty. Fix or remove that example.")
     row: dict[str, Any] = {"index": index, "label": label}
     for side, answer in zip(SIDES, (completion, partner)):
-        ids, mask = preference.tokenize_side(
+        ids, mask = paired.tokenize_side(
             tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length
         )
         if side == "completion" and sum(mask[1:]) == 0:
@@ -100,7 +100,7 @@ def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_leng
             )
         row[f"{side}_input_ids"], row[f"{side}_targets"] = ids, shifted_targets(ids, mask)
     row["length"] = max(len(row["completion_input_ids"]), len(row["kl_input_ids"]))
-    row["key"] = preference.content_key(row, SIDES)
+    row["key"] = paired.content_key(row, SIDES)
     return row
 
 
@@ -115,7 +115,7 @@ def tokenize_examples(
     name: str = "train",
 ) -> tuple[Dataset, dict[str, Any]]:
     """Examples as `completion_input_ids`/`completion_targets` (the example), `kl_input_ids`/`kl_targets` (its prompt
-    with its partner's completion), `label`, `index`, `key` (`preference.content_key` of both rows) and `length`,
+    with its partner's completion), `label`, `index`, `key` (`paired.content_key` of both rows) and `length`,
     with counts for the run summary. DataError when a split has one class only (train) or labels that are not
     booleans."""
     if len(dataset) == 0:
@@ -168,6 +168,6 @@ def tokenize_examples(
     return examples, stats
 
 
-def collator(pad_token_id: int) -> preference.PairCollator:
+def collator(pad_token_id: int) -> paired.PairCollator:
     """B examples -> 2B rows (the examples, then their KL rows), `pair_index`, `pair_key` and `label`."""
-    return preference.PairCollator(pad_token_id, sides=SIDES, per_example=("label",))
+    return paired.PairCollator(pad_token_id, sides=SIDES, per_example=("label",))

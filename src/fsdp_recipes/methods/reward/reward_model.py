@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 from fsdp_recipes.common.errors import ConfigError, DataError
-from fsdp_recipes.data.preference import PairCollator
+from fsdp_recipes.methods.preference.paired import PairCollator
 
 LABEL = "reward"  # the one output's name in config.id2label (what pipeline("text-classification") reports)
 MARGIN_COLUMN = "margin"
@@ -109,15 +109,15 @@ def bradley_terry_losses(
     return losses
 
 
-def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
+def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sums over the pairs (means once divided by the global pair count, by the metrics log): how often the chosen
-    answer scores higher, by how much, and the scores."""
+    answer scores higher, by how much, and the scores. Kept on the device until a logging step reads them."""
     chosen, rejected = chosen.detach(), rejected.detach()
     return {
-        "accuracy": (chosen > rejected).float().sum().item(),
-        "margin": (chosen - rejected).sum().item(),
-        "rewards/chosen": chosen.sum().item(),
-        "rewards/rejected": rejected.sum().item(),
+        "accuracy": (chosen > rejected).float().sum(),
+        "margin": (chosen - rejected).sum(),
+        "rewards/chosen": chosen.sum(),
+        "rewards/rejected": rejected.sum(),
     }
 
 

@@ -336,7 +336,7 @@ def estimate(
 
 def frozen_model_bytes(info: ModelInfo, layout: LaunchLayout) -> int:
     """A frozen model sharded like the trained one at the compute dtype, plus its output layer whole (vocabulary x
-    hidden size: `train.distillation` gathers it once and keeps it)."""
+    hidden size: `methods.distill.distillation` gathers it once and keeps it)."""
     sharded = state_bytes_on_rank(plan_units(info, layout), layout, 0, trainable=False)["parameters"]
     return sharded * layout.compute_bytes // FP32 + info.vocab_size * info.hidden_size * layout.compute_bytes
 

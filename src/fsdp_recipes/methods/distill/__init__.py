@@ -1,0 +1,1 @@
+"""Knowledge distillation (recipes/distill.py): a student trained on a frozen teacher's token distributions."""

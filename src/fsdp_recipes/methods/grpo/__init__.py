@@ -1,0 +1,1 @@
+"""Online RL (recipes/grpo.py): prompts, rollouts, reward functions, advantages and the clipped policy objective."""
