@@ -327,6 +327,40 @@ def test_cp_never_overwrites_a_changed_file_unless_forced(tmp_path, capsys):
     assert (dest / "demo" / "tiny_llama.json").exists()
 
 
+def test_cp_with_method_copies_the_methods_a_recipe_uses_beside_it_and_the_recipe_imports_them(tmp_path, capsys):
+    """The reward recipe uses the reward method, which uses preference pairs, and the classify method's head: all
+    three packages are copied, every import of fsdp_recipes.methods in them and the recipe points at the local copy,
+    and importing the copied recipe loads the local modules. A second copy finds them already there."""
+    import importlib.util
+
+    assert cli.main(["cp", "reward", str(tmp_path), "--with-method"]) == 0
+    local = tmp_path / "recipes" / "methods"
+    assert {path.name for path in local.iterdir() if path.is_dir()} == {"reward", "preference", "classify"}
+    copied = [tmp_path / "recipes" / "reward.py", *local.rglob("*.py")]
+    assert not any("fsdp_recipes.methods" in path.read_text() for path in copied)
+    assert "from methods.reward import reward_model" in (tmp_path / "recipes" / "reward.py").read_text()
+    sys.path.insert(0, str(tmp_path / "recipes"))
+    try:
+        spec = importlib.util.spec_from_file_location("copied_reward", tmp_path / "recipes" / "reward.py")
+        module = sys.modules["copied_reward"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(module)
+        assert Path(module.reward_model.__file__) == local / "reward" / "reward_model.py"
+        assert Path(sys.modules["methods.preference.paired"].__file__) == local / "preference" / "paired.py"
+    finally:
+        sys.path.remove(str(tmp_path / "recipes"))
+        for name in [
+            name for name in sys.modules if name in ("methods", "copied_reward") or name.startswith("methods.")
+        ]:
+            del sys.modules[name]
+    capsys.readouterr()
+    assert cli.main(["cp", "reward", str(tmp_path), "--with-method"]) == 0
+    assert "recipes/methods/reward/reward_model.py  (the reward method, to edit here; already there)" in (
+        capsys.readouterr().out
+    )
+    assert cli.main(["cp", "reward", str(tmp_path / "one.py"), "--with-method"]) == 2
+    assert "give a folder as DEST" in capsys.readouterr().err
+
+
 def test_cp_to_a_file_copies_only_that_file_and_says_what_it_names(tmp_path, capsys):
     assert cli.main(["cp", "sft/demo_reverse", str(tmp_path / "mine.yaml")]) == 0
     out = capsys.readouterr().out
@@ -385,10 +419,11 @@ def test_the_wheel_bundles_every_file_ls_and_cp_use():
 
 @pytest.mark.slow
 def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repository(tmp_path):
-    """A wheel built from the repository, installed in a folder of its own, used from outside any clone: `cp` copies
-    the SFT recipe with the demo config from the bundled files, and the copy, edited, runs from its folder with the
-    installed package (under its FSDP2 config, on one process: enough to show which package runs). (`ls` reads the same
-    bundled folders: tested in-process on the checkout.)"""
+    """A wheel built from the repository, installed in a folder of its own, used from outside any clone: `cp
+    --with-method` copies the SFT recipe with the demo config from the bundled files and the SFT method's package from
+    the installed one, and the copy, its recipe and its method edited, runs from its folder with the installed package
+    and the local method (under its FSDP2 config, on one process: enough to show which code runs). (`ls` reads the
+    same bundled folders: tested in-process on the checkout.)"""
     source = tmp_path / "source"
     for name in ("src", "recipes", "accelerate_configs", "demo", "benchmarks"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -403,7 +438,7 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     installed = {"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}  # the wheel's package, not the checkout's
     script = (
         "import sys; from fsdp_recipes.tools import catalog, cli; print('root', catalog.source_root()); "
-        "sys.exit(cli.main(['cp', 'sft/demo_reverse', 'project']))"
+        "sys.exit(cli.main(['cp', 'sft/demo_reverse', 'project', '--with-method']))"
     )
     result = run_process_group(
         [sys.executable, "-c", script], timeout=120, env={"PATH": "/usr/bin:/bin", **installed}, cwd=tmp_path
@@ -412,8 +447,9 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     assert f"root {site / 'fsdp_recipes' / 'bundled'}" in result.stdout
 
     project = tmp_path / "project"
-    recipe = project / "recipes" / "sft.py"
-    assert filecmp.cmp(recipe, REPO / "recipes" / "sft.py", shallow=False)
+    recipe, method = project / "recipes" / "sft.py", project / "recipes" / "methods" / "sft" / "supervised.py"
+    assert recipe.read_text() == (REPO / "recipes" / "sft.py").read_text().replace("fsdp_recipes.methods", "methods")
+    method.write_text(method.read_text() + '\nprint("the edited method runs from", __file__)\n')
     recipe.write_text(
         recipe.read_text().replace(
             'if __name__ == "__main__":\n',
@@ -448,6 +484,7 @@ def test_after_pip_install_a_copied_and_edited_recipe_runs_outside_the_repositor
     )
     require_success(result)
     assert f"the edited copy runs with {site / 'fsdp_recipes' / '__init__.py'}" in result.stdout
+    assert f"the edited method runs from {method}" in result.stdout
     assert [record["step"] for record in read_metrics(project / "out") if "loss" in record] == [1, 2, 3, 4]
     assert json.loads((project / "out" / "config.json").read_text())["hidden_size"] == 128  # demo/tiny_llama.json
 

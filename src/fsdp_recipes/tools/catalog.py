@@ -32,6 +32,7 @@ from fsdp_recipes.common.errors import ConfigError, UserError
 from fsdp_recipes.common.sizes import parse_size
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout, fsdp_settings, read_accelerate_yaml
 from fsdp_recipes.distributed.launch_checks import ERROR
+from fsdp_recipes.tools import method_copies
 from fsdp_recipes.tools.config_comments import LaunchCommand, opening_comment, parse_launch_command
 from fsdp_recipes.tools.estimator import MODEL_SHAPES
 from fsdp_recipes.tools.estimator.arguments import DEFAULT_GPU_MEMORY
@@ -348,21 +349,34 @@ class Catalog:
             unique.setdefault(path, (path, why, primary))
         return list(unique.values())
 
-    def copy(self, name: str, dest: Path, *, force: bool = False) -> list[str]:
+    def copy(self, name: str, dest: Path, *, force: bool = False, with_method: bool = False) -> list[str]:
         """Copies into folder `dest` at the same relative paths, so that every command written in the copied files
-        runs from `dest`; or, when `dest` names a .py/.yaml file, only the recipe or config itself. A file that exists
-        and differs is never replaced unless `force` (files it only needs are kept as they are: they may be yours).
+        runs from `dest`; or, when `dest` names a .py/.yaml file, only the recipe or config itself. `with_method`: the
+        recipe's method packages too, beside it, imports pointed there (`method_copies`). A file that exists and
+        differs is never replaced unless `force` (files it only needs are kept as they are: they may be yours).
         Returns the report lines. Raises UserError before writing anything."""
         item = self.find(name)
         if dest.suffix in (".py", ".yaml", ".yml"):
+            if with_method:
+                raise UserError("--with-method copies the method packages beside the recipe: give a folder as DEST")
             return self._copy_one(item, dest, force=force)
         if dest.exists() and not dest.is_dir():
             raise UserError(f"{dest} is a file: give a folder to copy into (or a .py/.yaml path for one file)")
-        plan = self.copy_plan(item)
+        files = [(self.root / path, path, why, primary) for path, why, primary in self.copy_plan(item)]
+        if with_method:
+            recipe = self.root / "recipes" / f"{item.name if isinstance(item, Recipe) else item.recipe}.py"
+            plan = method_copies.copy_plan(recipe.read_text(), Path("recipes"))
+            files += [(source, path, why, True) for source, path, why in plan]
+
+        def content(source: Path, path: Path) -> bytes:
+            if with_method and path.suffix == ".py" and path.parts[0] == "recipes":
+                return method_copies.localised(source.read_text()).encode()
+            return source.read_bytes()
+
         conflicts = [
             path
-            for path, _, primary in plan
-            if primary and (dest / path).exists() and not filecmp.cmp(self.root / path, dest / path, shallow=False)
+            for source, path, _, primary in files
+            if primary and (dest / path).exists() and (dest / path).read_bytes() != content(source, path)
         ]
         if conflicts and not force:
             raise UserError(
@@ -370,15 +384,15 @@ class Catalog:
                 "file: pass --force to overwrite it, or copy into another folder (nothing was copied)"
             )
         report = [f"into {dest}/:"]
-        for path, why, primary in plan:
-            target = dest / path
-            if target.exists() and filecmp.cmp(self.root / path, target, shallow=False):
+        for source, path, why, primary in files:
+            target, wanted = dest / path, content(source, path)
+            if target.exists() and target.read_bytes() == wanted:
                 status = "already there"
             elif target.exists() and not primary:
                 status = "kept yours (it differs)"
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(self.root / path, target)
+                target.write_bytes(wanted)
                 status = "copied"
             report.append(f"  {path}  ({why}; {status})")
         return report + self._how_to_run(item, dest)
@@ -410,17 +424,8 @@ class Catalog:
         if config is None or config.launch is None or config.launch.accelerate_config is None:
             return []
         launch = config.launch
-        command = shlex.join(
-            [
-                "accelerate",
-                "launch",
-                "--config_file",
-                launch.accelerate_config,
-                *_flags(launch.overrides),
-                launch.script,
-                *launch.script_args,
-            ]
-        )
+        launcher = ["accelerate", "launch", "--config_file", launch.accelerate_config, *_flags(launch.overrides)]
+        command = shlex.join([*launcher, launch.script, *launch.script_args])
         lines = [
             f"run from {dest}/ (the recipe imports fsdp_recipes: keep the package installed), e.g.:",
             f"  cd {dest} && {command}",

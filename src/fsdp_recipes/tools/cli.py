@@ -193,11 +193,17 @@ def cp_command(parser: argparse.ArgumentParser) -> Runner:
         ".py/.yaml path to copy only the recipe or config itself",
     )
     parser.add_argument("--force", action="store_true", help="overwrite copied files that exist and differ")
+    parser.add_argument(
+        "--with-method",
+        action="store_true",
+        help="also copy the method packages the recipe uses (fsdp_recipes/methods/<method>/) beside it, as "
+        "recipes/methods/, its imports pointed there: the method's data, loss and settings become yours to edit",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from fsdp_recipes.tools.catalog import Catalog
 
-        print("\n".join(Catalog().copy(args.name, args.dest, force=args.force)))
+        print("\n".join(Catalog().copy(args.name, args.dest, force=args.force, with_method=args.with_method)))
         return 0
 
     return run
