@@ -176,3 +176,41 @@ def test_a_template_that_refuses_a_conversation_is_reported_as_data(tokenizer):
     data = Dataset.from_list([GOOD, {"messages": TURNS + [TURNS[1]]}])
     with pytest.raises(DataError, match="example 1 of the train split: the chat template refused it: .*alternate"):
         tokenize_dataset(data, strict, assistant_only_loss=True, completion_only_loss=True, max_length=64)
+
+
+def test_the_tokenizer_message_the_step_recognises_is_the_installed_ones(tokenizer):
+    """transformers says "not text" with a plain ValueError: the step reads its message, so the message is pinned here
+    against the installed transformers (an upgrade that rewords it fails this test, not a user's run)."""
+    from fsdp_recipes.common import steps
+
+    with pytest.raises(ValueError) as raised:
+        tokenizer([TURNS])  # chat turns where text was expected
+    assert str(raised.value).startswith(steps.TOKENIZER_NON_TEXT)
+
+
+def test_library_errors_are_recognised_by_their_classes():
+    """huggingface_hub's own exception classes and its HTTP client's transport errors, as the installed versions
+    define them, each become the step's message."""
+    import importlib
+
+    from huggingface_hub import errors
+
+    from fsdp_recipes.common import steps
+
+    current = steps.Step("loading the model from 'org/name'", name="org/name", setting="model_name_or_path")
+    client = importlib.import_module(errors.HTTPError.__module__.split(".")[0])
+
+    def response(status):
+        return client.Response(status, request=client.Request("GET", "https://huggingface.co/api/models/org/name"))
+
+    cases = {
+        errors.GatedRepoError("403 gated", response=response(403)): "gated",
+        errors.RepositoryNotFoundError("404", response=response(404)): "no such repository",
+        errors.RevisionNotFoundError("404 revision", response=response(404)): "no such revision",
+        errors.HFValidationError("bad id"): "cannot be a Hub id",
+        client.ConnectError("connection refused"): "could not be reached",
+    }
+    for error, expected in cases.items():
+        translated = steps.user_error_from(error, current)
+        assert translated is not None and expected in str(translated), (type(error).__name__, translated)
+    assert steps.user_error_from(RuntimeError("a bug"), current) is None

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import re
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -112,8 +114,18 @@ def recognise(error: BaseException, current: Step) -> Problem | None:
     return None
 
 
-def _class_names(error: BaseException) -> set[str]:
-    return {cls.__name__ for cls in type(error).__mro__}
+@functools.cache
+def _hub():
+    """huggingface_hub's exception classes, and those of the HTTP client it uses (httpx2 for huggingface_hub 2, httpx
+    before): matched by type, so a renamed class fails at import in the tests rather than going unrecognised."""
+    import importlib
+
+    from huggingface_hub import errors
+
+    http_error = getattr(errors, "HTTPError", None)  # the client's own base class, which huggingface_hub re-exports
+    client = importlib.import_module(http_error.__module__.split(".")[0]) if http_error else None
+    transport = (client.ConnectError, client.TimeoutException) if client else ()
+    return errors, (ConnectionError, TimeoutError, socket.gaierror, *transport)
 
 
 def _no_local_path(current: Step) -> str:
@@ -124,7 +136,7 @@ def _no_local_path(current: Step) -> str:
 
 
 def _not_a_path_nor_a_hub_id(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
-    if "HFValidationError" not in _class_names(error):
+    if not isinstance(error, _hub()[0].HFValidationError):
         return None
     where = Path(current.name).expanduser().absolute() if current.name else "it"
     return Problem(
@@ -135,8 +147,8 @@ def _not_a_path_nor_a_hub_id(error: BaseException, current: Step, outer: BaseExc
 
 
 def _hub_unreachable(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
-    names = _class_names(error)
-    if not names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError"}:
+    hub = _hub()[0]
+    if not isinstance(error, hub.OfflineModeIsEnabled | hub.LocalEntryNotFoundError):
         return None
     from huggingface_hub import constants
 
@@ -156,32 +168,29 @@ def _hub_unreachable(error: BaseException, current: Step, outer: BaseException) 
 
 
 def _is_connection_error(error: BaseException) -> bool:
-    return bool(
-        _class_names(error)
-        & {"ConnectError", "ConnectionError", "gaierror", "ConnectTimeout", "Timeout", "TimeoutError", "ReadTimeout"}
-    )
+    return isinstance(error, _hub()[1])
 
 
 def _hub_refused(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
-    names = _class_names(error)
-    if "GatedRepoError" in names:
+    hub = _hub()[0]
+    if isinstance(error, hub.GatedRepoError):
         return Problem(
             "the Hub repository is gated",
             "Accept its terms on its Hub page, then log in with `hf auth "
             f"login` or set HF_TOKEN; or {current.point_elsewhere()}",
         )
-    if "RepositoryNotFoundError" in names:
+    if isinstance(error, hub.RepositoryNotFoundError):
         return Problem(
             f"the Hub has no such repository, or it is private{_no_local_path(current)}",
             "Check the id (org/name); if it is private, log in with `hf auth login` or set HF_TOKEN; or "
             f"{current.point_elsewhere()}",
         )
-    if "RevisionNotFoundError" in names:
+    if isinstance(error, hub.RevisionNotFoundError):
         return Problem(
             "the Hub repository has no such revision (branch, tag or commit)",
             "Set model_revision to one it has (main is the default)",
         )
-    if "HfHubHTTPError" in names:
+    if isinstance(error, hub.HfHubHTTPError):
         return Problem(
             f"the Hub refused the request ({' '.join(str(error).split())[:200]})",
             f"Check the id and your token (`hf auth login` or HF_TOKEN), or {current.point_elsewhere()}",
@@ -205,7 +214,8 @@ def _not_text(error: BaseException, current: Step, outer: BaseException) -> Prob
 
 
 def _file_system(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
-    if not isinstance(error, OSError) or _class_names(error) & {"HfHubHTTPError", "EntryNotFoundError"}:
+    hub = _hub()[0]
+    if not isinstance(error, OSError) or isinstance(error, hub.HfHubHTTPError | hub.EntryNotFoundError):
         return None
     where = error.filename or current.name
     if isinstance(error, PermissionError):
@@ -230,8 +240,13 @@ def _not_json(error: BaseException, current: Step, outer: BaseException) -> Prob
     )
 
 
+# transformers raises a plain ValueError here: only its message tells (pinned against the installed version by
+# tests/test_data_errors.py::test_the_tokenizer_message_the_step_recognises_is_the_installed_ones)
+TOKENIZER_NON_TEXT = "text input must be of type `str`"
+
+
 def _tokenizer_given_non_text(error: BaseException, current: Step, outer: BaseException) -> Problem | None:
-    if not (isinstance(error, ValueError) and str(error).startswith("text input must be of type `str`")):
+    if not (isinstance(error, ValueError) and str(error).startswith(TOKENIZER_NON_TEXT)):
         return None
     return Problem(
         "its values are not text (the tokenizer takes strings)",
