@@ -1,26 +1,11 @@
 """Sequence classification (reward models, routers, moderation) from a causal-LM or encoder base, with FSDP2.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/classify.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/classify.py \\
         --config recipes/configs/classify/<config>.yaml [--field value ...]
 
-Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
-metrics (`evaluate` modules shipped with fsdp_recipes, loaded without network); the data (a text column, optionally a
-text-pair column, and a label column of ClassLabel, integers or strings; the classes are those of the training split,
-their names kept in the model's `config.id2label`); the model (`AutoModelForSequenceClassification`: the body's
-weights, a new head with one row per class, `pad_token_id` set so decoder classifiers pool the last real token; under
-FSDP2 the head is sharded with the root unit); `accelerator.prepare`; the loop, whose loss is the (optionally
-class-weighted) mean cross-entropy over every example of the global batch; and the finish: accuracy, macro F1 and
-per-class F1 on the held-out data, computed over all ranks with `gather_for_metrics` (the padding of an uneven last
-batch is dropped, so each example counts once), in `eval_results.json` and in the card's model-index; the folder loads
-in `pipeline("text-classification", model=output_dir)`. Metrics are also logged every `eval_steps`.
-
-LoRA (`use_peft: true`): the head is new, so peft trains it in full beside the adapters (its `modules_to_save` for
-sequence classification; the run summary lists the head as `classifier_head`).
-
-Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: no held-out data, a
-missing text or label column, empty values, a single class in training, held-out labels absent from training, class
-weights that do not match the classes, a checkpoint trained on other classes, a text column that is not text, a base
-that is already a classifier for another number of classes (fix: ignore_mismatched_sizes) (docs/errors.md).
+A text (and text-pair) column with labels; a new head with one row per class, the (optionally class-weighted)
+mean cross-entropy over the global batch; accuracy and F1 over all ranks (`fsdp_recipes.methods.classify`).
+docs/classification-and-evaluation.md.
 """
 
 from __future__ import annotations
@@ -46,45 +31,56 @@ class ClassifyConfig(config_lib.TrainingConfig):
     output_dir: str = dataclasses.field(
         default="outputs/classify",
         metadata={
+            "resume": "free",
             "help": "the run's folder: at the end the classifier (a peft adapter folder with use_peft) with "
-            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
         },
     )
     max_length: int = dataclasses.field(
-        default=512, metadata={"help": "tokens per example (text and pair together); longer ones lose their end"}
+        default=512,
+        metadata={
+            "resume": "sensitive",
+            "help": "tokens per example (text and pair together); longer ones lose their end",
+        },
     )
-    text_column: str = dataclasses.field(default="text", metadata={"help": "the column holding the text to classify"})
+    text_column: str = dataclasses.field(
+        default="text", metadata={"resume": "sensitive", "help": "the column holding the text to classify"}
+    )
     text_pair_column: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "a second text (e.g. the response a reward model judges), joined by the tokenizer (null: none)"
+            "resume": "sensitive",
+            "help": "a second text (e.g. the response a reward model judges), joined by the tokenizer (null: none)",
         },
     )
     label_column: str = dataclasses.field(
-        default="label", metadata={"help": "ClassLabel, integers or strings; the classes are those seen in training"}
+        default="label",
+        metadata={
+            "resume": "sensitive",
+            "help": "ClassLabel, integers or strings; the classes are those seen in training",
+        },
     )
     ignore_mismatched_sizes: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "free",
             "help": "model_name_or_path is already a classifier for another number of classes: start a new head for "
-            "the data's classes (transformers' option; the trained head is dropped). false: refused before loading"
+            "the data's classes (transformers' option; the trained head is dropped). false: refused before loading",
         },
     )
     class_weights: str | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "sensitive",
             "help": "null: plain cross-entropy. balanced: each class weighs in inversely to its frequency (rare "
             "classes count more, at some cost to accuracy on frequent ones); or comma-separated weights w0,w1,... "
-            "in label-id order"
+            "in label-id order",
         },
     )
 
     def min_max_length(self) -> tuple[int, str]:
         # the tokenizer's own special tokens are counted once it is loaded (classification.tokenize)
         return 2, "a special token the tokenizer adds (BOS or CLS) and at least one token of the text"
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("text_column", "text_pair_column", "label_column", "class_weights")
 
     def validate(self) -> list[str]:
         problems = super().validate()

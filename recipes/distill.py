@@ -1,25 +1,11 @@
 """Knowledge distillation: a student causal LM trained on a frozen teacher's next-token distributions, with FSDP2.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/distill.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/distill.py \\
         --config recipes/configs/distill/<config>.yaml [--field value ...]
 
-Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together, and
-the teacher's: its config and tokenizer read, no weights, its vocabulary checked against the student's); the data,
-exactly as sft.py reads it (`messages` or `prompt`/`completion` columns, loss on the tokens SFT trains, packed rows);
-the student (the model being trained) and the teacher (`teacher_model_name_or_path`: frozen, in the compute dtype,
-sharded like the student as DPO's reference copy is, `fsdp_recipes.train.frozen_copy`);
-`accelerator.prepare`; the loop, whose loss per target token is `(1 - kd_ratio) x cross-entropy + kd_ratio x KD`,
-KD comparing the student's and teacher's distributions softened by `temperature` (`kd_loss`: forward_kl, reverse_kl or
-jsd), computed a chunk of tokens at a time from both models' hidden states so neither model's fp32 logits exist whole
-(`fsdp_recipes.methods.distill.distillation`), averaged over every target token of the global batch; and the finish as sft.py's
-(held-out loss, optional exact match, export, card, Hub). With kd_ratio 0 it is SFT's loss exactly.
-
-Teacher logits are computed at every step, not precomputed to disk: a stored top-k would be approximate and the whole
-distribution is vocabulary x tokens of storage (docs/reward-and-distillation.md).
-
-Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: no teacher, kd_ratio
-outside [0, 1], temperature <= 0, a kd_loss that is not one of the three, a teacher whose vocabulary size or tokenizer
-differs from the student's, a model that transforms its logits after its output layer (docs/errors.md).
+SFT's data; `(1 - kd_ratio) x CE + kd_ratio x KD` against a frozen teacher sharded like the student, computed a
+chunk of tokens at a time so neither model's logits exist whole (`fsdp_recipes.methods.distill`). With kd_ratio 0
+it is SFT's loss exactly. docs/reward-and-distillation.md.
 """
 
 from __future__ import annotations
@@ -48,37 +34,42 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
     output_dir: str = dataclasses.field(
         default="outputs/distill",
         metadata={
+            "resume": "free",
             "help": "the run's folder: at the end the distilled student (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
         },
     )
     teacher_model_name_or_path: str | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "sensitive",
             "help": "the teacher: a model folder or Hub id with the student's vocabulary and tokenizer; frozen, "
             "loaded in the compute dtype and sharded like the student (one more model in memory, one more forward "
-            "per step)"
+            "per step)",
         },
     )
     kd_ratio: float = dataclasses.field(
         default=0.5,
         metadata={
+            "resume": "sensitive",
             "help": "weight of the distillation loss: (1 - kd_ratio) x cross-entropy on the data + kd_ratio x KD. "
-            "1: the teacher alone; 0: plain SFT"
+            "1: the teacher alone; 0: plain SFT",
         },
     )
     temperature: float = dataclasses.field(
         default=1.0,
         metadata={
+            "resume": "sensitive",
             "help": "softens both distributions before comparing them: > 1 teaches the teacher's ranking of unlikely "
-            "tokens too, at the cost of a weaker signal on the likely ones"
+            "tokens too, at the cost of a weaker signal on the likely ones",
         },
     )
     kd_loss: str = dataclasses.field(
         default="forward_kl",
         metadata={
+            "resume": "sensitive",
             "help": "forward_kl: KL(teacher || student), covers all the teacher's mass; reverse_kl: KL(student || "
-            "teacher), mode-seeking; jsd: Jensen-Shannon, symmetric and bounded"
+            "teacher), mode-seeking; jsd: Jensen-Shannon, symmetric and bounded",
         },
     )
 
@@ -87,9 +78,6 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
 
     def loss_chunk_buffers(self) -> int:
         return distillation.PEAK_CHUNK_BUFFERS if self.kd_ratio > 0 else 1
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("teacher_model_name_or_path", "kd_ratio", "temperature", "kd_loss")
 
     def validate(self) -> list[str]:
         problems = super().validate()

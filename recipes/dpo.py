@@ -1,24 +1,11 @@
 """Direct preference optimisation (DPO) of a causal language model on preference pairs, with FSDP2.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/dpo.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/dpo.py \\
         --config recipes/configs/dpo/<config>.yaml [--field value ...]
 
-Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
-data (TRL's preference formats: `prompt`/`chosen`/`rejected`, or `chosen`/`rejected` with the prompt they share;
-strings or chat turns; loss on the answers' tokens only); the policy (the model being trained: usually an SFT
-model, e.g. the folder `recipes/sft.py` exported) and the frozen reference it is compared with, one of three ways
-(`fsdp_recipes.methods.preference.reference`): the policy with its LoRA adapters off (`use_peft`), a frozen copy sharded like the policy,
-or values precomputed before the first step (`precompute_ref_log_probs`); `accelerator.prepare`; the loop: for a batch
-of pairs (chosen and rejected rows in one forward), the summed log-probability of each answer under the policy and the
-reference, the preference loss (`loss_type`: TRL's DPO catalogue, one loss or a weighted list, `loss_weights`; or
-SimPO/ORPO, which need no reference: none is then loaded or precomputed; `fsdp_recipes.methods.preference.objectives`),
-averaged over every pair of the global batch; and the finish as every recipe's (export, card, Hub). Logged under TRL's names: `rewards/chosen`,
-`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected` (and `loss/<type>`
-for each of several losses), and the same with `eval_` on held-out pairs every `eval_steps`.
-
-Errors raised before any weights load, on every rank: those of every recipe (see sft.py), and: columns that match
-no preference format, a pair whose answers are equal, an answer left empty by truncation, beta <= 0, fewer pairs
-than one optimizer step, a resume with another beta, loss_type, ... (docs/errors.md).
+TRL's preference formats; TRL's DPO loss catalogue alone or weighted, SimPO and ORPO; the reference as the policy
+with its adapters off, a frozen sharded copy or precomputed values (`fsdp_recipes.methods.preference`). Formulas and
+figures: docs/preference.md; LoRA and the reference modes' costs: docs/lora-and-dpo.md.
 """
 
 from __future__ import annotations
@@ -45,36 +32,52 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
     output_dir: str = dataclasses.field(
         default="outputs/dpo",
         metadata={
+            "resume": "free",
             "help": "the run's folder: at the end the trained policy (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
         },
     )
     learning_rate: float = dataclasses.field(
         default=1e-6,
         metadata={
+            "resume": "free",
             "help": "AdamW's peak learning rate. DPO moves a trained model a little: full fine-tuning rates are "
-            "~10x too high"
+            "~10x too high",
         },
     )
     loss_type: str | list[str] = dataclasses.field(
         default_factory=lambda: "sigmoid",  # a factory: argparse reads this field as a list, and keeps only those
         metadata={
+            "resume": "sensitive",
             "help": "one loss or a list, summed with loss_weights (TRL's names). Reference-based: "
             + ", ".join(objectives.NEEDS_REFERENCE)
             + "; needing no reference model (none is loaded when all are): sft (chosen NLL; [sigmoid, sft] is RPO), "
-            "simpo, orpo. docs/preference.md gives each formula"
+            "simpo, orpo. docs/preference.md gives each formula",
         },
     )
     loss_weights: list[float] | None = dataclasses.field(
-        default=None, metadata={"help": "one weight >= 0 per loss_type entry (null: each weighs 1)"}
+        default=None,
+        metadata={"resume": "sensitive", "help": "one weight >= 0 per loss_type entry (null: each weighs 1)"},
     )
     label_smoothing: float = dataclasses.field(
-        default=0.0, metadata={"help": "chance a label is wrong: sigmoid, robust, aot(_unpaired), simpo; exo_pair's e"}
+        default=0.0,
+        metadata={
+            "resume": "sensitive",
+            "help": "chance a label is wrong: sigmoid, robust, aot(_unpaired), simpo; exo_pair's e",
+        },
     )
-    discopop_tau: float = dataclasses.field(default=0.05, metadata={"help": "discopop: how sharply it mixes its terms"})
-    simpo_gamma: float = dataclasses.field(default=0.5, metadata={"help": "simpo: the target reward margin"})
+    discopop_tau: float = dataclasses.field(
+        default=0.05, metadata={"resume": "sensitive", "help": "discopop: how sharply it mixes its terms"}
+    )
+    simpo_gamma: float = dataclasses.field(
+        default=0.5, metadata={"resume": "sensitive", "help": "simpo: the target reward margin"}
+    )
     cpo_alpha: float = dataclasses.field(
-        default=0.0, metadata={"help": "simpo: weight of the chosen NLL added (TRL's default 1.0 is CPO-SimPO)"}
+        default=0.0,
+        metadata={
+            "resume": "sensitive",
+            "help": "simpo: weight of the chosen NLL added (TRL's default 1.0 is CPO-SimPO)",
+        },
     )
 
     def __post_init__(self):
@@ -90,16 +93,6 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
     def min_max_length(self) -> tuple[int, str]:
         return 2, "a pair's rows need a prompt token and an answer token predicted from it"
 
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "loss_type",
-            "loss_weights",
-            "label_smoothing",
-            "discopop_tau",
-            "simpo_gamma",
-            "cpo_alpha",
-        )
-
     def validate(self) -> list[str]:
         problems = super().validate()
         problems += objectives.configuration_problems(
@@ -111,7 +104,7 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
             simpo_gamma=self.simpo_gamma,
             cpo_alpha=self.cpo_alpha,
         )
-        if self.precompute_ref_log_probs and self.reference_mode() == "none":
+        if self.precompute_ref_log_probs and self.reference_mode() is None:
             problems.append(
                 f"precompute_ref_log_probs: loss_type {self.loss_type} needs no reference, so there is nothing to "
                 "precompute: remove it (or add a loss that compares with the reference)"

@@ -1,30 +1,11 @@
 """Evaluation of a model folder, a Hub id or a recipe checkpoint, sharded with the same Accelerate configs as training,
-so a model larger than one device can be evaluated.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/eval.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/eval.py \\
         --config recipes/configs/eval/<config>.yaml [--field value ...]
 
-(Named eval.py, not evaluate.py: a file of that name beside the recipes would shadow the `evaluate` package.)
-
-Top to bottom: the config; the accelerator and every check that needs no weights, on all ranks together (the metric
-names, loaded offline: see fsdp_recipes/metric_scripts; the model source; the output folder; the Hub token; tokenizer,
-model config and task); the data; the model (a checkpoint is first exported to a temporary folder on each machine;
-a LoRA adapter folder or checkpoint is merged into its base), sharded by `accelerator.prepare`; then what the metrics ask for:
-- `perplexity`: exp of the mean loss over every target token (plain text: all tokens; chat or prompt/completion data:
-  the assistant / completion tokens), sums reduced over ranks;
-- generation metrics (`exact_match`, `rouge`, `sacrebleu`, `chrf`, or an evaluate script) on prompt/completion or
-  chat data, greedy or sampled, all ranks decoding in lockstep;
-- classification metrics (`accuracy`, `f1`, `precision`, `recall`) for a classifier, with per-class F1 and the mean
-  cross-entropy.
-Predictions are gathered with `gather_for_metrics` (an uneven last batch adds no duplicates), so the results are the
-same on 1 and N ranks. They are written to `output_dir/eval_results.json` and merged into the model card's
-model-index (`output_dir/README.md`, the model folder's own card by default), which the Hub shows on the model page;
-`push_to_hub` merges the results into the Hub repo's own card metadata (its text untouched; `hub_create_pr` for a
-pull request).
-
-Errors raised before any weights load, on every rank, as in every recipe (docs/errors.md), and: a LoRA adapter whose
-recorded base model no longer exists (point `--base_model_name_or_path` at it), metrics that do not apply or cannot be
-loaded offline.
+A model folder, Hub id, recipe checkpoint or LoRA adapter, sharded with the same Accelerate configs: perplexity,
+generation metrics (exact match, ROUGE, sacrebleu, chrF) or classification metrics, the same on 1 and N ranks;
+results in eval_results.json, the trackers and the card. docs/classification-and-evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """KTO (Kahneman-Tversky optimisation) of a causal language model on answers marked good or bad, with FSDP2.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/kto.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/kto.py \\
         --config recipes/configs/kto/<config>.yaml [--field value ...]
 
-Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
-data (TRL's KTO format: `prompt`, `completion`, `label` true/false, strings or chat turns; preference pairs are
-unpaired, the run summary says so; each example also gets a KL row, its prompt with another example's completion:
-`fsdp_recipes.methods.preference.unpaired`); the policy and the frozen reference, one of three ways as in recipes/dpo.py (the policy
-with its LoRA adapters off, a frozen copy sharded like the policy, or values precomputed before the first step:
-`fsdp_recipes.methods.preference.reference`); `accelerator.prepare`; the loop: for each optimizer step, first (no gradients) the
-reference's log-probabilities of every row and the policy's of the KL rows, whose mean log-ratio over the global batch
-is the KL estimate; then for each micro-batch the policy's log-probability of each example's completion, the KTO loss
-(`loss_type` kto or apo_zero_unpaired, `beta`, `desirable_weight`, `undesirable_weight`: `fsdp_recipes.methods.preference.kto`),
-averaged over every example of the global batch, backward; step; and the finish as every recipe's (export, card, Hub).
-Logged under TRL's names: `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `logps/chosen`, `logps/rejected`
-(means over the good, or the bad, answers), `kl`, and the same with `eval_` on held-out examples every `eval_steps`.
-
-A separate recipe rather than a loss_type of recipes/dpo.py: its data are single answers, not pairs; a step needs a
-pass before the loss (the KL estimate over the global batch); its figures are per class. Errors raised before any
-weights load, on every rank: those of every recipe (see sft.py), and: columns that are neither KTO's nor a
-preference format, a label that is not true/false, a training split with only good (or only bad) answers, an
-answer left empty by truncation, beta <= 0, desirable_weight or undesirable_weight <= 0 (docs/errors.md).
+Single answers marked good or bad (TRL's KTO format; preference pairs are unpaired), each step's KL estimate over
+the global batch before its loss, the reference as in dpo.py (`fsdp_recipes.methods.preference`). A recipe of its
+own: its data are not pairs and a step needs a pass before its loss. docs/preference.md.
 """
 
 from __future__ import annotations
@@ -45,25 +30,33 @@ class KTOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
     values) and those every training recipe has. Names follow TRL's KTOConfig."""
 
     output_dir: str = dataclasses.field(
-        default="outputs/kto", metadata={"help": "the run's folder (as recipes/dpo.py's)"}
+        default="outputs/kto", metadata={"resume": "free", "help": "the run's folder (as recipes/dpo.py's)"}
     )
     learning_rate: float = dataclasses.field(
-        default=1e-6, metadata={"help": "AdamW's peak learning rate; like DPO, KTO moves a trained model a little"}
+        default=1e-6,
+        metadata={"resume": "free", "help": "AdamW's peak learning rate; like DPO, KTO moves a trained model a little"},
     )
     loss_type: str = dataclasses.field(
         default="kto",
-        metadata={"help": "kto (with the KL estimate), or apo_zero_unpaired (the good answers beat the model's own)"},
+        metadata={
+            "resume": "sensitive",
+            "help": "kto (with the KL estimate), or apo_zero_unpaired (the good answers beat the model's own)",
+        },
     )
     desirable_weight: float = dataclasses.field(
-        default=1.0, metadata={"help": "weight of the good answers' losses (raise it when they are the fewer)"}
+        default=1.0,
+        metadata={
+            "resume": "sensitive",
+            "help": "weight of the good answers' losses (raise it when they are the fewer)",
+        },
     )
     undesirable_weight: float = dataclasses.field(
-        default=1.0, metadata={"help": "weight of the bad answers' losses (raise it when they are the fewer)"}
+        default=1.0,
+        metadata={
+            "resume": "sensitive",
+            "help": "weight of the bad answers' losses (raise it when they are the fewer)",
+        },
     )
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        fields = ("loss_type", "desirable_weight", "undesirable_weight")
-        return super().resume_sensitive_fields() + fields
 
     def validate(self) -> list[str]:
         problems = super().validate()

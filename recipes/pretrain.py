@@ -1,30 +1,11 @@
 """Pretraining of a causal language model on raw text, from scratch or continued, with FSDP2.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/pretrain.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/pretrain.py \\
         --config recipes/configs/pretrain/demo_tiny_stories.yaml [--field value ...]
 
-Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
-data: the documents of one text column (local txt/JSONL/Parquet files or a Hub dataset), read as a stream
-(`streaming: true`: nothing materialised on disk, tokenised on the fly) or tokenised once and cached; each rank reads
-its own part of the corpus (whole shards, or every k-th document, or a contiguous block) and packs it into rows in
-which documents never attend to or predict each other (`packing_strategy`, `cross_document_attention`); the model
-(`model_config` from scratch, or `model_name_or_path` to continue); `accelerator.prepare`; the loop, whose loss is the
-mean over every target token of the global batch (per_device_train_batch_size x processes x
-gradient_accumulation_steps rows of max_length tokens); and the finish: what each rank read, then output_dir becomes a
-Hugging Face model folder (safetensors, config, tokenizer, card), checked after writing, optionally pushed.
-
-Checkpoints (`save_steps`) hold each rank's data position, including the packer's leftover tokens, so
-`--resume_from_checkpoint latest` continues bit for bit, streaming included, on the same number of processes (another
-number is refused: it would split the corpus differently). A stream has no known length: it needs `max_steps`.
-
-Errors raised before any weights load, on every rank: bad config, non-empty or unwritable output_dir, missing Hub
-token, degraded launch, a tokenizer without EOS, missing or empty data, no text column, a corpus part smaller than one
-row or than one optimizer step of a rank, a binary file in the corpus (named, streaming too), a text column that
-holds something else, a checkpoint written by another number of processes or with other data settings
-(docs/errors.md).
-
-This file is meant to be copied and edited: the data pipeline lives in `fsdp_recipes.data.text`, the distributed
-details in `fsdp_recipes`. docs/pretraining.md says what each setting trades.
+Raw text streamed or cached, each rank reading its own part of the corpus, documents packed so that they never
+attend to or predict each other (`fsdp_recipes.data.text`, `fsdp_recipes.data.packing`); exact resume of every
+rank's place in the corpus. Settings and what they trade: docs/pretraining.md.
 """
 
 from __future__ import annotations
@@ -50,45 +31,42 @@ class PretrainConfig(config_lib.TrainingConfig):
     output_dir: str = dataclasses.field(
         default="outputs/pretrain",
         metadata={
+            "resume": "free",
             "help": "the run's folder: at the end the trained model (a peft adapter folder with use_peft), during "
-            "the run checkpoints/ (with each rank's data position), metrics.jsonl, run_summary.json and tracker logs"
+            "the run checkpoints/ (with each rank's data position), metrics.jsonl, run_summary.json and tracker logs",
         },
     )
     dataset_text_field: str = dataclasses.field(
-        default="text", metadata={"help": "the column holding the documents (TRL's name)"}
+        default="text", metadata={"resume": "sensitive", "help": "the column holding the documents (TRL's name)"}
     )
     streaming: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "sensitive",
             "help": "read the corpus as a stream: starts at once, never writes it to disk, tokenises on the fly (a "
-            "little CPU per step; needs max_steps). false: tokenised once by datasets.map, cached for the next run"
+            "little CPU per step; needs max_steps). false: tokenised once by datasets.map, cached for the next run",
         },
     )
     packing_strategy: str = dataclasses.field(
         default="wrapped",
         metadata={
+            "resume": "sensitive",
             "help": "wrapped: concatenate and split, every row full (no padding), documents cut at row ends; bfd: "
-            "whole documents fitted into rows (only those longer than a row cut), at the cost of padding"
+            "whole documents fitted into rows (only those longer than a row cut), at the cost of padding",
         },
     )
     cross_document_attention: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "sensitive",
             "help": "the classic concatenated LM (wrapped only): tokens attend to the unrelated documents before "
-            "them in the row and EOS predicts the next document; in exchange, the plain causal mask"
+            "them in the row and EOS predicts the next document; in exchange, the plain causal mask",
         },
     )
     max_eval_samples: int | None = dataclasses.field(
-        default=256, metadata={"help": "held-out rows evaluated each time (null: all); each costs a forward pass"}
+        default=256,
+        metadata={"resume": "free", "help": "held-out rows evaluated each time (null: all); each costs a forward pass"},
     )
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "dataset_text_field",
-            "streaming",
-            "packing_strategy",
-            "cross_document_attention",
-        )
 
     def validate(self) -> list[str]:
         problems = super().validate()

@@ -1,26 +1,11 @@
 """Reward modelling: a sequence scorer trained on preference pairs with the Bradley-Terry loss, with FSDP2.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/reward.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/reward.py \\
         --config recipes/configs/reward/<config>.yaml [--field value ...]
 
-Top to bottom: the config; the run (accelerator, seed, every check that needs no weights, on all ranks together); the
-data (the preference formats `dpo.py` reads: `prompt`/`chosen`/`rejected`, or `chosen`/`rejected` alone; strings or
-chat turns; an optional numeric `margin` column); the model (`AutoModelForSequenceClassification` with one output: the
-body's weights and a new one-row `score` head, sharded with the root unit under FSDP2; `pad_token_id` set so it pools
-each row's last real token); `accelerator.prepare`; the loop: a batch of pairs (chosen and rejected rows in one
-forward), the Bradley-Terry loss `-log sigmoid(r_chosen - r_rejected - margin)` plus `center_rewards_coefficient x
-(r_chosen + r_rejected)^2` (TRL's RewardConfig names), averaged over every pair of the global batch; and the finish:
-held-out `eval_accuracy` (how often the chosen answer scores higher) and `eval_margin` (by how much, on average),
-computed over all ranks, in `eval_results.json` and the card's model-index. The folder loads with
-`AutoModelForSequenceClassification` and in `pipeline("text-classification", model=output_dir)` (which returns the raw
-score: the config's problem_type is "regression"), so it serves as a reward function for RL (GRPO's `reward_funcs`).
-
-LoRA (`use_peft: true`): the head is new, so peft trains it in full beside the adapters (its `modules_to_save`).
-
-Errors raised before any weights load, on every rank: those of every recipe (see sft.py), those of the preference data
-(see dpo.py: columns that match no preference format, equal answers, an answer left empty by truncation), a `margin`
-that is not a finite number, center_rewards_coefficient < 0, and a base that is already a classifier with another
-number of outputs (fix: ignore_mismatched_sizes) (docs/errors.md).
+dpo.py's pair formats with an optional `margin`; a one-output sequence classifier trained with the Bradley-Terry
+loss (TRL's RewardConfig names, `fsdp_recipes.methods.reward`); the folder serves as a GRPO reward function.
+docs/reward-and-distillation.md.
 """
 
 from __future__ import annotations
@@ -50,28 +35,36 @@ class RewardConfig(config_lib.TrainingConfig):
     output_dir: str = dataclasses.field(
         default="outputs/reward",
         metadata={
+            "resume": "free",
             "help": "the run's folder: at the end the reward model (a peft adapter folder with use_peft) with "
-            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
         },
     )
     learning_rate: float = dataclasses.field(
-        default=1e-5, metadata={"help": "AdamW's peak learning rate (reward models overfit pairs quickly)"}
+        default=1e-5,
+        metadata={"resume": "free", "help": "AdamW's peak learning rate (reward models overfit pairs quickly)"},
     )
     center_rewards_coefficient: float | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "sensitive",
             "help": "adds this x (r_chosen + r_rejected)^2 to each pair's loss: keeps rewards centred on 0 (1e-2 is "
-            "usual), at a small cost in how freely the scores move (null: off)"
+            "usual), at a small cost in how freely the scores move (null: off)",
         },
     )
     max_prompt_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
+        default=None,
+        metadata={
+            "resume": "sensitive",
+            "help": "prompts longer than this keep their end (null: only max_length applies)",
+        },
     )
     ignore_mismatched_sizes: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "free",
             "help": "model_name_or_path is already a classifier with another number of outputs: start a new "
-            "one-output head (its trained head is dropped). false: refused before loading"
+            "one-output head (its trained head is dropped). false: refused before loading",
         },
     )
 
@@ -80,9 +73,6 @@ class RewardConfig(config_lib.TrainingConfig):
 
     def min_max_length(self) -> tuple[int, str]:
         return 2, "a pair's rows need a prompt token and an answer token"
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("center_rewards_coefficient", "max_prompt_length")
 
     def validate(self) -> list[str]:
         problems = super().validate()

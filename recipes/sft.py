@@ -1,28 +1,12 @@
 """Supervised fine-tuning (SFT) of a causal language model on chat or prompt/completion data, with FSDP2.
 
-    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/sft.py \
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml recipes/sft.py \\
         --config recipes/configs/sft/demo_reverse.yaml [--field value ...]
 
-Top to bottom: the config (a YAML file plus `--field value` overrides, every problem reported at once); the run
-(accelerator from the Accelerate YAML — which alone holds the FSDP settings — seed, and every check that needs no
-weights, on all ranks together); the data (`messages` or `prompt`/`completion` columns, loss on assistant/completion
-tokens only, packed without attention across examples); the model; `accelerator.prepare`; the loop, whose loss is the
-mean over every target token of the global batch (per_device_train_batch_size x processes x
-gradient_accumulation_steps rows), so it does not depend on how the batch is split; and the finish: output_dir
-becomes a Hugging Face model folder (safetensors, config, tokenizer, card), checked after writing, optionally pushed.
-Logging, held-out loss and resumable checkpoints (`--resume_from_checkpoint latest`, also on another number of
-processes) keep their own cadence (`logging_steps`, `eval_steps`, `save_steps`).
-
-Errors raised before any weights load, on every rank: bad config, non-empty or unwritable output_dir, missing Hub
-token with push_to_hub, degraded launch, FSDP1 on CPU, wrap class absent from the model, two activation-checkpointing
-mechanisms, an attention implementation that cannot run, no chat template, a checkpoint of another model or global
-batch, missing or corrupt data files, a dataset without the needed columns, an empty dataset, a model or data path
-that does not exist or a Hub id that cannot be reached (one line naming the step and the fix, not a traceback), fewer
-rows than one optimizer step (unless repeat_small_dataset), LoRA module names that match nothing, a resume that
-changes what the run depends on (unless allow_config_change). The whole list, with the messages: docs/errors.md.
-
-This file is meant to be copied and edited (`fsdp-recipes cp sft my_project/`): the distributed details live in
-`fsdp_recipes`.
+Chat (`messages`) or `prompt`/`completion` data, loss on the answers only, packed rows that never attend across
+examples (`fsdp_recipes.methods.sft`); the loss is the mean over every target token of the global batch, whatever its
+split. What a run does and leaves: docs/runs.md; every refusal before loading: docs/errors.md. Meant to be copied:
+`fsdp-recipes cp sft DEST [--with-method]`.
 """
 
 from __future__ import annotations
@@ -48,8 +32,9 @@ class SFTConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
     output_dir: str = dataclasses.field(
         default="outputs/sft",
         metadata={
+            "resume": "free",
             "help": "the run's folder: at the end the fine-tuned model (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
         },
     )
 

@@ -55,6 +55,38 @@ def test_pruning_keeps_the_newest_and_never_latest(tmp_path):
 
 
 # ------------------------------------------------------------------------------ what a resumed run must keep
+TRAINING_CONFIGS = {
+    "sft": "SFTConfig", "pretrain": "PretrainConfig", "dpo": "DPOConfig", "kto": "KTOConfig", "grpo": "GRPOConfig",
+    "reward": "RewardConfig", "distill": "DistillConfig", "classify": "ClassifyConfig",
+}  # fmt: skip
+
+
+def test_every_field_of_every_training_recipe_says_what_a_resume_may_do_with_it():
+    """Declared with the field, so a new field cannot be left out of the resume check in silence: "sensitive" (a resume
+    keeps it unless allow_config_change names it), "fixed" (the checkpoint's tensors depend on it), "free"."""
+    import dataclasses
+
+    from helpers.recipes import load_recipe
+
+    for recipe, name in TRAINING_CONFIGS.items():
+        config_class = getattr(load_recipe(recipe), name)
+        undeclared = [
+            field.name
+            for field in dataclasses.fields(config_class)
+            if field.metadata.get("resume") not in ("sensitive", "fixed", "free")
+        ]
+        assert undeclared == [], f"{recipe}: {undeclared} do not say what a resume may do with them"
+        fixed = config_class().resume_fixed_fields()
+        assert set(fixed) == {
+            "use_peft",
+            "lora_r",
+            "lora_target_modules",
+            "lora_modules_to_save",
+            "use_dora",
+            "load_in_4bit",
+        }
+
+
 def test_each_recipe_declares_what_its_objective_and_data_depend_on():
     """The shared layer asks the config class; each recipe adds its own objective and data fields."""
     from helpers.recipes import load_recipe

@@ -97,7 +97,12 @@ def test_the_prompt_schedule_and_slots_do_not_depend_on_the_number_of_ranks():
     rounds = [schedule.prompts_for_round(r) for r in range(5)]  # 20 prompts: two epochs, each a permutation
     flat = [p for r in rounds for p in r]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10)) and flat[:10] != flat[10:]
-    assert rollouts.PromptSchedule(10, 4, seed=3).prompts_for_round(3) == rounds[3]  # no state: a resume is exact
+    fresh = rollouts.PromptSchedule(10, 4, seed=3)
+    assert fresh.prompts_for_round(3) == rounds[3]  # no state: a resume is exact
+    # what a checkpoint records names the schedule's own attributes, and is what the round index alone gives
+    assert fresh.state_dict() == {"epoch": fresh.epoch, "batches_into_epoch": fresh.batches_into_epoch}
+    schedule.prompts_for_round(3)
+    assert schedule.state_dict() == fresh.state_dict() == {"epoch": 1, "batches_into_epoch": 1}
     one = rollouts.rank_slots(rounds[0], 2, rank=0, world_size=1)
     two = rollouts.rank_slots(rounds[0], 2, rank=0, world_size=2) + rollouts.rank_slots(
         rounds[0], 2, rank=1, world_size=2

@@ -6,6 +6,7 @@ sets a nullable field to None as `null` does in YAML."""
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -120,6 +121,21 @@ def _typed_upstream_values(
     return known, notes, problems
 
 
+# Field metadata keys that are this project's, not argparse's: HfArgumentParser passes every key to add_argument.
+OWN_METADATA = ("resume",)  # what a resume may do with the field (train/recipe_traits.py)
+
+
+class _RecipeArgumentParser(HfArgumentParser):
+    @staticmethod
+    def _parse_dataclass_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+        if any(key in field.metadata for key in OWN_METADATA):
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType(
+                {key: value for key, value in field.metadata.items() if key not in OWN_METADATA}
+            )
+        HfArgumentParser._parse_dataclass_field(parser, field)
+
+
 def parse_config(cls, argv: list[str] | None = None):
     """`--config FILE` plus `--field value` overrides -> a validated `cls` instance, or ConfigError listing all
     problems. Command-line values win over the file."""
@@ -134,7 +150,7 @@ def parse_config(cls, argv: list[str] | None = None):
 
     rest, null_overrides = _take_null_overrides(rest, kinds)
     rest, mapping_overrides = _take_mapping_overrides(rest, kinds, problems)
-    parser = HfArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps
+    parser = _RecipeArgumentParser(cls, allow_abbrev=False)  # --max_step must not silently mean --max_steps
     parser.add_argument("--config", help="YAML file with the recipe's settings; command-line flags override it")
     parser.set_defaults(**defaults)
     try:

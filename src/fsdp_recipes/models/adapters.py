@@ -294,11 +294,6 @@ def checkpoint_state_filter(accelerator):
         accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
 
 
-# What a checkpoint's adapter shapes depend on: resuming with other values cannot restore it (checked with the other
-# resume-sensitive fields, `fsdp_recipes.train.checkpoint.check_resume_config`).
-RESUME_SETTINGS = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save", "use_dora", "load_in_4bit")
-
-
 def merge_into(model: torch.nn.Module, adapter_folder: str | Path) -> torch.nn.Module:
     """`model` (the base, loaded unsharded) with the adapter in `adapter_folder` merged into its weights: a plain model
     that FSDP shards like any other, for evaluation."""

@@ -336,12 +336,23 @@ class Run(StartedRun):
         self.log.log({"step": 0, key: value})
         return value
 
-    def finish(self, model, *, results: dict[str, Any] | None = None, eval_results: list | None = None) -> Path | None:
+    def finish(
+        self,
+        model,
+        *,
+        results: dict[str, Any] | None = None,
+        eval_results: list | None = None,
+        summary: dict[str, Any] | None = None,
+    ) -> Path | None:
         """Collective. Evaluates at the last step if that has not happened, prints the final metrics, draws the
         curves, exports the model folder (read back and compared), writes the card (with `eval_results`, a list of
-        huggingface_hub EvalResults, as its model-index) and `eval_results.json`, pushes to the Hub. Returns the
-        folder on the main process."""
+        huggingface_hub EvalResults, as its model-index) and `eval_results.json`, pushes to the Hub. `summary`: run
+        summary fields known only at the end, added to run_summary.json. Returns the folder on the main process."""
         config, accelerator = self.config, self.accelerator
+        if summary:
+            self.summary.update(summary)
+            if accelerator.is_main_process:
+                write_json(Path(config.output_dir) / "run_summary.json", self.summary)
         self.evaluation.maybe_evaluate(self.total_steps)
         results = {key: value for key, value in (results or {}).items() if value is not None}
         final_metrics = {

@@ -39,61 +39,72 @@ class RunCompatFields:
     report_to: str = dataclasses.field(
         default="tensorboard",
         metadata={
+            "resume": "free",
             "help": "trackers, comma-separated (a YAML list also works): tensorboard, wandb, trackio; none for no "
-            "tracker. Each costs an import and its writes"
+            "tracker. Each costs an import and its writes",
         },
     )
     project: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "tracker project (wandb/trackio project, TensorBoard folder in output_dir); null: recipe name"
+            "resume": "free",
+            "help": "tracker project (wandb/trackio project, TensorBoard folder in output_dir); null: recipe name",
         },
     )
     run_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "the run's name in the trackers (null: output_dir's folder name)"}
+        default=None,
+        metadata={"resume": "free", "help": "the run's name in the trackers (null: output_dir's folder name)"},
     )
     log_level: str = dataclasses.field(
         default="passive",
         metadata={
+            "resume": "free",
             "help": "main process's log level: debug, info, warning, error, critical; passive = info. Other "
-            "processes always log warnings and errors only"
+            "processes always log warnings and errors only",
         },
     )
     dataset_mixture: dict | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "sensitive",
             "help": "instead of dataset_name, alignment-handbook's mixture: {datasets: [{id, config, split, columns, "
             "weight}], seed, test_split_size}; weight = fraction of that dataset kept (>1 repeats it). "
-            "docs/coming-from-trl.md"
+            "docs/coming-from-trl.md",
         },
     )
     dtype: str | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "the base weights' dtype (torch_dtype is read as this): auto/null (the checkpoint's own), "
             "bfloat16, float16, float32. Training still keeps fp32 master weights; the Accelerate config's "
-            "mixed_precision sets the compute dtype; the export is written in this dtype unless export_dtype says"
+            "mixed_precision sets the compute dtype; the export is written in this dtype unless export_dtype says",
         },
     )
     eos_token: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "the tokenizer's end token (must be in its vocabulary), e.g. <|im_end|>; null: its own"},
+        metadata={
+            "resume": "free",
+            "help": "the tokenizer's end token (must be in its vocabulary), e.g. <|im_end|>; null: its own",
+        },
     )
     bf16: bool | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "bf16 mixed precision. Launched with an Accelerate config: must agree with its mixed_precision "
-            "(checked); without one (python recipes/x.py): turns bf16 on. null: the Accelerate config decides"
+            "(checked); without one (python recipes/x.py): turns bf16 on. null: the Accelerate config decides",
         },
     )
     fp16: bool | None = dataclasses.field(
-        default=None, metadata={"help": "fp16 mixed precision, checked like bf16 (GPU only)"}
+        default=None, metadata={"resume": "free", "help": "fp16 mixed precision, checked like bf16 (GPU only)"}
     )
     ddp_timeout: int = dataclasses.field(
         default=1800,
         metadata={
+            "resume": "free",
             "help": "seconds a process waits in a collective before the run fails: raise it when one rank does long "
-            "work alone (tokenising a large dataset on the main process first)"
+            "work alone (tokenising a large dataset on the main process first)",
         },
     )
 
@@ -135,38 +146,51 @@ class TrainingCompatFields:
     eval_strategy: str = dataclasses.field(
         default="steps",
         metadata={
+            "resume": "free",
             "help": "when held-out loss is measured: steps (every eval_steps, and at the end), epoch (each epoch's "
-            "end), no (never, unless do_eval: then once at the end)"
+            "end), no (never, unless do_eval: then once at the end)",
         },
     )
     do_eval: bool | None = dataclasses.field(
         default=None,
-        metadata={"help": "false: no evaluation at all; true with eval_strategy no: once at the end (as scripts do)"},
+        metadata={
+            "resume": "free",
+            "help": "false: no evaluation at all; true with eval_strategy no: once at the end (as scripts do)",
+        },
     )
     save_strategy: str = dataclasses.field(
         default="steps",
-        metadata={"help": "when checkpoints are written: steps (every save_steps and at the end), epoch, or no"},
+        metadata={
+            "resume": "free",
+            "help": "when checkpoints are written: steps (every save_steps and at the end), epoch, or no",
+        },
     )
     logging_strategy: str = dataclasses.field(
-        default="steps", metadata={"help": "when step figures are logged: steps (every logging_steps), epoch, or no"}
+        default="steps",
+        metadata={"resume": "free", "help": "when step figures are logged: steps (every logging_steps), epoch, or no"},
     )
     lr_scheduler_kwargs: dict | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "the scheduler's own arguments, checked against it before loading, e.g. {min_lr_rate: 0.1} for "
-            "cosine_with_min_lr"
+            "cosine_with_min_lr",
         },
     )
     gradient_checkpointing_kwargs: dict | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "passed to the model's gradient_checkpointing_enable (null: {use_reentrant: false}, which "
-            "FSDP2 and LoRA need least care with)"
+            "FSDP2 and LoRA need least care with)",
         },
     )
     use_liger_kernel: bool = dataclasses.field(
         default=False,
-        metadata={"help": "accepted, no effect here (listed as ignored in the run summary): " + LIGER_NOTE},
+        metadata={
+            "resume": "free",
+            "help": "accepted, no effect here (listed as ignored in the run summary): " + LIGER_NOTE,
+        },
     )
 
     def training_compat_problems(self) -> list[str]:

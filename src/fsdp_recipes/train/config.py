@@ -31,70 +31,89 @@ class RunConfig(RunCompatFields):
 
     # --- model --------------------------------------------------------------------------------------------------------
     model_name_or_path: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub id or local folder with pretrained weights"}
+        default=None, metadata={"resume": "sensitive", "help": "Hub id or local folder with pretrained weights"}
     )
     model_revision: str = dataclasses.field(
-        default="main", metadata={"help": "Hub branch, tag or commit of model and tokenizer"}
+        default="main", metadata={"resume": "free", "help": "Hub branch, tag or commit of model and tokenizer"}
     )
     tokenizer_name_or_path: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub id or local folder of the tokenizer (null: model_name_or_path)"}
+        default=None,
+        metadata={"resume": "sensitive", "help": "Hub id or local folder of the tokenizer (null: model_name_or_path)"},
     )
     chat_template: str | None = dataclasses.field(
-        default=None, metadata={"help": "Jinja text or a path to a .jinja file; overrides the tokenizer's own"}
+        default=None,
+        metadata={
+            "resume": "sensitive",
+            "help": "Jinja text or a path to a .jinja file; overrides the tokenizer's own",
+        },
     )
     trust_remote_code: bool = dataclasses.field(
-        default=False, metadata={"help": "runs Python code from the model repo: only for repos you trust"}
+        default=False,
+        metadata={"resume": "free", "help": "runs Python code from the model repo: only for repos you trust"},
     )
     attn_implementation: str | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "null: sdpa where the model supports it, else eager (the run summary says which). eager (slow, "
-            "exact), flash_attention_2 (GPU, needs flash-attn), flex_attention"
+            "exact), flash_attention_2 (GPU, needs flash-attn), flex_attention",
         },
     )
     # --- data ---------------------------------------------------------------------------------------------------------
     dataset_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them"}
+        default=None,
+        metadata={
+            "resume": "sensitive",
+            "help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them",
+        },
     )
-    dataset_config: str | None = dataclasses.field(default=None, metadata={"help": "Hub dataset configuration name"})
+    dataset_config: str | None = dataclasses.field(
+        default=None, metadata={"resume": "sensitive", "help": "Hub dataset configuration name"}
+    )
     max_length: int = dataclasses.field(
-        default=1024, metadata={"help": "tokens per example: longer ones are truncated"}
+        default=1024, metadata={"resume": "sensitive", "help": "tokens per example: longer ones are truncated"}
     )
     dataset_num_proc: int | None = dataclasses.field(
-        default=None, metadata={"help": "processes for tokenisation (null: in-process)"}
+        default=None, metadata={"resume": "free", "help": "processes for tokenisation (null: in-process)"}
     )
     per_device_eval_batch_size: int = dataclasses.field(
         default=8,
         metadata={
+            "resume": "free",
             "help": "rows per process per forward pass on held-out data (and per generation batch); no "
-            "gradients are kept, so it can often be larger than per_device_train_batch_size"
+            "gradients are kept, so it can often be larger than per_device_train_batch_size",
         },
     )
     # --- outputs and tracking -----------------------------------------------------------------------------------------
     output_dir: str = dataclasses.field(
         default="outputs/run",
         metadata={
+            "resume": "free",
             "help": "the run's folder: at the end the exported model (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs"
+            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
         },
     )
     seed: int = dataclasses.field(
         default=42,
         metadata={
+            "resume": "sensitive",
             "help": "seeds Python, NumPy and torch (model initialisation, dropout), the order rows are read in, and "
-            "the held-out part carved out of train: same seed, same data order and initial weights"
+            "the held-out part carved out of train: same seed, same data order and initial weights",
         },
     )
     # --- Hub ----------------------------------------------------------------------------------------------------------
     push_to_hub: bool = dataclasses.field(
         default=False,
-        metadata={"help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)"},
+        metadata={
+            "resume": "free",
+            "help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)",
+        },
     )
     hub_model_id: str | None = dataclasses.field(
-        default=None, metadata={"help": "the Hub repo to push to: user/name or org/name"}
+        default=None, metadata={"resume": "free", "help": "the Hub repo to push to: user/name or org/name"}
     )
     hub_private_repo: bool = dataclasses.field(
-        default=True, metadata={"help": "create the repo private; flip for public releases"}
+        default=True, metadata={"resume": "free", "help": "create the repo private; flip for public releases"}
     )
 
     def min_max_length(self) -> tuple[int, str]:
@@ -126,196 +145,276 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
     model_config: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)"
+            "resume": "sensitive",
+            "help": "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)",
         },
     )
     # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) ---------------------------------
     use_peft: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "fixed",
             "help": "train LoRA adapters on a frozen base: a fraction of the gradients and optimizer state; "
-            "output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)"
+            "output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)",
         },
     )
     lora_r: int = dataclasses.field(
-        default=16, metadata={"help": "adapter rank: larger = more capacity, more trainable parameters"}
+        default=16,
+        metadata={"resume": "fixed", "help": "adapter rank: larger = more capacity, more trainable parameters"},
     )
     lora_alpha: int = dataclasses.field(
-        default=32, metadata={"help": "adapter scale is lora_alpha / lora_r (or / sqrt(lora_r) with use_rslora)"}
+        default=32,
+        metadata={
+            "resume": "sensitive",
+            "help": "adapter scale is lora_alpha / lora_r (or / sqrt(lora_r) with use_rslora)",
+        },
     )
-    lora_dropout: float = dataclasses.field(default=0.05, metadata={"help": "dropout on the adapters' input"})
+    lora_dropout: float = dataclasses.field(
+        default=0.05, metadata={"resume": "sensitive", "help": "dropout on the adapters' input"}
+    )
     lora_target_modules: list[str] | None = dataclasses.field(
         default=None,
-        metadata={"help": "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)"},
+        metadata={
+            "resume": "fixed",
+            "help": "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)",
+        },
     )
     lora_modules_to_save: list[str] | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "fixed",
             "help": "modules trained in full next to the adapters (e.g. lm_head); each costs its full gradients "
-            "and optimizer state"
+            "and optimizer state",
         },
     )
     use_rslora: bool = dataclasses.field(
-        default=False, metadata={"help": "rank-stabilised scaling: helps when lora_r is large"}
+        default=False, metadata={"resume": "sensitive", "help": "rank-stabilised scaling: helps when lora_r is large"}
     )
     use_dora: bool = dataclasses.field(
-        default=False, metadata={"help": "weight-decomposed LoRA: often better quality, slower steps"}
+        default=False,
+        metadata={"resume": "fixed", "help": "weight-decomposed LoRA: often better quality, slower steps"},
     )
     export_merged_model: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "free",
             "help": "also write output_dir/merged: the base with the adapters merged in, a plain transformers "
-            "model (needs the base model in memory on the main process at the end)"
+            "model (needs the base model in memory on the main process at the end)",
         },
     )
     load_in_4bit: bool = dataclasses.field(
         default=False,
-        metadata={"help": "QLoRA: base weights stored in 4 bits (bitsandbytes), ~4x less memory for them"},
+        metadata={
+            "resume": "fixed",
+            "help": "QLoRA: base weights stored in 4 bits (bitsandbytes), ~4x less memory for them",
+        },
     )
-    bnb_4bit_quant_type: str = dataclasses.field(default="nf4", metadata={"help": "nf4 (QLoRA's) or fp4"})
+    bnb_4bit_quant_type: str = dataclasses.field(
+        default="nf4", metadata={"resume": "free", "help": "nf4 (QLoRA's) or fp4"}
+    )
     use_bnb_nested_quant: bool = dataclasses.field(
-        default=False, metadata={"help": "quantise the quantisation constants too: ~0.4 bits per weight less"}
+        default=False,
+        metadata={"resume": "free", "help": "quantise the quantisation constants too: ~0.4 bits per weight less"},
     )
     bnb_4bit_compute_dtype: str = dataclasses.field(
-        default="bfloat16", metadata={"help": "dtype the 4-bit weights are dequantised to for each matmul"}
+        default="bfloat16",
+        metadata={"resume": "free", "help": "dtype the 4-bit weights are dequantised to for each matmul"},
     )
     bnb_4bit_quant_storage: str | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "dtype the packed 4-bit weights are stored in (null: the compute dtype). FSDP shards only "
-            "floating dtypes: uint8 storage is refused under FSDP"
+            "floating dtypes: uint8 storage is refused under FSDP",
         },
     )
     # --- data ----------------------------------------------------------------------------------------------------
-    dataset_train_split: str = dataclasses.field(default="train", metadata={"help": "the dataset split to train on"})
+    dataset_train_split: str = dataclasses.field(
+        default="train", metadata={"resume": "sensitive", "help": "the dataset split to train on"}
+    )
     dataset_test_split: str | None = dataclasses.field(
         default="test",
-        metadata={"help": "held-out split; if the dataset lacks it, eval_split_size is carved out of train"},
+        metadata={
+            "resume": "sensitive",
+            "help": "held-out split; if the dataset lacks it, eval_split_size is carved out of train",
+        },
     )
     eval_split_size: float = dataclasses.field(
-        default=0.05, metadata={"help": "fraction of train held out when there is no test split (0 disables eval)"}
+        default=0.05,
+        metadata={
+            "resume": "sensitive",
+            "help": "fraction of train held out when there is no test split (0 disables eval)",
+        },
     )
     train_sampling_strategy: str = dataclasses.field(
         default="group_by_length",
-        metadata={"help": "group_by_length: rows of similar length share a batch (less padding); or random"},
+        metadata={
+            "resume": "sensitive",
+            "help": "group_by_length: rows of similar length share a batch (less padding); or random",
+        },
     )
     repeat_small_dataset: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "free",
             "help": "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
             "gradient_accumulation_steps rows; pretraining: per process), every step repeating rows (noted in the run "
-            "summary). false: refused, with the numbers"
+            "summary). false: refused, with the numbers",
         },
     )
     # --- training ------------------------------------------------------------------------------------------------
     overwrite_output_dir: bool = dataclasses.field(
-        default=False, metadata={"help": "allow writing into a non-empty output_dir (its files may be replaced)"}
+        default=False,
+        metadata={"resume": "free", "help": "allow writing into a non-empty output_dir (its files may be replaced)"},
     )
     num_train_epochs: float = dataclasses.field(
-        default=1.0, metadata={"help": "passes over the training data (fractions allowed); ignored when max_steps > 0"}
+        default=1.0,
+        metadata={
+            "resume": "free",
+            "help": "passes over the training data (fractions allowed); ignored when max_steps > 0",
+        },
     )
-    max_steps: int = dataclasses.field(default=-1, metadata={"help": "optimizer steps; > 0 overrides num_train_epochs"})
+    max_steps: int = dataclasses.field(
+        default=-1, metadata={"resume": "free", "help": "optimizer steps; > 0 overrides num_train_epochs"}
+    )
     per_device_train_batch_size: int = dataclasses.field(
-        default=8, metadata={"help": "rows per process per micro-step"}
+        default=8, metadata={"resume": "free", "help": "rows per process per micro-step"}
     )
     gradient_accumulation_steps: int = dataclasses.field(
         default=1,
         metadata={
+            "resume": "free",
             "help": "micro-steps per optimizer step: global batch = per_device_train_batch_size * processes * "
-            "this; more steps, same memory"
+            "this; more steps, same memory",
         },
     )
     learning_rate: float = dataclasses.field(
         default=2e-5,
-        metadata={"help": "AdamW's peak learning rate, reached after warmup, then shaped by lr_scheduler_type"},
+        metadata={
+            "resume": "free",
+            "help": "AdamW's peak learning rate, reached after warmup, then shaped by lr_scheduler_type",
+        },
     )
     weight_decay: float = dataclasses.field(
-        default=0.0, metadata={"help": "AdamW weight decay, on weight matrices only (not on norms and biases)"}
+        default=0.0,
+        metadata={"resume": "free", "help": "AdamW weight decay, on weight matrices only (not on norms and biases)"},
     )
     adam_beta1: float = dataclasses.field(
-        default=0.9, metadata={"help": "AdamW's decay rate of the running mean of gradients (momentum)"}
+        default=0.9,
+        metadata={"resume": "free", "help": "AdamW's decay rate of the running mean of gradients (momentum)"},
     )
     adam_beta2: float = dataclasses.field(
         default=0.999,
         metadata={
+            "resume": "free",
             "help": "AdamW's decay rate of the running mean of squared gradients: lower adapts faster to a "
-            "changing gradient scale"
+            "changing gradient scale",
         },
     )
     adam_epsilon: float = dataclasses.field(
-        default=1e-8, metadata={"help": "added to AdamW's denominator for numerical stability"}
+        default=1e-8, metadata={"resume": "free", "help": "added to AdamW's denominator for numerical stability"}
     )
     lr_scheduler_type: str = dataclasses.field(
-        default="cosine", metadata={"help": "any transformers SchedulerType: linear, cosine, constant_with_warmup, ..."}
+        default="cosine",
+        metadata={
+            "resume": "free",
+            "help": "any transformers SchedulerType: linear, cosine, constant_with_warmup, ...",
+        },
     )
     warmup_ratio: float = dataclasses.field(
-        default=0.0, metadata={"help": "fraction of steps spent warming up (ignored if warmup_steps > 0)"}
+        default=0.0,
+        metadata={"resume": "free", "help": "fraction of steps spent warming up (ignored if warmup_steps > 0)"},
     )
     warmup_steps: float = dataclasses.field(
         default=0,
         metadata={
+            "resume": "free",
             "help": "warmup from 0 to learning_rate: >= 1 a number of optimizer steps, in (0, 1) a fraction of the "
-            "run (transformers 5); > 0 overrides warmup_ratio"
+            "run (transformers 5); > 0 overrides warmup_ratio",
         },
     )
-    max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping; 0 disables it"})
+    max_grad_norm: float = dataclasses.field(
+        default=1.0, metadata={"resume": "free", "help": "gradient clipping; 0 disables it"}
+    )
     logging_steps: int = dataclasses.field(
-        default=10, metadata={"help": "log every N steps; each logging step is a few small all-reduces"}
+        default=10,
+        metadata={"resume": "free", "help": "log every N steps; each logging step is a few small all-reduces"},
     )
     eval_steps: int | None = dataclasses.field(
         default=None,
-        metadata={"help": "evaluate every N steps (null: only at the end); each costs a pass over the eval data"},
+        metadata={
+            "resume": "free",
+            "help": "evaluate every N steps (null: only at the end); each costs a pass over the eval data",
+        },
     )
     # --- speed and measurement -----------------------------------------------------------------------------------
     loss_implementation: str = dataclasses.field(
         default="chunked",
         metadata={
+            "resume": "free",
             "help": "chunked: cross-entropy over chunks of tokens, never the whole micro-batch's fp32 logits "
             "(their share of activation memory drops ~tokens/loss_chunk_size-fold); full_logits: what most "
             "trainers do (more memory); liger: liger-kernel's fused kernel (CUDA, pip install liger-kernel); "
-            "linear_cross_entropy: torch's own (torch >= 2.13; measured against chunked: docs/chunked-loss.md)"
+            "linear_cross_entropy: torch's own (torch >= 2.13; measured against chunked: docs/chunked-loss.md)",
         },
     )
     loss_chunk_size: int = dataclasses.field(
-        default=1024, metadata={"help": "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory"}
+        default=1024,
+        metadata={"resume": "free", "help": "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory"},
     )
     optim: str = dataclasses.field(
         default="adamw_torch",
-        metadata={"help": "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)"},
+        metadata={
+            "resume": "free",
+            "help": "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)",
+        },
     )
     torch_compile: bool = dataclasses.field(
-        default=False, metadata={"help": "compile each decoder layer: faster steps after a compile pause at start-up"}
+        default=False,
+        metadata={
+            "resume": "free",
+            "help": "compile each decoder layer: faster steps after a compile pause at start-up",
+        },
     )
     gradient_checkpointing: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "free",
             "help": "the model's own activation checkpointing: ~30%% more compute, far less activation memory; "
-            "refused when the Accelerate config already enables fsdp_activation_checkpointing"
+            "refused when the Accelerate config already enables fsdp_activation_checkpointing",
         },
     )
     dataloader_num_workers: int = dataclasses.field(
-        default=0, metadata={"help": "worker processes collating batches; raise if data_wait_fraction is high"}
+        default=0,
+        metadata={"resume": "free", "help": "worker processes collating batches; raise if data_wait_fraction is high"},
     )
     peak_flops_per_device: float | None = dataclasses.field(
-        default=None, metadata={"help": "for MFU on devices not in the table (e.g. 989e12 for an H100)"}
+        default=None,
+        metadata={"resume": "free", "help": "for MFU on devices not in the table (e.g. 989e12 for an H100)"},
     )
     # --- checkpoints ---------------------------------------------------------------------------------------------
     save_steps: int | None = dataclasses.field(
         default=500,
-        metadata={"help": "resumable checkpoint every N steps and at the end (null: none); each costs a write"},
+        metadata={
+            "resume": "free",
+            "help": "resumable checkpoint every N steps and at the end (null: none); each costs a write",
+        },
     )
     save_total_limit: int | None = dataclasses.field(
-        default=None, metadata={"help": "keep only the newest K checkpoints (null: keep all); saves disk"}
+        default=None,
+        metadata={"resume": "free", "help": "keep only the newest K checkpoints (null: keep all); saves disk"},
     )
     resume_from_checkpoint: str | None = dataclasses.field(
-        default=None, metadata={"help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"}
+        default=None,
+        metadata={"resume": "free", "help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"},
     )
     allow_config_change: list[str] | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "resuming: fields that change the objective or the data (docs/errors.md) which may differ from "
             "the checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change "
-            "is refused"
+            "is refused",
         },
     )
 

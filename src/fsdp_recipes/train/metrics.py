@@ -274,31 +274,33 @@ class StepLogger:
         self,
         step: int,
         *,
-        loss_sum: float,
-        target_count: float,
+        loss_sum,
+        target_count: float | None = None,
         grad_norm=None,
-        sums: dict[str, float] | None = None,
+        sums: dict | None = None,
         **fields,
     ) -> None:
         """Collective at logging steps (all ranks call it every step). `loss_sum` is this rank's summed loss over the
         step's `target_count` targets (or examples) of all ranks; each of `sums` is this rank's sum of a per-example
-        figure, logged as its mean over the step's global batch."""
+        figure, logged as its mean over the step's global batch. Without `target_count`, `loss_sum` and `sums` are
+        this rank's shares of means already taken over the global batch (GRPO's token weights), summed over ranks.
+        Values may be tensors on the device: they are read here, at logging steps only."""
         from fsdp_recipes.distributed.collectives import sum_over_ranks
 
         self.window.steps += 1
         if not self.cadence.due(step):
             return
-        means = {}
+        means, divisor = {}, 1.0 if target_count is None else max(target_count, 1.0)
         if sums:
             names = sorted(sums)
             totals = [sum_over_ranks(self.accelerator, sums[name]) for name in names]  # a few scalars: cheap
-            means = {name: total / max(target_count, 1.0) for name, total in zip(names, totals)}
+            means = {name: total / divisor for name, total in zip(names, totals)}
         record = {
             "step": step,
             **self.position(),
             **fields,
             **means,
-            "loss": sum_over_ranks(self.accelerator, loss_sum) / max(target_count, 1.0),
+            "loss": sum_over_ranks(self.accelerator, loss_sum) / divisor,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             **throughput_record(
                 self.accelerator,
@@ -313,6 +315,15 @@ class StepLogger:
             self._first_window = False
         self.log.log(record)
         self.window.reset()
+
+    def count_batch(self, batch) -> None:
+        """A batch the recipe made itself (not taken from the run's batch stream, which counts its own): its real
+        tokens and slots join the window's throughput."""
+        self.window.add_batch(batch)
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is a logging step."""
+        return self.cadence.due(step)
 
     def final_metrics(self) -> dict:
         """Means of the speed figures over the logged windows (warm-up left out) and the peak memory."""

@@ -15,25 +15,28 @@ class PublishingFields:
     export_dtype: str = dataclasses.field(
         default="auto",
         metadata={
+            "resume": "free",
             "help": "dtype of the exported weights: auto (the base model's, from its config.json, or torch_dtype/"
             "dtype when the recipe config sets one; float32 for a model initialised from a config naming none), "
             "float32, bfloat16 or float16. Training keeps fp32 master weights whatever this says; float32 exports "
-            "of a bf16 base are twice the size and no more accurate than the base"
+            "of a bf16 base are twice the size and no more accurate than the base",
         },
     )
     chat_template_path: str | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "free",
             "help": "TRL's name for setting the template on purpose: a .jinja file, or a tokenizer folder/Hub id whose "
-            "template the model is trained and exported with (null: the tokenizer's own, or chat_template)"
+            "template the model is trained and exported with (null: the tokenizer's own, or chat_template)",
         },
     )
     hub_strategy: str = dataclasses.field(
         default="end",
         metadata={
+            "resume": "free",
             "help": "with push_to_hub, when the Hub gets the model: end (once, the exported folder) or every_save "
             "(also at every checkpoint: the model exported then, uploaded in the background; each save also "
-            "gathers the full weights on the main process)"
+            "gathers the full weights on the main process)",
         },
     )
 

@@ -4,9 +4,8 @@ must keep), so that nothing under src/ reads a field only one recipe has."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
-
-from fsdp_recipes.models.adapters import RESUME_SETTINGS as ADAPTER_SHAPE_FIELDS
 
 
 class RecipeTraits:
@@ -49,29 +48,16 @@ class RecipeTraits:
     def resume_sensitive_fields(self) -> tuple[str, ...]:
         """Fields that change the objective or the data (which rows, in which order, as which tokens): a resumed run
         must keep the checkpoint's values, or one run would mix two trainings, unless `allow_config_change` names
-        them. A recipe's config adds its own: `super().resume_sensitive_fields() + (...)`."""
-        return (
-            "model_name_or_path",
-            "model_config",
-            "tokenizer_name_or_path",
-            "chat_template",
-            "dataset_name",
-            "dataset_config",
-            "dataset_mixture",
-            "dataset_train_split",
-            "dataset_test_split",
-            "eval_split_size",
-            "max_length",
-            "seed",
-            "train_sampling_strategy",
-            "lora_alpha",
-            "lora_dropout",
-            "use_rslora",
-        )
+        them. Each field says so where it is declared: `metadata={"resume": "sensitive", ...}` ("free": a resume may
+        change it; "fixed": the checkpoint's tensors depend on it). tests/test_config.py checks every field says."""
+        return self._fields_whose_resume_is("sensitive")
 
     def resume_fixed_fields(self) -> tuple[str, ...]:
         """Fields the checkpoint's tensors depend on (LoRA's shapes): no resume with other values, allowed or not."""
-        return ADAPTER_SHAPE_FIELDS
+        return self._fields_whose_resume_is("fixed")
+
+    def _fields_whose_resume_is(self, kind: str) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(self) if field.metadata.get("resume") == kind)
 
     def memory_saving_alternatives(self) -> list[tuple[str, dict[str, Any]]]:
         """Changes to this config that save memory the shared layer cannot know of, as (description, {field: value})

@@ -26,7 +26,8 @@ from fsdp_recipes.train.evaluation import ReproducibleSampling
 class PromptSchedule:
     """The prompts of each round: `prompts_per_round` consecutive entries of an endless sequence of permutations of
     `range(prompt_count)`, one per epoch, each drawn from (seed, epoch). `epoch` / `batches_into_epoch` (rounds
-    started in it) and `state_dict` are what a checkpoint records of it."""
+    started in it) and `state_dict` are what a checkpoint records of it. A resume restores nothing: a round's prompts
+    are a function of its index and the seed, and the step gives the index."""
 
     def __init__(self, prompt_count: int, prompts_per_round: int, *, seed: int):
         self.prompt_count, self.prompts_per_round, self.seed = prompt_count, prompts_per_round, seed
@@ -46,11 +47,12 @@ class PromptSchedule:
             epoch, offset = divmod(position, self.prompt_count)
             chosen.append(self._permutation(epoch)[offset])
         self.epoch = start // self.prompt_count
-        self.batches_into_epoch = round_index - (self.epoch * self.prompt_count) // self.prompts_per_round + 1
+        first_round_of_epoch = -(-self.epoch * self.prompt_count // self.prompts_per_round)  # the first to start in it
+        self.batches_into_epoch = round_index - first_round_of_epoch + 1
         return chosen
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "rounds_into_epoch": self.batches_into_epoch}
+        return {"epoch": self.epoch, "batches_into_epoch": self.batches_into_epoch}
 
 
 def rank_slots(prompt_indices: list[int], num_generations: int, *, rank: int, world_size: int) -> list[tuple[int, int]]:

@@ -15,21 +15,33 @@ class SamplingFields:
     num_generations: int = dataclasses.field(
         default=8,
         metadata={
+            "resume": "sensitive",
             "help": "completions per prompt (a group, >= 2): more = better advantage estimates, fewer prompts "
-            "per step; must divide the global batch of completions"
+            "per step; must divide the global batch of completions",
         },
     )
     max_completion_length: int = dataclasses.field(
-        default=256, metadata={"help": "tokens generated per completion at most (memory: the KV cache grows with it)"}
+        default=256,
+        metadata={
+            "resume": "sensitive",
+            "help": "tokens generated per completion at most (memory: the KV cache grows with it)",
+        },
     )
-    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature (> 0)"})
-    top_p: float = dataclasses.field(default=1.0, metadata={"help": "nucleus sampling: 1.0 keeps every token"})
-    top_k: int | None = dataclasses.field(default=None, metadata={"help": "sample among the k likeliest (null: all)"})
+    temperature: float = dataclasses.field(
+        default=1.0, metadata={"resume": "sensitive", "help": "sampling temperature (> 0)"}
+    )
+    top_p: float = dataclasses.field(
+        default=1.0, metadata={"resume": "sensitive", "help": "nucleus sampling: 1.0 keeps every token"}
+    )
+    top_k: int | None = dataclasses.field(
+        default=None, metadata={"resume": "sensitive", "help": "sample among the k likeliest (null: all)"}
+    )
     gather_weights_for_generation: bool = dataclasses.field(
         default=True,
         metadata={
+            "resume": "free",
             "help": "hold the whole policy on every rank for a generation pass (one all-gather per pass, more "
-            "memory) instead of gathering each layer for every decoded token"
+            "memory) instead of gathering each layer for every decoded token",
         },
     )
 
@@ -52,48 +64,54 @@ class SamplingFields:
     def generation_footprint(self) -> tuple[int, int, bool]:
         return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
 
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
-        )  # fmt: skip
-
 
 @dataclasses.dataclass
 class PolicyObjectiveFields:
     beta: float = dataclasses.field(
         default=0.0,
         metadata={
+            "resume": "sensitive",
             "help": "KL coefficient: > 0 keeps the policy near the reference at the cost of a reference "
-            "forward per step (and, without LoRA, a frozen model copy); 0: no reference"
+            "forward per step (and, without LoRA, a frozen model copy); 0: no reference",
         },
     )
-    epsilon: float = dataclasses.field(default=0.2, metadata={"help": "the ratio is clipped to [1 - epsilon, ...]"})
+    epsilon: float = dataclasses.field(
+        default=0.2, metadata={"resume": "sensitive", "help": "the ratio is clipped to [1 - epsilon, ...]"}
+    )
     epsilon_high: float | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "sensitive",
             "help": "upper clip 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28: lets unlikely tokens of good "
-            "completions grow faster, against entropy collapse; null: epsilon)"
+            "completions grow faster, against entropy collapse; null: epsilon)",
         },
     )
     loss_type: str = dataclasses.field(
         default="dapo",
         metadata={
+            "resume": "sensitive",
             "help": "how tokens are averaged over the global batch: dapo/bnpo (every token alike), grpo "
-            "(per completion, then over completions: favours short ones), dr_grpo (/ completions x max length)"
+            "(per completion, then over completions: favours short ones), dr_grpo (/ completions x max length)",
         },
     )
     scale_rewards: str = dataclasses.field(
-        default="group", metadata={"help": "advantages divided by the std of the group, of the batch, or none"}
+        default="group",
+        metadata={"resume": "sensitive", "help": "advantages divided by the std of the group, of the batch, or none"},
     )
     num_iterations: int = dataclasses.field(
         default=1,
         metadata={
+            "resume": "sensitive",
             "help": "optimizer steps per generation round (μ): > 1 reuses completions, clipped by "
-            "the ratio to the log-probs they were generated with"
+            "the ratio to the log-probs they were generated with",
         },
     )
     mask_truncated_completions: bool = dataclasses.field(
-        default=False, metadata={"help": "completions cut at max_completion_length count for no token of the loss"}
+        default=False,
+        metadata={
+            "resume": "sensitive",
+            "help": "completions cut at max_completion_length count for no token of the loss",
+        },
     )
 
     def reference_mode(self) -> str | None:
@@ -119,30 +137,30 @@ class PolicyObjectiveFields:
             )
         return problems
 
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
-            "mask_truncated_completions",
-        )  # fmt: skip
-
 
 @dataclasses.dataclass
 class RewardFields:
     reward_funcs: list[str] = dataclasses.field(
         default_factory=list,
         metadata={
+            "resume": "sensitive",
             "help": "rewards: built-ins (exact_match, partial_match, numeric_answer, format, length_penalty), "
-            "package.module:function, path/file.py:function, or a reward-model folder (one-label classifier)"
+            "package.module:function, path/file.py:function, or a reward-model folder (one-label classifier)",
         },
     )
     reward_weights: list[float] | None = dataclasses.field(
-        default=None, metadata={"help": "one weight per reward function (null: all 1.0)"}
+        default=None, metadata={"resume": "sensitive", "help": "one weight per reward function (null: all 1.0)"}
     )
     reward_answer_column: str = dataclasses.field(
-        default="answer", metadata={"help": "the column exact_match, partial_match and numeric_answer compare with"}
+        default="answer",
+        metadata={
+            "resume": "sensitive",
+            "help": "the column exact_match, partial_match and numeric_answer compare with",
+        },
     )
     reward_format_pattern: str = dataclasses.field(
-        default=rewards.RewardOptions.format_pattern, metadata={"help": "the regex the format reward matches"}
+        default=rewards.RewardOptions.format_pattern,
+        metadata={"resume": "sensitive", "help": "the regex the format reward matches"},
     )
 
     def reward_options(self) -> rewards.RewardOptions:
@@ -160,11 +178,6 @@ class RewardFields:
                 f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
             )
         return problems
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "reward_funcs", "reward_weights", "reward_answer_column", "reward_format_pattern",
-        )  # fmt: skip
 
 
 @dataclasses.dataclass

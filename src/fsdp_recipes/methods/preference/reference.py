@@ -39,7 +39,7 @@ def mode_for(*, precompute: bool, use_peft: bool) -> str:
     return "adapters" if use_peft else "model"
 
 
-def frozen_copies(mode: str) -> int:
+def frozen_copies(mode: str | None) -> int:
     """Model copies the reference adds to what each device holds (for the memory estimate)."""
     return 1 if mode == "model" else 0
 
@@ -50,26 +50,36 @@ class ReferenceFields:
     config puts before `TrainingConfig`. A recipe whose loss may need no reference overrides `needs_reference`."""
 
     beta: float = dataclasses.field(
-        default=0.1, metadata={"help": "how far the policy may drift from the reference: larger keeps it closer"}
+        default=0.1,
+        metadata={
+            "resume": "sensitive",
+            "help": "how far the policy may drift from the reference: larger keeps it closer",
+        },
     )
     max_prompt_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "prompts longer than this keep their end (null: only max_length applies)"}
+        default=None,
+        metadata={
+            "resume": "sensitive",
+            "help": "prompts longer than this keep their end (null: only max_length applies)",
+        },
     )
     precompute_ref_log_probs: bool = dataclasses.field(
         default=False,
         metadata={
+            "resume": "free",
             "help": "one pass before training stores the reference's values: no reference model in memory or "
-            "forward per step afterwards, at the cost of that pass"
+            "forward per step afterwards, at the cost of that pass",
         },
     )
 
     def needs_reference(self) -> bool:
         return True
 
-    def reference_mode(self) -> str:
-        """One of MODES, or "none" when the loss needs no reference (nothing loaded, nothing precomputed)."""
+    def reference_mode(self) -> str | None:
+        """One of MODES, or None when the loss needs no reference (nothing loaded, nothing precomputed), as GRPO's
+        `reference_mode` at beta 0."""
         if not self.needs_reference():
-            return "none"
+            return None
         return mode_for(precompute=self.precompute_ref_log_probs, use_peft=self.use_peft)
 
     def frozen_model_copies(self) -> int:
@@ -88,9 +98,6 @@ class ReferenceFields:
             )
         ]
 
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + ("beta", "max_prompt_length")
-
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
@@ -99,7 +106,7 @@ class ReferenceFields:
 
 
 def for_splits(
-    mode: str,
+    mode: str | None,
     accelerator: Accelerator,
     loaders: dict[str, Any],
     *,
@@ -110,11 +117,11 @@ def for_splits(
     write_to: str | Path | None = None,
 ) -> tuple[dict[str, ReferenceLogProbs | None], dict[str, Table] | None]:
     """Collective, after `accelerator.prepare`: ({split: its reference values}, the precomputed tables or None) for
-    prepared in-order `loaders` of pairs. `mode` "none" (the loss needs no reference): None for every split. "model":
+    prepared in-order `loaders` of pairs. `mode` None (the loss needs no reference): None for every split. "model":
     `copy` (the starting weights, loaded unprepared) is sharded here, its loss computed as `token_loss` computes the
     policy's. "precomputed": `stored` (a resume's, from its checkpoint) or one pass of the untrained policy, written
     to `write_to` (main process) when given."""
-    if mode == "none":
+    if mode is None:
         return dict.fromkeys(loaders), None
     if mode == "model":
         copy_loss = TokenLoss(copy, token_loss.implementation, chunk_size=token_loss.chunk_size)

@@ -15,37 +15,47 @@ from fsdp_recipes.train import evaluation
 class SupervisedFields:
     packing: bool = dataclasses.field(
         default=True,
-        metadata={"help": "pack several examples per row: less padding; examples never attend to each other"},
+        metadata={
+            "resume": "sensitive",
+            "help": "pack several examples per row: less padding; examples never attend to each other",
+        },
     )
     packing_row_length: int | None = dataclasses.field(
         default=None,
         metadata={
+            "resume": "sensitive",
             "help": "tokens per packed row (null: max_length). Shorter rows cost less attention per token with "
-            "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut"
+            "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut",
         },
     )
     packing_strategy: str = dataclasses.field(
         default="bfd",
         metadata={
+            "resume": "free",
             "help": "how examples share rows: bfd (best-fit decreasing, TRL's default); ffd (older TRL) is read as "
-            "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does"
+            "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does",
         },
     )
     assistant_only_loss: bool = dataclasses.field(
-        default=True, metadata={"help": "conversational data: loss only on assistant turns"}
+        default=True, metadata={"resume": "sensitive", "help": "conversational data: loss only on assistant turns"}
     )
     completion_only_loss: bool = dataclasses.field(
-        default=True, metadata={"help": "prompt/completion data: loss only on the completion"}
+        default=True, metadata={"resume": "sensitive", "help": "prompt/completion data: loss only on the completion"}
     )
     exact_match_eval_samples: int = dataclasses.field(
         default=0,
         metadata={
+            "resume": "free",
             "help": "held-out examples whose greedy completion is compared with the reference, before and after "
-            "training (0: none); costs one generation per sample each time"
+            "training (0: none); costs one generation per sample each time",
         },
     )
     max_new_tokens: int = dataclasses.field(
-        default=64, metadata={"help": "generation budget (tokens per completion) of the exact_match_eval_samples check"}
+        default=64,
+        metadata={
+            "resume": "free",
+            "help": "generation budget (tokens per completion) of the exact_match_eval_samples check",
+        },
     )
 
     def row_length(self) -> int:
@@ -53,11 +63,6 @@ class SupervisedFields:
 
     def packs_examples(self) -> bool:
         return self.packing
-
-    def resume_sensitive_fields(self) -> tuple[str, ...]:
-        return super().resume_sensitive_fields() + (
-            "packing", "packing_row_length", "assistant_only_loss", "completion_only_loss",
-        )  # fmt: skip
 
     def validate(self) -> list[str]:
         problems = super().validate()
