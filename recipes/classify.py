@@ -28,54 +28,36 @@ from fsdp_recipes.train import evaluation, loop
 class ClassifyConfig(config_lib.TrainingConfig):
     """The classification recipe's own settings, on top of those every training recipe has."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/classify",
-        metadata={
-            "resume": "free",
-            "help": "the run's folder: at the end the classifier (a peft adapter folder with use_peft) with "
-            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
-        },
+    output_dir: str = arguments.setting(
+        "outputs/classify",
+        "the run's folder: at the end the classifier (a peft adapter folder with use_peft) with "
+        "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
+        resume="free",
     )
-    max_length: int = dataclasses.field(
-        default=512,
-        metadata={
-            "resume": "sensitive",
-            "help": "tokens per example (text and pair together); longer ones lose their end",
-        },
+    max_length: int = arguments.setting(
+        512, "tokens per example (text and pair together); longer ones lose their end", resume="sensitive"
     )
-    text_column: str = dataclasses.field(
-        default="text", metadata={"resume": "sensitive", "help": "the column holding the text to classify"}
+    text_column: str = arguments.setting("text", "the column holding the text to classify", resume="sensitive")
+    text_pair_column: str | None = arguments.setting(
+        None,
+        "a second text (e.g. the response a reward model judges), joined by the tokenizer (null: none)",
+        resume="sensitive",
     )
-    text_pair_column: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "a second text (e.g. the response a reward model judges), joined by the tokenizer (null: none)",
-        },
+    label_column: str = arguments.setting(
+        "label", "ClassLabel, integers or strings; the classes are those seen in training", resume="sensitive"
     )
-    label_column: str = dataclasses.field(
-        default="label",
-        metadata={
-            "resume": "sensitive",
-            "help": "ClassLabel, integers or strings; the classes are those seen in training",
-        },
+    ignore_mismatched_sizes: bool = arguments.setting(
+        False,
+        "model_name_or_path is already a classifier for another number of classes: start a new head for "
+        "the data's classes (transformers' option; the trained head is dropped). false: refused before loading",
+        resume="free",
     )
-    ignore_mismatched_sizes: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "model_name_or_path is already a classifier for another number of classes: start a new head for "
-            "the data's classes (transformers' option; the trained head is dropped). false: refused before loading",
-        },
-    )
-    class_weights: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "null: plain cross-entropy. balanced: each class weighs in inversely to its frequency (rare "
-            "classes count more, at some cost to accuracy on frequent ones); or comma-separated weights w0,w1,... "
-            "in label-id order",
-        },
+    class_weights: str | None = arguments.setting(
+        None,
+        "null: plain cross-entropy. balanced: each class weighs in inversely to its frequency (rare "
+        "classes count more, at some cost to accuracy on frequent ones); or comma-separated weights w0,w1,... "
+        "in label-id order",
+        resume="sensitive",
     )
 
     def min_max_length(self) -> tuple[int, str]:

@@ -31,46 +31,36 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
     """The distillation recipe's own settings (SFT's data settings, and the teacher's), on top of those every training
     recipe has. Names follow TRL's SFTConfig/GKDConfig and torchtune's KD recipes."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/distill",
-        metadata={
-            "resume": "free",
-            "help": "the run's folder: at the end the distilled student (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
-        },
+    output_dir: str = arguments.setting(
+        "outputs/distill",
+        "the run's folder: at the end the distilled student (a peft adapter folder with use_peft), "
+        "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
+        resume="free",
     )
-    teacher_model_name_or_path: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "the teacher: a model folder or Hub id with the student's vocabulary and tokenizer; frozen, "
-            "loaded in the compute dtype and sharded like the student (one more model in memory, one more forward "
-            "per step)",
-        },
+    teacher_model_name_or_path: str | None = arguments.setting(
+        None,
+        "the teacher: a model folder or Hub id with the student's vocabulary and tokenizer; frozen, "
+        "loaded in the compute dtype and sharded like the student (one more model in memory, one more forward "
+        "per step)",
+        resume="sensitive",
     )
-    kd_ratio: float = dataclasses.field(
-        default=0.5,
-        metadata={
-            "resume": "sensitive",
-            "help": "weight of the distillation loss: (1 - kd_ratio) x cross-entropy on the data + kd_ratio x KD. "
-            "1: the teacher alone; 0: plain SFT",
-        },
+    kd_ratio: float = arguments.setting(
+        0.5,
+        "weight of the distillation loss: (1 - kd_ratio) x cross-entropy on the data + kd_ratio x KD. "
+        "1: the teacher alone; 0: plain SFT",
+        resume="sensitive",
     )
-    temperature: float = dataclasses.field(
-        default=1.0,
-        metadata={
-            "resume": "sensitive",
-            "help": "softens both distributions before comparing them: > 1 teaches the teacher's ranking of unlikely "
-            "tokens too, at the cost of a weaker signal on the likely ones",
-        },
+    temperature: float = arguments.setting(
+        1.0,
+        "softens both distributions before comparing them: > 1 teaches the teacher's ranking of unlikely "
+        "tokens too, at the cost of a weaker signal on the likely ones",
+        resume="sensitive",
     )
-    kd_loss: str = dataclasses.field(
-        default="forward_kl",
-        metadata={
-            "resume": "sensitive",
-            "help": "forward_kl: KL(teacher || student), covers all the teacher's mass; reverse_kl: KL(student || "
-            "teacher), mode-seeking; jsd: Jensen-Shannon, symmetric and bounded",
-        },
+    kd_loss: str = arguments.setting(
+        "forward_kl",
+        "forward_kl: KL(teacher || student), covers all the teacher's mass; reverse_kl: KL(student || "
+        "teacher), mode-seeking; jsd: Jensen-Shannon, symmetric and bounded",
+        resume="sensitive",
     )
 
     def frozen_models(self) -> list[str]:

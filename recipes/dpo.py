@@ -29,55 +29,35 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
     """The DPO recipe's settings: the preference losses', the reference's (`methods/preference/reference.py`: beta, prompt length,
     precomputed values) and those every training recipe has. Names follow TRL's DPOConfig."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/dpo",
-        metadata={
-            "resume": "free",
-            "help": "the run's folder: at the end the trained policy (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
-        },
+    output_dir: str = arguments.setting(
+        "outputs/dpo",
+        "the run's folder: at the end the trained policy (a peft adapter folder with use_peft), "
+        "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
+        resume="free",
     )
-    learning_rate: float = dataclasses.field(
-        default=1e-6,
-        metadata={
-            "resume": "free",
-            "help": "AdamW's peak learning rate. DPO moves a trained model a little: full fine-tuning rates are "
-            "~10x too high",
-        },
+    learning_rate: float = arguments.setting(
+        1e-6,
+        "AdamW's peak learning rate. DPO moves a trained model a little: full fine-tuning rates are ~10x too high",
+        resume="free",
     )
-    loss_type: str | list[str] = dataclasses.field(
-        default_factory=lambda: "sigmoid",  # a factory: argparse reads this field as a list, and keeps only those
-        metadata={
-            "resume": "sensitive",
-            "help": "one loss or a list, summed with loss_weights (TRL's names). Reference-based: "
-            + ", ".join(objectives.NEEDS_REFERENCE)
-            + "; needing no reference model (none is loaded when all are): sft (chosen NLL; [sigmoid, sft] is RPO), "
-            "simpo, orpo. docs/preference.md gives each formula",
-        },
+    loss_type: str | list[str] = arguments.setting(
+        default_factory=lambda: "sigmoid",
+        help="one loss or a list, summed with loss_weights (TRL's names). Reference-based: "
+        + ", ".join(objectives.NEEDS_REFERENCE)
+        + "; needing no reference model (none is loaded when all are): sft (chosen NLL; [sigmoid, sft] is RPO), "
+        "simpo, orpo. docs/preference.md gives each formula",
+        resume="sensitive",
     )
-    loss_weights: list[float] | None = dataclasses.field(
-        default=None,
-        metadata={"resume": "sensitive", "help": "one weight >= 0 per loss_type entry (null: each weighs 1)"},
+    loss_weights: list[float] | None = arguments.setting(
+        None, "one weight >= 0 per loss_type entry (null: each weighs 1)", resume="sensitive"
     )
-    label_smoothing: float = dataclasses.field(
-        default=0.0,
-        metadata={
-            "resume": "sensitive",
-            "help": "chance a label is wrong: sigmoid, robust, aot(_unpaired), simpo; exo_pair's e",
-        },
+    label_smoothing: float = arguments.setting(
+        0.0, "chance a label is wrong: sigmoid, robust, aot(_unpaired), simpo; exo_pair's e", resume="sensitive"
     )
-    discopop_tau: float = dataclasses.field(
-        default=0.05, metadata={"resume": "sensitive", "help": "discopop: how sharply it mixes its terms"}
-    )
-    simpo_gamma: float = dataclasses.field(
-        default=0.5, metadata={"resume": "sensitive", "help": "simpo: the target reward margin"}
-    )
-    cpo_alpha: float = dataclasses.field(
-        default=0.0,
-        metadata={
-            "resume": "sensitive",
-            "help": "simpo: weight of the chosen NLL added (TRL's default 1.0 is CPO-SimPO)",
-        },
+    discopop_tau: float = arguments.setting(0.05, "discopop: how sharply it mixes its terms", resume="sensitive")
+    simpo_gamma: float = arguments.setting(0.5, "simpo: the target reward margin", resume="sensitive")
+    cpo_alpha: float = arguments.setting(
+        0.0, "simpo: weight of the chosen NLL added (TRL's default 1.0 is CPO-SimPO)", resume="sensitive"
     )
 
     def __post_init__(self):

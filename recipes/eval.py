@@ -32,79 +32,54 @@ class EvalConfig(config_lib.RunConfig):
     come from RunConfig; the fields below are eval's own, or the shared ones with eval's meaning."""
 
     # --- the model ----------------------------------------------------------------------------------------------------
-    model_name_or_path: str | None = dataclasses.field(
-        default=None, metadata={"help": "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"}
+    model_name_or_path: str | None = arguments.setting(
+        None, "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"
     )
-    base_model_name_or_path: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "LoRA adapters (a folder or a LoRA run's checkpoint): the base model to merge them into (null: "
-            "the one the adapter records, refused before loading if it is a path that does not exist here)"
-        },
+    base_model_name_or_path: str | None = arguments.setting(
+        None,
+        "LoRA adapters (a folder or a LoRA run's checkpoint): the base model to merge them into (null: "
+        "the one the adapter records, refused before loading if it is a path that does not exist here)",
     )
-    task: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "null: from the model (a *ForSequenceClassification is a classifier); or causal-lm, "
-            "sequence-classification"
-        },
+    task: str | None = arguments.setting(
+        None,
+        "null: from the model (a *ForSequenceClassification is a classifier); or causal-lm, sequence-classification",
     )
     # --- the data -----------------------------------------------------------------------------------------------------
-    dataset_split: str = dataclasses.field(
-        default="test", metadata={"help": "the dataset split to evaluate on (a dataset with one split: that one)"}
+    dataset_split: str = arguments.setting(
+        "test", "the dataset split to evaluate on (a dataset with one split: that one)"
     )
-    max_eval_samples: int | None = dataclasses.field(
-        default=None, metadata={"help": "the first N examples (null: all): faster, less precise"}
+    max_eval_samples: int | None = arguments.setting(None, "the first N examples (null: all): faster, less precise")
+    text_column: str = arguments.setting("text", "plain text for perplexity; the text a classifier reads")
+    text_pair_column: str | None = arguments.setting(
+        None, "classifiers: the second text, if the model was trained with one (null: none)"
     )
-    text_column: str = dataclasses.field(
-        default="text", metadata={"help": "plain text for perplexity; the text a classifier reads"}
-    )
-    text_pair_column: str | None = dataclasses.field(
-        default=None, metadata={"help": "classifiers: the second text, if the model was trained with one (null: none)"}
-    )
-    label_column: str = dataclasses.field(
-        default="label", metadata={"help": "classifiers: label names (as in the model's id2label) or ids"}
-    )
+    label_column: str = arguments.setting("label", "classifiers: label names (as in the model's id2label) or ids")
     # --- what is measured ---------------------------------------------------------------------------------------------
-    metrics: list[str] | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "null: perplexity for a causal LM, accuracy and f1 for a classifier (which also takes precision, "
-            "recall). A causal LM also takes generation metrics: exact_match, rouge, sacrebleu, chrf or an "
-            "evaluate script (each costs a full generation pass, shared between them)"
-        },
+    metrics: list[str] | None = arguments.setting(
+        None,
+        "null: perplexity for a causal LM, accuracy and f1 for a classifier (which also takes precision, "
+        "recall). A causal LM also takes generation metrics: exact_match, rouge, sacrebleu, chrf or an "
+        "evaluate script (each costs a full generation pass, shared between them)",
     )
-    max_new_tokens: int = dataclasses.field(default=64, metadata={"help": "generation budget per prompt"})
-    do_sample: bool = dataclasses.field(
-        default=False, metadata={"help": "false: greedy decoding; true: sampling (seeded per batch, so reproducible)"}
+    max_new_tokens: int = arguments.setting(64, "generation budget per prompt")
+    do_sample: bool = arguments.setting(
+        False, "false: greedy decoding; true: sampling (seeded per batch, so reproducible)"
     )
-    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling only: softmax temperature"})
-    top_p: float = dataclasses.field(default=1.0, metadata={"help": "sampling only: nucleus size"})
-    seed: int = dataclasses.field(
-        default=42, metadata={"help": "seeds Python, NumPy and torch, and the sampling of each batch (do_sample)"}
-    )
+    temperature: float = arguments.setting(1.0, "sampling only: softmax temperature")
+    top_p: float = arguments.setting(1.0, "sampling only: nucleus size")
+    seed: int = arguments.setting(42, "seeds Python, NumPy and torch, and the sampling of each batch (do_sample)")
     # --- results ------------------------------------------------------------------------------------------------------
-    output_dir: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "where eval_results.json, eval_predictions.jsonl and the card (README.md) go; null: the model "
-            "folder itself"
-        },
+    output_dir: str | None = arguments.setting(
+        None,
+        "where eval_results.json, eval_predictions.jsonl and the card (README.md) go; null: the model folder itself",
     )
-    push_to_hub: bool = dataclasses.field(
-        default=False, metadata={"help": "merge the results into the Hub repo's card metadata (needs a token)"}
+    push_to_hub: bool = arguments.setting(False, "merge the results into the Hub repo's card metadata (needs a token)")
+    hub_model_id: str | None = arguments.setting(
+        None, "the repo to update; null: model_name_or_path when that is a Hub id"
     )
-    hub_model_id: str | None = dataclasses.field(
-        default=None, metadata={"help": "the repo to update; null: model_name_or_path when that is a Hub id"}
-    )
-    hub_create_pr: bool = dataclasses.field(
-        default=False, metadata={"help": "push the results as a pull request (a repo you do not own)"}
-    )
-    report_to: str = dataclasses.field(
-        default="none",
-        metadata={
-            "help": "tracker that also gets the results: none, tensorboard, wandb or trackio (written to output_dir)"
-        },
+    hub_create_pr: bool = arguments.setting(False, "push the results as a pull request (a repo you do not own)")
+    report_to: str = arguments.setting(
+        "none", "tracker that also gets the results: none, tensorboard, wandb or trackio (written to output_dir)"
     )
 
     def validate(self) -> list[str]:

@@ -33,42 +33,29 @@ class GRPOConfig(online_rl.OnlineRLFields, config_lib.TrainingConfig):
     """The GRPO recipe's settings: those of online RL (sampling, objective, rewards: `methods/grpo/settings.py`) and
     of every training recipe, with defaults for RL. Names follow TRL's GRPOConfig."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/grpo", metadata={"resume": "free", "help": "the run's folder (see sft.py)"}
+    output_dir: str = arguments.setting("outputs/grpo", "the run's folder (see sft.py)", resume="free")
+    learning_rate: float = arguments.setting(
+        1e-6, "AdamW's peak learning rate: RL moves a trained model a little", resume="free"
     )
-    learning_rate: float = dataclasses.field(
-        default=1e-6,
-        metadata={"resume": "free", "help": "AdamW's peak learning rate: RL moves a trained model a little"},
+    per_device_train_batch_size: int = arguments.setting(
+        8, "completions per process per micro-step (a group may span processes)", resume="free"
     )
-    per_device_train_batch_size: int = dataclasses.field(
-        default=8,
-        metadata={"resume": "free", "help": "completions per process per micro-step (a group may span processes)"},
+    max_length: int = arguments.setting(
+        1024,
+        "prompt + completion tokens; prompts keep their last max_length - max_completion_length tokens",
+        resume="sensitive",
     )
-    max_length: int = dataclasses.field(
-        default=1024,
-        metadata={
-            "resume": "sensitive",
-            "help": "prompt + completion tokens; prompts keep their last max_length - max_completion_length tokens",
-        },
+    loss_implementation: str = arguments.setting(
+        "full_logits",
+        "full_logits only: the completion tokens' log-probabilities and entropies come from their "
+        "logits at the sampling temperature (the positions before completions get none)",
+        resume="free",
     )
-    loss_implementation: str = dataclasses.field(
-        default="full_logits",
-        metadata={
-            "resume": "free",
-            "help": "full_logits only: the completion tokens' log-probabilities and entropies come from their "
-            "logits at the sampling temperature (the positions before completions get none)",
-        },
+    dataset_prompt_column: str = arguments.setting(
+        "prompt", "the column of prompts, text or chat turns (e.g. question for gsm8k)", resume="sensitive"
     )
-    dataset_prompt_column: str = dataclasses.field(
-        default="prompt",
-        metadata={"resume": "sensitive", "help": "the column of prompts, text or chat turns (e.g. question for gsm8k)"},
-    )
-    num_completions_to_print: int = dataclasses.field(
-        default=4,
-        metadata={
-            "resume": "free",
-            "help": "completions (with prompt and reward) written to completions.jsonl and tables per log",
-        },
+    num_completions_to_print: int = arguments.setting(
+        4, "completions (with prompt and reward) written to completions.jsonl and tables per log", resume="free"
     )
 
     def validate(self) -> list[str]:

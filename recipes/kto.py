@@ -29,33 +29,20 @@ class KTOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
     """The KTO recipe's settings: its loss's, the reference's (`methods/preference/reference.py`: beta, prompt length, precomputed
     values) and those every training recipe has. Names follow TRL's KTOConfig."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/kto", metadata={"resume": "free", "help": "the run's folder (as recipes/dpo.py's)"}
+    output_dir: str = arguments.setting("outputs/kto", "the run's folder (as recipes/dpo.py's)", resume="free")
+    learning_rate: float = arguments.setting(
+        1e-6, "AdamW's peak learning rate; like DPO, KTO moves a trained model a little", resume="free"
     )
-    learning_rate: float = dataclasses.field(
-        default=1e-6,
-        metadata={"resume": "free", "help": "AdamW's peak learning rate; like DPO, KTO moves a trained model a little"},
+    loss_type: str = arguments.setting(
+        "kto",
+        "kto (with the KL estimate), or apo_zero_unpaired (the good answers beat the model's own)",
+        resume="sensitive",
     )
-    loss_type: str = dataclasses.field(
-        default="kto",
-        metadata={
-            "resume": "sensitive",
-            "help": "kto (with the KL estimate), or apo_zero_unpaired (the good answers beat the model's own)",
-        },
+    desirable_weight: float = arguments.setting(
+        1.0, "weight of the good answers' losses (raise it when they are the fewer)", resume="sensitive"
     )
-    desirable_weight: float = dataclasses.field(
-        default=1.0,
-        metadata={
-            "resume": "sensitive",
-            "help": "weight of the good answers' losses (raise it when they are the fewer)",
-        },
-    )
-    undesirable_weight: float = dataclasses.field(
-        default=1.0,
-        metadata={
-            "resume": "sensitive",
-            "help": "weight of the bad answers' losses (raise it when they are the fewer)",
-        },
+    undesirable_weight: float = arguments.setting(
+        1.0, "weight of the bad answers' losses (raise it when they are the fewer)", resume="sensitive"
     )
 
     def validate(self) -> list[str]:

@@ -28,44 +28,35 @@ from fsdp_recipes.train import loop, losses
 class PretrainConfig(config_lib.TrainingConfig):
     """The pretraining recipe's own settings, on top of those every training recipe has (max_length is the row)."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/pretrain",
-        metadata={
-            "resume": "free",
-            "help": "the run's folder: at the end the trained model (a peft adapter folder with use_peft), during "
-            "the run checkpoints/ (with each rank's data position), metrics.jsonl, run_summary.json and tracker logs",
-        },
+    output_dir: str = arguments.setting(
+        "outputs/pretrain",
+        "the run's folder: at the end the trained model (a peft adapter folder with use_peft), during "
+        "the run checkpoints/ (with each rank's data position), metrics.jsonl, run_summary.json and tracker logs",
+        resume="free",
     )
-    dataset_text_field: str = dataclasses.field(
-        default="text", metadata={"resume": "sensitive", "help": "the column holding the documents (TRL's name)"}
+    dataset_text_field: str = arguments.setting(
+        "text", "the column holding the documents (TRL's name)", resume="sensitive"
     )
-    streaming: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "sensitive",
-            "help": "read the corpus as a stream: starts at once, never writes it to disk, tokenises on the fly (a "
-            "little CPU per step; needs max_steps). false: tokenised once by datasets.map, cached for the next run",
-        },
+    streaming: bool = arguments.setting(
+        False,
+        "read the corpus as a stream: starts at once, never writes it to disk, tokenises on the fly (a "
+        "little CPU per step; needs max_steps). false: tokenised once by datasets.map, cached for the next run",
+        resume="sensitive",
     )
-    packing_strategy: str = dataclasses.field(
-        default="wrapped",
-        metadata={
-            "resume": "sensitive",
-            "help": "wrapped: concatenate and split, every row full (no padding), documents cut at row ends; bfd: "
-            "whole documents fitted into rows (only those longer than a row cut), at the cost of padding",
-        },
+    packing_strategy: str = arguments.setting(
+        "wrapped",
+        "wrapped: concatenate and split, every row full (no padding), documents cut at row ends; bfd: "
+        "whole documents fitted into rows (only those longer than a row cut), at the cost of padding",
+        resume="sensitive",
     )
-    cross_document_attention: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "sensitive",
-            "help": "the classic concatenated LM (wrapped only): tokens attend to the unrelated documents before "
-            "them in the row and EOS predicts the next document; in exchange, the plain causal mask",
-        },
+    cross_document_attention: bool = arguments.setting(
+        False,
+        "the classic concatenated LM (wrapped only): tokens attend to the unrelated documents before "
+        "them in the row and EOS predicts the next document; in exchange, the plain causal mask",
+        resume="sensitive",
     )
-    max_eval_samples: int | None = dataclasses.field(
-        default=256,
-        metadata={"resume": "free", "help": "held-out rows evaluated each time (null: all); each costs a forward pass"},
+    max_eval_samples: int | None = arguments.setting(
+        256, "held-out rows evaluated each time (null: all); each costs a forward pass", resume="free"
     )
 
     def validate(self) -> list[str]:

@@ -32,40 +32,29 @@ from fsdp_recipes.train import evaluation, loop, losses
 class RewardConfig(config_lib.TrainingConfig):
     """The reward recipe's own settings, on top of those every training recipe has. Names follow TRL's RewardConfig."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/reward",
-        metadata={
-            "resume": "free",
-            "help": "the run's folder: at the end the reward model (a peft adapter folder with use_peft) with "
-            "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
-        },
+    output_dir: str = arguments.setting(
+        "outputs/reward",
+        "the run's folder: at the end the reward model (a peft adapter folder with use_peft) with "
+        "eval_results.json, during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
+        resume="free",
     )
-    learning_rate: float = dataclasses.field(
-        default=1e-5,
-        metadata={"resume": "free", "help": "AdamW's peak learning rate (reward models overfit pairs quickly)"},
+    learning_rate: float = arguments.setting(
+        1e-5, "AdamW's peak learning rate (reward models overfit pairs quickly)", resume="free"
     )
-    center_rewards_coefficient: float | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "adds this x (r_chosen + r_rejected)^2 to each pair's loss: keeps rewards centred on 0 (1e-2 is "
-            "usual), at a small cost in how freely the scores move (null: off)",
-        },
+    center_rewards_coefficient: float | None = arguments.setting(
+        None,
+        "adds this x (r_chosen + r_rejected)^2 to each pair's loss: keeps rewards centred on 0 (1e-2 is "
+        "usual), at a small cost in how freely the scores move (null: off)",
+        resume="sensitive",
     )
-    max_prompt_length: int | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "prompts longer than this keep their end (null: only max_length applies)",
-        },
+    max_prompt_length: int | None = arguments.setting(
+        None, "prompts longer than this keep their end (null: only max_length applies)", resume="sensitive"
     )
-    ignore_mismatched_sizes: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "model_name_or_path is already a classifier with another number of outputs: start a new "
-            "one-output head (its trained head is dropped). false: refused before loading",
-        },
+    ignore_mismatched_sizes: bool = arguments.setting(
+        False,
+        "model_name_or_path is already a classifier with another number of outputs: start a new "
+        "one-output head (its trained head is dropped). false: refused before loading",
+        resume="free",
     )
 
     def micro_batch_rows(self) -> int:

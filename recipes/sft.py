@@ -29,13 +29,11 @@ class SFTConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
     """The SFT recipe's settings: the supervised data's (`methods/sft/supervised.py`: packing, loss masks, the exact-match
     check) and those every training recipe has. Field names follow TRL's SFTConfig."""
 
-    output_dir: str = dataclasses.field(
-        default="outputs/sft",
-        metadata={
-            "resume": "free",
-            "help": "the run's folder: at the end the fine-tuned model (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
-        },
+    output_dir: str = arguments.setting(
+        "outputs/sft",
+        "the run's folder: at the end the fine-tuned model (a peft adapter folder with use_peft), "
+        "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
+        resume="free",
     )
 
 

@@ -26,7 +26,7 @@ from fixtures.preference import kto_values
 from fixtures.reward_distill import distill_values, reward_values
 from helpers.data import write_jsonl
 from helpers.paths import REPO, TOKENIZER
-from helpers.recipes import launch_environment_of, read_metrics, run_recipe_launched_here
+from helpers.recipes import base_recipe_values, launch_environment_of, read_metrics, run_recipe_launched_here
 
 CONFIGS = sorted(path for path in (REPO / "accelerate_configs").glob("*.yaml") if path.name != "topologies.yaml")
 FP32_CONFIG = REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"
@@ -50,23 +50,10 @@ def sft_runs(tmp_path_factory, tiny_model_config, small_chat_data):
         key = rehearsable_settings(config)
         if key not in runs:
             name = f"run{len(runs)}"
-            values = dict(
-                model_config=str(tiny_model_config),
-                tokenizer_name_or_path=str(TOKENIZER),
-                dataset_name=str(small_chat_data),
-                max_length=64,
-                max_steps=STEPS,
-                per_device_train_batch_size=4,
-                learning_rate=3e-3,
-                warmup_steps=0,
-                logging_steps=1,
-                exact_match_eval_samples=0,
-                eval_steps=None,
-                save_steps=None,
-                output_dir=str(tmp / name),
-                seed=7,
-                report_to="none",
-            )
+            values = base_recipe_values(
+                tiny_model_config, small_chat_data, tmp / name, max_steps=STEPS, warmup_steps=0,
+                exact_match_eval_samples=0, eval_steps=None, save_steps=None,
+            )  # fmt: skip
             stderr = io.StringIO()
             try:
                 with contextlib.redirect_stderr(stderr):

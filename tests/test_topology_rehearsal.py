@@ -3,8 +3,8 @@
 HSDP (hsdp_4proc_cpu.yaml) really builds a 2 x 2 (replicate x shard) mesh, and HSDP, SHARD_GRAD_OP and NO_SHARD
 (plain DDP, MULTI_GPU: MULTI_CPU here) all give the losses of the 2-process FULL_SHARD run with the same global
 batch (the shared reference run of tests/fixtures/sft.py). The SLURM template, run as SLURM would run it on two
-nodes, gives 2 nodes x 2 processes of HSDP the losses of 1 node x 4. fsdp_8gpu.yaml as shipped (bf16) trains on 2
-ranks within bf16's rounding of the fp32 run (every config's settings on one rank: tests/test_precision_rehearsal.py).
+nodes, gives 2 nodes x 2 processes of HSDP the losses of 1 node x 4. SHARD_GRAD_OP runs as shipped, in bf16, within
+bf16's rounding of the fp32 run (every config's settings on one rank: tests/test_precision_rehearsal.py).
 A wrap class the model lacks stops the recipe before any weights load."""
 
 from __future__ import annotations
@@ -108,16 +108,16 @@ def runs(tmp_path_factory, tiny_model_config, small_chat_data, reference_run):
     tmp = tmp_path_factory.mktemp("topology_runs")
     common = dict(tiny_model_config=tiny_model_config, data=small_chat_data)
     two_nodes = tmp_path_factory.mktemp("two_nodes")
-    hsdp, shard_grad_op, no_shard, bf16 = concurrently(  # independent launches, side by side
+    hsdp, shard_grad_op, no_shard = concurrently(  # independent launches, side by side
         # HSDP 2 x 2, rehearsed as two "nodes" through the SLURM template (4 processes in all)
         lambda: run_on_two_slurm_nodes(two_nodes, tiny_model_config, small_chat_data),
+        # as shipped, in bf16: also the 2-rank run of a GPU config's mixed precision (the rest are fp32, exact)
         lambda: run_recipe(
             tmp,
             "shard_grad_op",
             CONFIGS / "fsdp_8gpu_shard_grad_op.yaml",
             num_processes=2,
             rows_per_process=4,
-            launcher_args=GPU_CONFIG_ON_CPU,
             **common,
         ),
         lambda: run_recipe(
@@ -129,16 +129,8 @@ def runs(tmp_path_factory, tiny_model_config, small_chat_data, reference_run):
             launcher_args=GPU_CONFIG_ON_CPU,
             **common,
         ),
-        # the config every GPU user starts from, as shipped: bf16 mixed precision, sharded over 2 ranks
-        lambda: run_recipe(tmp, "bf16", CONFIGS / "fsdp_8gpu.yaml", num_processes=2, rows_per_process=4, **common),
     )
-    return {
-        "full_shard": reference_run,
-        "hsdp": hsdp,
-        "shard_grad_op": shard_grad_op,
-        "no_shard": no_shard,
-        "bf16": bf16,
-    }
+    return {"full_shard": reference_run, "hsdp": hsdp, "shard_grad_op": shard_grad_op, "no_shard": no_shard}
 
 
 def losses(output_dir: Path) -> list[float]:
@@ -149,24 +141,22 @@ def summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "run_summary.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["hsdp", "shard_grad_op", "no_shard"])
-def test_losses_equal_the_two_process_full_shard_run(runs, name):
+# bf16 (SHARD_GRAD_OP's config as shipped) moved the losses by at most 0.014% over 12 steps; checked to 0.2%
+@pytest.mark.parametrize("name, rtol", [("hsdp", 1e-5), ("shard_grad_op", 2e-3), ("no_shard", 1e-5)])
+def test_losses_equal_the_two_process_full_shard_run(runs, name, rtol):
     reference, other = losses(runs["full_shard"]), losses(runs[name])
     assert len(reference) == len(other) == STEPS
     assert reference[-1] < reference[0]  # it trains
-    torch.testing.assert_close(torch.tensor(other), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    atol = 1e-6 if rtol < 1e-4 else 0.0
+    torch.testing.assert_close(torch.tensor(other), torch.tensor(reference), rtol=rtol, atol=atol)
 
 
-def test_the_shipped_bf16_config_on_two_ranks_trains_as_fp32_does_and_exports(runs):
-    """fsdp_8gpu.yaml as shipped (bf16) with the default chunked loss: its first step once crashed on every rank.
-    bf16 rounding moved the losses by at most 0.014% over 12 steps (checked to 0.2%); the export is read back by the run itself."""
-    summary_bf16 = summary(runs["bf16"])
-    assert (summary_bf16["mixed_precision"], summary_bf16["world_size"]) == ("bf16", 2)
-    assert summary_bf16["loss"].startswith("chunked")
-    reference, bf16 = losses(runs["full_shard"]), losses(runs["bf16"])
-    assert len(bf16) == STEPS
-    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(reference), rtol=2e-3, atol=0)
-    assert (runs["bf16"] / "model.safetensors").exists()
+def test_a_shipped_bf16_config_on_two_ranks_trains_with_the_default_loss_and_exports(runs):
+    """The GPU configs' bf16 with the default chunked loss: its first step once crashed on every rank. The export is
+    read back by the run itself (every config's settings on one rank: tests/test_precision_rehearsal.py)."""
+    sgo = summary(runs["shard_grad_op"])
+    assert (sgo["mixed_precision"], sgo["world_size"]) == ("bf16", 2) and sgo["loss"].startswith("chunked")
+    assert (runs["shard_grad_op"] / "model.safetensors").exists()
 
 
 def test_each_run_used_the_topology_its_config_names(runs):

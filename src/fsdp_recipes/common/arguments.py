@@ -121,6 +121,26 @@ def _typed_upstream_values(
     return known, notes, problems
 
 
+RESUME_KINDS = ("sensitive", "fixed", "free")
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    resume: str | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A config field with its `--help` text and, in a training recipe's settings, what a resume may do with it:
+    "sensitive" (the objective or the data depend on it: a resume keeps the checkpoint's value unless
+    allow_config_change names it), "fixed" (the checkpoint's tensors depend on it: never changed on resume) or
+    "free". Declared here, with the field, so that a new field cannot be left out of the resume check in silence."""
+    if resume is not None and resume not in RESUME_KINDS:
+        raise ValueError(f"resume={resume!r} is not one of {RESUME_KINDS}")
+    metadata = {"help": help} | ({"resume": resume} if resume else {})
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
 # Field metadata keys that are this project's, not argparse's: HfArgumentParser passes every key to add_argument.
 OWN_METADATA = ("resume",)  # what a resume may do with the field (train/recipe_traits.py)
 

@@ -17,6 +17,7 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 
+from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.mixture import mixture_problems
 from fsdp_recipes.train.cadence import Cadence
@@ -36,76 +37,55 @@ LIGER_NOTE = (
 class RunCompatFields:
     """Fields every recipe has whose names and meanings are TrainingArguments' / TRL's / the handbook's."""
 
-    report_to: str = dataclasses.field(
-        default="tensorboard",
-        metadata={
-            "resume": "free",
-            "help": "trackers, comma-separated (a YAML list also works): tensorboard, wandb, trackio; none for no "
-            "tracker. Each costs an import and its writes",
-        },
+    report_to: str = setting(
+        "tensorboard",
+        "trackers, comma-separated (a YAML list also works): tensorboard, wandb, trackio; none for no "
+        "tracker. Each costs an import and its writes",
+        resume="free",
     )
-    project: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "tracker project (wandb/trackio project, TensorBoard folder in output_dir); null: recipe name",
-        },
+    project: str | None = setting(
+        None,
+        "tracker project (wandb/trackio project, TensorBoard folder in output_dir); null: recipe name",
+        resume="free",
     )
-    run_name: str | None = dataclasses.field(
-        default=None,
-        metadata={"resume": "free", "help": "the run's name in the trackers (null: output_dir's folder name)"},
+    run_name: str | None = setting(
+        None, "the run's name in the trackers (null: output_dir's folder name)", resume="free"
     )
-    log_level: str = dataclasses.field(
-        default="passive",
-        metadata={
-            "resume": "free",
-            "help": "main process's log level: debug, info, warning, error, critical; passive = info. Other "
-            "processes always log warnings and errors only",
-        },
+    log_level: str = setting(
+        "passive",
+        "main process's log level: debug, info, warning, error, critical; passive = info. Other "
+        "processes always log warnings and errors only",
+        resume="free",
     )
-    dataset_mixture: dict | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "instead of dataset_name, alignment-handbook's mixture: {datasets: [{id, config, split, columns, "
-            "weight}], seed, test_split_size}; weight = fraction of that dataset kept (>1 repeats it). "
-            "docs/coming-from-trl.md",
-        },
+    dataset_mixture: dict | None = setting(
+        None,
+        "instead of dataset_name, alignment-handbook's mixture: {datasets: [{id, config, split, columns, "
+        "weight}], seed, test_split_size}; weight = fraction of that dataset kept (>1 repeats it). "
+        "docs/coming-from-trl.md",
+        resume="sensitive",
     )
-    dtype: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "the base weights' dtype (torch_dtype is read as this): auto/null (the checkpoint's own), "
-            "bfloat16, float16, float32. Training still keeps fp32 master weights; the Accelerate config's "
-            "mixed_precision sets the compute dtype; the export is written in this dtype unless export_dtype says",
-        },
+    dtype: str | None = setting(
+        None,
+        "the base weights' dtype (torch_dtype is read as this): auto/null (the checkpoint's own), "
+        "bfloat16, float16, float32. Training still keeps fp32 master weights; the Accelerate config's "
+        "mixed_precision sets the compute dtype; the export is written in this dtype unless export_dtype says",
+        resume="free",
     )
-    eos_token: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "the tokenizer's end token (must be in its vocabulary), e.g. <|im_end|>; null: its own",
-        },
+    eos_token: str | None = setting(
+        None, "the tokenizer's end token (must be in its vocabulary), e.g. <|im_end|>; null: its own", resume="free"
     )
-    bf16: bool | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "bf16 mixed precision. Launched with an Accelerate config: must agree with its mixed_precision "
-            "(checked); without one (python recipes/x.py): turns bf16 on. null: the Accelerate config decides",
-        },
+    bf16: bool | None = setting(
+        None,
+        "bf16 mixed precision. Launched with an Accelerate config: must agree with its mixed_precision "
+        "(checked); without one (python recipes/x.py): turns bf16 on. null: the Accelerate config decides",
+        resume="free",
     )
-    fp16: bool | None = dataclasses.field(
-        default=None, metadata={"resume": "free", "help": "fp16 mixed precision, checked like bf16 (GPU only)"}
-    )
-    ddp_timeout: int = dataclasses.field(
-        default=1800,
-        metadata={
-            "resume": "free",
-            "help": "seconds a process waits in a collective before the run fails: raise it when one rank does long "
-            "work alone (tokenising a large dataset on the main process first)",
-        },
+    fp16: bool | None = setting(None, "fp16 mixed precision, checked like bf16 (GPU only)", resume="free")
+    ddp_timeout: int = setting(
+        1800,
+        "seconds a process waits in a collective before the run fails: raise it when one rank does long "
+        "work alone (tokenising a large dataset on the main process first)",
+        resume="free",
     )
 
     def trackers(self) -> list[str]:
@@ -143,54 +123,35 @@ class RunCompatFields:
 class TrainingCompatFields:
     """Training fields whose names and meanings are TrainingArguments' / TRL's."""
 
-    eval_strategy: str = dataclasses.field(
-        default="steps",
-        metadata={
-            "resume": "free",
-            "help": "when held-out loss is measured: steps (every eval_steps, and at the end), epoch (each epoch's "
-            "end), no (never, unless do_eval: then once at the end)",
-        },
+    eval_strategy: str = setting(
+        "steps",
+        "when held-out loss is measured: steps (every eval_steps, and at the end), epoch (each epoch's "
+        "end), no (never, unless do_eval: then once at the end)",
+        resume="free",
     )
-    do_eval: bool | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "false: no evaluation at all; true with eval_strategy no: once at the end (as scripts do)",
-        },
+    do_eval: bool | None = setting(
+        None, "false: no evaluation at all; true with eval_strategy no: once at the end (as scripts do)", resume="free"
     )
-    save_strategy: str = dataclasses.field(
-        default="steps",
-        metadata={
-            "resume": "free",
-            "help": "when checkpoints are written: steps (every save_steps and at the end), epoch, or no",
-        },
+    save_strategy: str = setting(
+        "steps", "when checkpoints are written: steps (every save_steps and at the end), epoch, or no", resume="free"
     )
-    logging_strategy: str = dataclasses.field(
-        default="steps",
-        metadata={"resume": "free", "help": "when step figures are logged: steps (every logging_steps), epoch, or no"},
+    logging_strategy: str = setting(
+        "steps", "when step figures are logged: steps (every logging_steps), epoch, or no", resume="free"
     )
-    lr_scheduler_kwargs: dict | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "the scheduler's own arguments, checked against it before loading, e.g. {min_lr_rate: 0.1} for "
-            "cosine_with_min_lr",
-        },
+    lr_scheduler_kwargs: dict | None = setting(
+        None,
+        "the scheduler's own arguments, checked against it before loading, e.g. {min_lr_rate: 0.1} for "
+        "cosine_with_min_lr",
+        resume="free",
     )
-    gradient_checkpointing_kwargs: dict | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "passed to the model's gradient_checkpointing_enable (null: {use_reentrant: false}, which "
-            "FSDP2 and LoRA need least care with)",
-        },
+    gradient_checkpointing_kwargs: dict | None = setting(
+        None,
+        "passed to the model's gradient_checkpointing_enable (null: {use_reentrant: false}, which "
+        "FSDP2 and LoRA need least care with)",
+        resume="free",
     )
-    use_liger_kernel: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "accepted, no effect here (listed as ignored in the run summary): " + LIGER_NOTE,
-        },
+    use_liger_kernel: bool = setting(
+        False, "accepted, no effect here (listed as ignored in the run summary): " + LIGER_NOTE, resume="free"
     )
 
     def training_compat_problems(self) -> list[str]:

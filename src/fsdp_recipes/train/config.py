@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import SchedulerType
 
+from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
 from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields
@@ -30,91 +31,55 @@ class RunConfig(RunCompatFields):
     """The settings every recipe has, training or not (plus those named as in TrainingArguments/TRL: compat)."""
 
     # --- model --------------------------------------------------------------------------------------------------------
-    model_name_or_path: str | None = dataclasses.field(
-        default=None, metadata={"resume": "sensitive", "help": "Hub id or local folder with pretrained weights"}
+    model_name_or_path: str | None = setting(None, "Hub id or local folder with pretrained weights", resume="sensitive")
+    model_revision: str = setting("main", "Hub branch, tag or commit of model and tokenizer", resume="free")
+    tokenizer_name_or_path: str | None = setting(
+        None, "Hub id or local folder of the tokenizer (null: model_name_or_path)", resume="sensitive"
     )
-    model_revision: str = dataclasses.field(
-        default="main", metadata={"resume": "free", "help": "Hub branch, tag or commit of model and tokenizer"}
+    chat_template: str | None = setting(
+        None, "Jinja text or a path to a .jinja file; overrides the tokenizer's own", resume="sensitive"
     )
-    tokenizer_name_or_path: str | None = dataclasses.field(
-        default=None,
-        metadata={"resume": "sensitive", "help": "Hub id or local folder of the tokenizer (null: model_name_or_path)"},
+    trust_remote_code: bool = setting(
+        False, "runs Python code from the model repo: only for repos you trust", resume="free"
     )
-    chat_template: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "Jinja text or a path to a .jinja file; overrides the tokenizer's own",
-        },
-    )
-    trust_remote_code: bool = dataclasses.field(
-        default=False,
-        metadata={"resume": "free", "help": "runs Python code from the model repo: only for repos you trust"},
-    )
-    attn_implementation: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "null: sdpa where the model supports it, else eager (the run summary says which). eager (slow, "
-            "exact), flash_attention_2 (GPU, needs flash-attn), flex_attention",
-        },
+    attn_implementation: str | None = setting(
+        None,
+        "null: sdpa where the model supports it, else eager (the run summary says which). eager (slow, "
+        "exact), flash_attention_2 (GPU, needs flash-attn), flex_attention",
+        resume="free",
     )
     # --- data ---------------------------------------------------------------------------------------------------------
-    dataset_name: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them",
-        },
+    dataset_name: str | None = setting(
+        None, "Hub id, a local .json/.jsonl/.parquet/.csv file, or a folder of them", resume="sensitive"
     )
-    dataset_config: str | None = dataclasses.field(
-        default=None, metadata={"resume": "sensitive", "help": "Hub dataset configuration name"}
-    )
-    max_length: int = dataclasses.field(
-        default=1024, metadata={"resume": "sensitive", "help": "tokens per example: longer ones are truncated"}
-    )
-    dataset_num_proc: int | None = dataclasses.field(
-        default=None, metadata={"resume": "free", "help": "processes for tokenisation (null: in-process)"}
-    )
-    per_device_eval_batch_size: int = dataclasses.field(
-        default=8,
-        metadata={
-            "resume": "free",
-            "help": "rows per process per forward pass on held-out data (and per generation batch); no "
-            "gradients are kept, so it can often be larger than per_device_train_batch_size",
-        },
+    dataset_config: str | None = setting(None, "Hub dataset configuration name", resume="sensitive")
+    max_length: int = setting(1024, "tokens per example: longer ones are truncated", resume="sensitive")
+    dataset_num_proc: int | None = setting(None, "processes for tokenisation (null: in-process)", resume="free")
+    per_device_eval_batch_size: int = setting(
+        8,
+        "rows per process per forward pass on held-out data (and per generation batch); no "
+        "gradients are kept, so it can often be larger than per_device_train_batch_size",
+        resume="free",
     )
     # --- outputs and tracking -----------------------------------------------------------------------------------------
-    output_dir: str = dataclasses.field(
-        default="outputs/run",
-        metadata={
-            "resume": "free",
-            "help": "the run's folder: at the end the exported model (a peft adapter folder with use_peft), "
-            "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
-        },
+    output_dir: str = setting(
+        "outputs/run",
+        "the run's folder: at the end the exported model (a peft adapter folder with use_peft), "
+        "during the run checkpoints/, metrics.jsonl, run_summary.json and tracker logs",
+        resume="free",
     )
-    seed: int = dataclasses.field(
-        default=42,
-        metadata={
-            "resume": "sensitive",
-            "help": "seeds Python, NumPy and torch (model initialisation, dropout), the order rows are read in, and "
-            "the held-out part carved out of train: same seed, same data order and initial weights",
-        },
+    seed: int = setting(
+        42,
+        "seeds Python, NumPy and torch (model initialisation, dropout), the order rows are read in, and "
+        "the held-out part carved out of train: same seed, same data order and initial weights",
+        resume="sensitive",
     )
     # --- Hub ----------------------------------------------------------------------------------------------------------
-    push_to_hub: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)",
-        },
+    push_to_hub: bool = setting(
+        False, "upload the exported folder at the end (needs a token: HF_TOKEN or `hf auth login`)", resume="free"
     )
-    hub_model_id: str | None = dataclasses.field(
-        default=None, metadata={"resume": "free", "help": "the Hub repo to push to: user/name or org/name"}
-    )
-    hub_private_repo: bool = dataclasses.field(
-        default=True, metadata={"resume": "free", "help": "create the repo private; flip for public releases"}
-    )
+    hub_model_id: str | None = setting(None, "the Hub repo to push to: user/name or org/name", resume="free")
+    hub_private_repo: bool = setting(True, "create the repo private; flip for public releases", resume="free")
 
     def min_max_length(self) -> tuple[int, str]:
         """The fewest tokens one example of this recipe's format needs, and why: a smaller max_length is refused
@@ -142,280 +107,171 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
     format, its loss), extends `validate`, and overrides the methods below that describe it to the shared layer."""
 
     # --- model --------------------------------------------------------------------------------------------------------
-    model_config: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)",
-        },
+    model_config: str | None = setting(
+        None,
+        "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)",
+        resume="sensitive",
     )
     # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) ---------------------------------
-    use_peft: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "fixed",
-            "help": "train LoRA adapters on a frozen base: a fraction of the gradients and optimizer state; "
-            "output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)",
-        },
+    use_peft: bool = setting(
+        False,
+        "train LoRA adapters on a frozen base: a fraction of the gradients and optimizer state; "
+        "output_dir becomes a peft adapter folder (needs pretrained weights: model_name_or_path)",
+        resume="fixed",
     )
-    lora_r: int = dataclasses.field(
-        default=16,
-        metadata={"resume": "fixed", "help": "adapter rank: larger = more capacity, more trainable parameters"},
+    lora_r: int = setting(16, "adapter rank: larger = more capacity, more trainable parameters", resume="fixed")
+    lora_alpha: int = setting(
+        32, "adapter scale is lora_alpha / lora_r (or / sqrt(lora_r) with use_rslora)", resume="sensitive"
     )
-    lora_alpha: int = dataclasses.field(
-        default=32,
-        metadata={
-            "resume": "sensitive",
-            "help": "adapter scale is lora_alpha / lora_r (or / sqrt(lora_r) with use_rslora)",
-        },
+    lora_dropout: float = setting(0.05, "dropout on the adapters' input", resume="sensitive")
+    lora_target_modules: list[str] | None = setting(
+        None,
+        "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)",
+        resume="fixed",
     )
-    lora_dropout: float = dataclasses.field(
-        default=0.05, metadata={"resume": "sensitive", "help": "dropout on the adapters' input"}
+    lora_modules_to_save: list[str] | None = setting(
+        None,
+        "modules trained in full next to the adapters (e.g. lm_head); each costs its full gradients "
+        "and optimizer state",
+        resume="fixed",
     )
-    lora_target_modules: list[str] | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "fixed",
-            "help": "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)",
-        },
+    use_rslora: bool = setting(False, "rank-stabilised scaling: helps when lora_r is large", resume="sensitive")
+    use_dora: bool = setting(False, "weight-decomposed LoRA: often better quality, slower steps", resume="fixed")
+    export_merged_model: bool = setting(
+        False,
+        "also write output_dir/merged: the base with the adapters merged in, a plain transformers "
+        "model (needs the base model in memory on the main process at the end)",
+        resume="free",
     )
-    lora_modules_to_save: list[str] | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "fixed",
-            "help": "modules trained in full next to the adapters (e.g. lm_head); each costs its full gradients "
-            "and optimizer state",
-        },
+    load_in_4bit: bool = setting(
+        False, "QLoRA: base weights stored in 4 bits (bitsandbytes), ~4x less memory for them", resume="fixed"
     )
-    use_rslora: bool = dataclasses.field(
-        default=False, metadata={"resume": "sensitive", "help": "rank-stabilised scaling: helps when lora_r is large"}
+    bnb_4bit_quant_type: str = setting("nf4", "nf4 (QLoRA's) or fp4", resume="free")
+    use_bnb_nested_quant: bool = setting(
+        False, "quantise the quantisation constants too: ~0.4 bits per weight less", resume="free"
     )
-    use_dora: bool = dataclasses.field(
-        default=False,
-        metadata={"resume": "fixed", "help": "weight-decomposed LoRA: often better quality, slower steps"},
+    bnb_4bit_compute_dtype: str = setting(
+        "bfloat16", "dtype the 4-bit weights are dequantised to for each matmul", resume="free"
     )
-    export_merged_model: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "also write output_dir/merged: the base with the adapters merged in, a plain transformers "
-            "model (needs the base model in memory on the main process at the end)",
-        },
-    )
-    load_in_4bit: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "fixed",
-            "help": "QLoRA: base weights stored in 4 bits (bitsandbytes), ~4x less memory for them",
-        },
-    )
-    bnb_4bit_quant_type: str = dataclasses.field(
-        default="nf4", metadata={"resume": "free", "help": "nf4 (QLoRA's) or fp4"}
-    )
-    use_bnb_nested_quant: bool = dataclasses.field(
-        default=False,
-        metadata={"resume": "free", "help": "quantise the quantisation constants too: ~0.4 bits per weight less"},
-    )
-    bnb_4bit_compute_dtype: str = dataclasses.field(
-        default="bfloat16",
-        metadata={"resume": "free", "help": "dtype the 4-bit weights are dequantised to for each matmul"},
-    )
-    bnb_4bit_quant_storage: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "dtype the packed 4-bit weights are stored in (null: the compute dtype). FSDP shards only "
-            "floating dtypes: uint8 storage is refused under FSDP",
-        },
+    bnb_4bit_quant_storage: str | None = setting(
+        None,
+        "dtype the packed 4-bit weights are stored in (null: the compute dtype). FSDP shards only "
+        "floating dtypes: uint8 storage is refused under FSDP",
+        resume="free",
     )
     # --- data ----------------------------------------------------------------------------------------------------
-    dataset_train_split: str = dataclasses.field(
-        default="train", metadata={"resume": "sensitive", "help": "the dataset split to train on"}
+    dataset_train_split: str = setting("train", "the dataset split to train on", resume="sensitive")
+    dataset_test_split: str | None = setting(
+        "test", "held-out split; if the dataset lacks it, eval_split_size is carved out of train", resume="sensitive"
     )
-    dataset_test_split: str | None = dataclasses.field(
-        default="test",
-        metadata={
-            "resume": "sensitive",
-            "help": "held-out split; if the dataset lacks it, eval_split_size is carved out of train",
-        },
+    eval_split_size: float = setting(
+        0.05, "fraction of train held out when there is no test split (0 disables eval)", resume="sensitive"
     )
-    eval_split_size: float = dataclasses.field(
-        default=0.05,
-        metadata={
-            "resume": "sensitive",
-            "help": "fraction of train held out when there is no test split (0 disables eval)",
-        },
+    train_sampling_strategy: str = setting(
+        "group_by_length",
+        "group_by_length: rows of similar length share a batch (less padding); or random",
+        resume="sensitive",
     )
-    train_sampling_strategy: str = dataclasses.field(
-        default="group_by_length",
-        metadata={
-            "resume": "sensitive",
-            "help": "group_by_length: rows of similar length share a batch (less padding); or random",
-        },
-    )
-    repeat_small_dataset: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
-            "gradient_accumulation_steps rows; pretraining: per process), every step repeating rows (noted in the run "
-            "summary). false: refused, with the numbers",
-        },
+    repeat_small_dataset: bool = setting(
+        False,
+        "train on data smaller than one optimizer step (per_device_train_batch_size x processes x "
+        "gradient_accumulation_steps rows; pretraining: per process), every step repeating rows (noted in the run "
+        "summary). false: refused, with the numbers",
+        resume="free",
     )
     # --- training ------------------------------------------------------------------------------------------------
-    overwrite_output_dir: bool = dataclasses.field(
-        default=False,
-        metadata={"resume": "free", "help": "allow writing into a non-empty output_dir (its files may be replaced)"},
+    overwrite_output_dir: bool = setting(
+        False, "allow writing into a non-empty output_dir (its files may be replaced)", resume="free"
     )
-    num_train_epochs: float = dataclasses.field(
-        default=1.0,
-        metadata={
-            "resume": "free",
-            "help": "passes over the training data (fractions allowed); ignored when max_steps > 0",
-        },
+    num_train_epochs: float = setting(
+        1.0, "passes over the training data (fractions allowed); ignored when max_steps > 0", resume="free"
     )
-    max_steps: int = dataclasses.field(
-        default=-1, metadata={"resume": "free", "help": "optimizer steps; > 0 overrides num_train_epochs"}
+    max_steps: int = setting(-1, "optimizer steps; > 0 overrides num_train_epochs", resume="free")
+    per_device_train_batch_size: int = setting(8, "rows per process per micro-step", resume="free")
+    gradient_accumulation_steps: int = setting(
+        1,
+        "micro-steps per optimizer step: global batch = per_device_train_batch_size * processes * "
+        "this; more steps, same memory",
+        resume="free",
     )
-    per_device_train_batch_size: int = dataclasses.field(
-        default=8, metadata={"resume": "free", "help": "rows per process per micro-step"}
+    learning_rate: float = setting(
+        2e-5, "AdamW's peak learning rate, reached after warmup, then shaped by lr_scheduler_type", resume="free"
     )
-    gradient_accumulation_steps: int = dataclasses.field(
-        default=1,
-        metadata={
-            "resume": "free",
-            "help": "micro-steps per optimizer step: global batch = per_device_train_batch_size * processes * "
-            "this; more steps, same memory",
-        },
+    weight_decay: float = setting(
+        0.0, "AdamW weight decay, on weight matrices only (not on norms and biases)", resume="free"
     )
-    learning_rate: float = dataclasses.field(
-        default=2e-5,
-        metadata={
-            "resume": "free",
-            "help": "AdamW's peak learning rate, reached after warmup, then shaped by lr_scheduler_type",
-        },
+    adam_beta1: float = setting(0.9, "AdamW's decay rate of the running mean of gradients (momentum)", resume="free")
+    adam_beta2: float = setting(
+        0.999,
+        "AdamW's decay rate of the running mean of squared gradients: lower adapts faster to a changing gradient scale",
+        resume="free",
     )
-    weight_decay: float = dataclasses.field(
-        default=0.0,
-        metadata={"resume": "free", "help": "AdamW weight decay, on weight matrices only (not on norms and biases)"},
+    adam_epsilon: float = setting(1e-8, "added to AdamW's denominator for numerical stability", resume="free")
+    lr_scheduler_type: str = setting(
+        "cosine", "any transformers SchedulerType: linear, cosine, constant_with_warmup, ...", resume="free"
     )
-    adam_beta1: float = dataclasses.field(
-        default=0.9,
-        metadata={"resume": "free", "help": "AdamW's decay rate of the running mean of gradients (momentum)"},
+    warmup_ratio: float = setting(
+        0.0, "fraction of steps spent warming up (ignored if warmup_steps > 0)", resume="free"
     )
-    adam_beta2: float = dataclasses.field(
-        default=0.999,
-        metadata={
-            "resume": "free",
-            "help": "AdamW's decay rate of the running mean of squared gradients: lower adapts faster to a "
-            "changing gradient scale",
-        },
+    warmup_steps: float = setting(
+        0,
+        "warmup from 0 to learning_rate: >= 1 a number of optimizer steps, in (0, 1) a fraction of the "
+        "run (transformers 5); > 0 overrides warmup_ratio",
+        resume="free",
     )
-    adam_epsilon: float = dataclasses.field(
-        default=1e-8, metadata={"resume": "free", "help": "added to AdamW's denominator for numerical stability"}
-    )
-    lr_scheduler_type: str = dataclasses.field(
-        default="cosine",
-        metadata={
-            "resume": "free",
-            "help": "any transformers SchedulerType: linear, cosine, constant_with_warmup, ...",
-        },
-    )
-    warmup_ratio: float = dataclasses.field(
-        default=0.0,
-        metadata={"resume": "free", "help": "fraction of steps spent warming up (ignored if warmup_steps > 0)"},
-    )
-    warmup_steps: float = dataclasses.field(
-        default=0,
-        metadata={
-            "resume": "free",
-            "help": "warmup from 0 to learning_rate: >= 1 a number of optimizer steps, in (0, 1) a fraction of the "
-            "run (transformers 5); > 0 overrides warmup_ratio",
-        },
-    )
-    max_grad_norm: float = dataclasses.field(
-        default=1.0, metadata={"resume": "free", "help": "gradient clipping; 0 disables it"}
-    )
-    logging_steps: int = dataclasses.field(
-        default=10,
-        metadata={"resume": "free", "help": "log every N steps; each logging step is a few small all-reduces"},
-    )
-    eval_steps: int | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "evaluate every N steps (null: only at the end); each costs a pass over the eval data",
-        },
+    max_grad_norm: float = setting(1.0, "gradient clipping; 0 disables it", resume="free")
+    logging_steps: int = setting(10, "log every N steps; each logging step is a few small all-reduces", resume="free")
+    eval_steps: int | None = setting(
+        None, "evaluate every N steps (null: only at the end); each costs a pass over the eval data", resume="free"
     )
     # --- speed and measurement -----------------------------------------------------------------------------------
-    loss_implementation: str = dataclasses.field(
-        default="chunked",
-        metadata={
-            "resume": "free",
-            "help": "chunked: cross-entropy over chunks of tokens, never the whole micro-batch's fp32 logits "
-            "(their share of activation memory drops ~tokens/loss_chunk_size-fold); full_logits: what most "
-            "trainers do (more memory); liger: liger-kernel's fused kernel (CUDA, pip install liger-kernel); "
-            "linear_cross_entropy: torch's own (torch >= 2.13; measured against chunked: docs/chunked-loss.md)",
-        },
+    loss_implementation: str = setting(
+        "chunked",
+        "chunked: cross-entropy over chunks of tokens, never the whole micro-batch's fp32 logits "
+        "(their share of activation memory drops ~tokens/loss_chunk_size-fold); full_logits: what most "
+        "trainers do (more memory); liger: liger-kernel's fused kernel (CUDA, pip install liger-kernel); "
+        "linear_cross_entropy: torch's own (torch >= 2.13; measured against chunked: docs/chunked-loss.md)",
+        resume="free",
     )
-    loss_chunk_size: int = dataclasses.field(
-        default=1024,
-        metadata={"resume": "free", "help": "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory"},
+    loss_chunk_size: int = setting(
+        1024, "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory", resume="free"
     )
-    optim: str = dataclasses.field(
-        default="adamw_torch",
-        metadata={
-            "resume": "free",
-            "help": "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)",
-        },
+    optim: str = setting(
+        "adamw_torch",
+        "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)",
+        resume="free",
     )
-    torch_compile: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "compile each decoder layer: faster steps after a compile pause at start-up",
-        },
+    torch_compile: bool = setting(
+        False, "compile each decoder layer: faster steps after a compile pause at start-up", resume="free"
     )
-    gradient_checkpointing: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "the model's own activation checkpointing: ~30%% more compute, far less activation memory; "
-            "refused when the Accelerate config already enables fsdp_activation_checkpointing",
-        },
+    gradient_checkpointing: bool = setting(
+        False,
+        "the model's own activation checkpointing: ~30%% more compute, far less activation memory; "
+        "refused when the Accelerate config already enables fsdp_activation_checkpointing",
+        resume="free",
     )
-    dataloader_num_workers: int = dataclasses.field(
-        default=0,
-        metadata={"resume": "free", "help": "worker processes collating batches; raise if data_wait_fraction is high"},
+    dataloader_num_workers: int = setting(
+        0, "worker processes collating batches; raise if data_wait_fraction is high", resume="free"
     )
-    peak_flops_per_device: float | None = dataclasses.field(
-        default=None,
-        metadata={"resume": "free", "help": "for MFU on devices not in the table (e.g. 989e12 for an H100)"},
+    peak_flops_per_device: float | None = setting(
+        None, "for MFU on devices not in the table (e.g. 989e12 for an H100)", resume="free"
     )
     # --- checkpoints ---------------------------------------------------------------------------------------------
-    save_steps: int | None = dataclasses.field(
-        default=500,
-        metadata={
-            "resume": "free",
-            "help": "resumable checkpoint every N steps and at the end (null: none); each costs a write",
-        },
+    save_steps: int | None = setting(
+        500, "resumable checkpoint every N steps and at the end (null: none); each costs a write", resume="free"
     )
-    save_total_limit: int | None = dataclasses.field(
-        default=None,
-        metadata={"resume": "free", "help": "keep only the newest K checkpoints (null: keep all); saves disk"},
+    save_total_limit: int | None = setting(
+        None, "keep only the newest K checkpoints (null: keep all); saves disk", resume="free"
     )
-    resume_from_checkpoint: str | None = dataclasses.field(
-        default=None,
-        metadata={"resume": "free", "help": "latest (the newest in output_dir/checkpoints) or a checkpoint folder"},
+    resume_from_checkpoint: str | None = setting(
+        None, "latest (the newest in output_dir/checkpoints) or a checkpoint folder", resume="free"
     )
-    allow_config_change: list[str] | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "resuming: fields that change the objective or the data (docs/errors.md) which may differ from "
-            "the checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change "
-            "is refused",
-        },
+    allow_config_change: list[str] | None = setting(
+        None,
+        "resuming: fields that change the objective or the data (docs/errors.md) which may differ from "
+        "the checkpoint's, e.g. --allow_config_change beta; recorded in metrics.jsonl. Without it such a change "
+        "is refused",
+        resume="free",
     )
 
     def validate(self) -> list[str]:

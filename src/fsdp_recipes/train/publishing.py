@@ -6,38 +6,34 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_recipes.common.arguments import setting
+
 EXPORT_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 HUB_STRATEGIES = ("end", "every_save")
 
 
 @dataclasses.dataclass
 class PublishingFields:
-    export_dtype: str = dataclasses.field(
-        default="auto",
-        metadata={
-            "resume": "free",
-            "help": "dtype of the exported weights: auto (the base model's, from its config.json, or torch_dtype/"
-            "dtype when the recipe config sets one; float32 for a model initialised from a config naming none), "
-            "float32, bfloat16 or float16. Training keeps fp32 master weights whatever this says; float32 exports "
-            "of a bf16 base are twice the size and no more accurate than the base",
-        },
+    export_dtype: str = setting(
+        "auto",
+        "dtype of the exported weights: auto (the base model's, from its config.json, or torch_dtype/"
+        "dtype when the recipe config sets one; float32 for a model initialised from a config naming none), "
+        "float32, bfloat16 or float16. Training keeps fp32 master weights whatever this says; float32 exports "
+        "of a bf16 base are twice the size and no more accurate than the base",
+        resume="free",
     )
-    chat_template_path: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "free",
-            "help": "TRL's name for setting the template on purpose: a .jinja file, or a tokenizer folder/Hub id whose "
-            "template the model is trained and exported with (null: the tokenizer's own, or chat_template)",
-        },
+    chat_template_path: str | None = setting(
+        None,
+        "TRL's name for setting the template on purpose: a .jinja file, or a tokenizer folder/Hub id whose "
+        "template the model is trained and exported with (null: the tokenizer's own, or chat_template)",
+        resume="free",
     )
-    hub_strategy: str = dataclasses.field(
-        default="end",
-        metadata={
-            "resume": "free",
-            "help": "with push_to_hub, when the Hub gets the model: end (once, the exported folder) or every_save "
-            "(also at every checkpoint: the model exported then, uploaded in the background; each save also "
-            "gathers the full weights on the main process)",
-        },
+    hub_strategy: str = setting(
+        "end",
+        "with push_to_hub, when the Hub gets the model: end (once, the exported folder) or every_save "
+        "(also at every checkpoint: the model exported then, uploaded in the background; each save also "
+        "gathers the full weights on the main process)",
+        resume="free",
     )
 
     def validate(self) -> list[str]:

@@ -7,42 +7,29 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.methods.grpo import policy_gradient, rewards, rollouts
 
 
 @dataclasses.dataclass
 class SamplingFields:
-    num_generations: int = dataclasses.field(
-        default=8,
-        metadata={
-            "resume": "sensitive",
-            "help": "completions per prompt (a group, >= 2): more = better advantage estimates, fewer prompts "
-            "per step; must divide the global batch of completions",
-        },
+    num_generations: int = setting(
+        8,
+        "completions per prompt (a group, >= 2): more = better advantage estimates, fewer prompts "
+        "per step; must divide the global batch of completions",
+        resume="sensitive",
     )
-    max_completion_length: int = dataclasses.field(
-        default=256,
-        metadata={
-            "resume": "sensitive",
-            "help": "tokens generated per completion at most (memory: the KV cache grows with it)",
-        },
+    max_completion_length: int = setting(
+        256, "tokens generated per completion at most (memory: the KV cache grows with it)", resume="sensitive"
     )
-    temperature: float = dataclasses.field(
-        default=1.0, metadata={"resume": "sensitive", "help": "sampling temperature (> 0)"}
-    )
-    top_p: float = dataclasses.field(
-        default=1.0, metadata={"resume": "sensitive", "help": "nucleus sampling: 1.0 keeps every token"}
-    )
-    top_k: int | None = dataclasses.field(
-        default=None, metadata={"resume": "sensitive", "help": "sample among the k likeliest (null: all)"}
-    )
-    gather_weights_for_generation: bool = dataclasses.field(
-        default=True,
-        metadata={
-            "resume": "free",
-            "help": "hold the whole policy on every rank for a generation pass (one all-gather per pass, more "
-            "memory) instead of gathering each layer for every decoded token",
-        },
+    temperature: float = setting(1.0, "sampling temperature (> 0)", resume="sensitive")
+    top_p: float = setting(1.0, "nucleus sampling: 1.0 keeps every token", resume="sensitive")
+    top_k: int | None = setting(None, "sample among the k likeliest (null: all)", resume="sensitive")
+    gather_weights_for_generation: bool = setting(
+        True,
+        "hold the whole policy on every rank for a generation pass (one all-gather per pass, more "
+        "memory) instead of gathering each layer for every decoded token",
+        resume="free",
     )
 
     def generation_settings(self, *, batch_size: int, seed: int) -> rollouts.GenerationSettings:
@@ -67,51 +54,36 @@ class SamplingFields:
 
 @dataclasses.dataclass
 class PolicyObjectiveFields:
-    beta: float = dataclasses.field(
-        default=0.0,
-        metadata={
-            "resume": "sensitive",
-            "help": "KL coefficient: > 0 keeps the policy near the reference at the cost of a reference "
-            "forward per step (and, without LoRA, a frozen model copy); 0: no reference",
-        },
+    beta: float = setting(
+        0.0,
+        "KL coefficient: > 0 keeps the policy near the reference at the cost of a reference "
+        "forward per step (and, without LoRA, a frozen model copy); 0: no reference",
+        resume="sensitive",
     )
-    epsilon: float = dataclasses.field(
-        default=0.2, metadata={"resume": "sensitive", "help": "the ratio is clipped to [1 - epsilon, ...]"}
+    epsilon: float = setting(0.2, "the ratio is clipped to [1 - epsilon, ...]", resume="sensitive")
+    epsilon_high: float | None = setting(
+        None,
+        "upper clip 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28: lets unlikely tokens of good "
+        "completions grow faster, against entropy collapse; null: epsilon)",
+        resume="sensitive",
     )
-    epsilon_high: float | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "upper clip 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28: lets unlikely tokens of good "
-            "completions grow faster, against entropy collapse; null: epsilon)",
-        },
+    loss_type: str = setting(
+        "dapo",
+        "how tokens are averaged over the global batch: dapo/bnpo (every token alike), grpo "
+        "(per completion, then over completions: favours short ones), dr_grpo (/ completions x max length)",
+        resume="sensitive",
     )
-    loss_type: str = dataclasses.field(
-        default="dapo",
-        metadata={
-            "resume": "sensitive",
-            "help": "how tokens are averaged over the global batch: dapo/bnpo (every token alike), grpo "
-            "(per completion, then over completions: favours short ones), dr_grpo (/ completions x max length)",
-        },
+    scale_rewards: str = setting(
+        "group", "advantages divided by the std of the group, of the batch, or none", resume="sensitive"
     )
-    scale_rewards: str = dataclasses.field(
-        default="group",
-        metadata={"resume": "sensitive", "help": "advantages divided by the std of the group, of the batch, or none"},
+    num_iterations: int = setting(
+        1,
+        "optimizer steps per generation round (μ): > 1 reuses completions, clipped by "
+        "the ratio to the log-probs they were generated with",
+        resume="sensitive",
     )
-    num_iterations: int = dataclasses.field(
-        default=1,
-        metadata={
-            "resume": "sensitive",
-            "help": "optimizer steps per generation round (μ): > 1 reuses completions, clipped by "
-            "the ratio to the log-probs they were generated with",
-        },
-    )
-    mask_truncated_completions: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "sensitive",
-            "help": "completions cut at max_completion_length count for no token of the loss",
-        },
+    mask_truncated_completions: bool = setting(
+        False, "completions cut at max_completion_length count for no token of the loss", resume="sensitive"
     )
 
     def reference_mode(self) -> str | None:
@@ -140,27 +112,20 @@ class PolicyObjectiveFields:
 
 @dataclasses.dataclass
 class RewardFields:
-    reward_funcs: list[str] = dataclasses.field(
+    reward_funcs: list[str] = setting(
         default_factory=list,
-        metadata={
-            "resume": "sensitive",
-            "help": "rewards: built-ins (exact_match, partial_match, numeric_answer, format, length_penalty), "
-            "package.module:function, path/file.py:function, or a reward-model folder (one-label classifier)",
-        },
+        help="rewards: built-ins (exact_match, partial_match, numeric_answer, format, length_penalty), "
+        "package.module:function, path/file.py:function, or a reward-model folder (one-label classifier)",
+        resume="sensitive",
     )
-    reward_weights: list[float] | None = dataclasses.field(
-        default=None, metadata={"resume": "sensitive", "help": "one weight per reward function (null: all 1.0)"}
+    reward_weights: list[float] | None = setting(
+        None, "one weight per reward function (null: all 1.0)", resume="sensitive"
     )
-    reward_answer_column: str = dataclasses.field(
-        default="answer",
-        metadata={
-            "resume": "sensitive",
-            "help": "the column exact_match, partial_match and numeric_answer compare with",
-        },
+    reward_answer_column: str = setting(
+        "answer", "the column exact_match, partial_match and numeric_answer compare with", resume="sensitive"
     )
-    reward_format_pattern: str = dataclasses.field(
-        default=rewards.RewardOptions.format_pattern,
-        metadata={"resume": "sensitive", "help": "the regex the format reward matches"},
+    reward_format_pattern: str = setting(
+        rewards.RewardOptions.format_pattern, "the regex the format reward matches", resume="sensitive"
     )
 
     def reward_options(self) -> rewards.RewardOptions:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.train import frozen_copy
 from fsdp_recipes.train.losses import TokenLoss, sequence_log_probs
@@ -49,27 +50,17 @@ class ReferenceFields:
     """The settings of a loss that keeps the policy near a frozen reference (DPO, KTO; TRL's names): a base a recipe
     config puts before `TrainingConfig`. A recipe whose loss may need no reference overrides `needs_reference`."""
 
-    beta: float = dataclasses.field(
-        default=0.1,
-        metadata={
-            "resume": "sensitive",
-            "help": "how far the policy may drift from the reference: larger keeps it closer",
-        },
+    beta: float = setting(
+        0.1, "how far the policy may drift from the reference: larger keeps it closer", resume="sensitive"
     )
-    max_prompt_length: int | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "prompts longer than this keep their end (null: only max_length applies)",
-        },
+    max_prompt_length: int | None = setting(
+        None, "prompts longer than this keep their end (null: only max_length applies)", resume="sensitive"
     )
-    precompute_ref_log_probs: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "resume": "free",
-            "help": "one pass before training stores the reference's values: no reference model in memory or "
-            "forward per step afterwards, at the cost of that pass",
-        },
+    precompute_ref_log_probs: bool = setting(
+        False,
+        "one pass before training stores the reference's values: no reference model in memory or "
+        "forward per step afterwards, at the cost of that pass",
+        resume="free",
     )
 
     def needs_reference(self) -> bool:

@@ -7,55 +7,40 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.data import chat, files, rows
 from fsdp_recipes.train import evaluation
 
 
 @dataclasses.dataclass
 class SupervisedFields:
-    packing: bool = dataclasses.field(
-        default=True,
-        metadata={
-            "resume": "sensitive",
-            "help": "pack several examples per row: less padding; examples never attend to each other",
-        },
+    packing: bool = setting(
+        True, "pack several examples per row: less padding; examples never attend to each other", resume="sensitive"
     )
-    packing_row_length: int | None = dataclasses.field(
-        default=None,
-        metadata={
-            "resume": "sensitive",
-            "help": "tokens per packed row (null: max_length). Shorter rows cost less attention per token with "
-            "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut",
-        },
+    packing_row_length: int | None = setting(
+        None,
+        "tokens per packed row (null: max_length). Shorter rows cost less attention per token with "
+        "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut",
+        resume="sensitive",
     )
-    packing_strategy: str = dataclasses.field(
-        default="bfd",
-        metadata={
-            "resume": "free",
-            "help": "how examples share rows: bfd (best-fit decreasing, TRL's default); ffd (older TRL) is read as "
-            "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does",
-        },
+    packing_strategy: str = setting(
+        "bfd",
+        "how examples share rows: bfd (best-fit decreasing, TRL's default); ffd (older TRL) is read as "
+        "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does",
+        resume="free",
     )
-    assistant_only_loss: bool = dataclasses.field(
-        default=True, metadata={"resume": "sensitive", "help": "conversational data: loss only on assistant turns"}
+    assistant_only_loss: bool = setting(True, "conversational data: loss only on assistant turns", resume="sensitive")
+    completion_only_loss: bool = setting(
+        True, "prompt/completion data: loss only on the completion", resume="sensitive"
     )
-    completion_only_loss: bool = dataclasses.field(
-        default=True, metadata={"resume": "sensitive", "help": "prompt/completion data: loss only on the completion"}
+    exact_match_eval_samples: int = setting(
+        0,
+        "held-out examples whose greedy completion is compared with the reference, before and after "
+        "training (0: none); costs one generation per sample each time",
+        resume="free",
     )
-    exact_match_eval_samples: int = dataclasses.field(
-        default=0,
-        metadata={
-            "resume": "free",
-            "help": "held-out examples whose greedy completion is compared with the reference, before and after "
-            "training (0: none); costs one generation per sample each time",
-        },
-    )
-    max_new_tokens: int = dataclasses.field(
-        default=64,
-        metadata={
-            "resume": "free",
-            "help": "generation budget (tokens per completion) of the exact_match_eval_samples check",
-        },
+    max_new_tokens: int = setting(
+        64, "generation budget (tokens per completion) of the exact_match_eval_samples check", resume="free"
     )
 
     def row_length(self) -> int:
