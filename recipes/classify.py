@@ -21,7 +21,7 @@ from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import model_index
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, loop
+from fsdp_recipes.train import evaluation, loop, losses
 
 
 @dataclasses.dataclass
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(first_step, total_steps + 1):
         micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
         weight_total = run.sum_over_ranks(sum(classifier.weight_sum(batch, weights) for batch in micro_batches))
-        scale = classifier.global_mean_scale(accelerator, weight_total)
+        scale = losses.global_mean_scale(accelerator, weight_total)
         loss_sum = 0.0
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = classifier.loss_sum(model, batch, weights)

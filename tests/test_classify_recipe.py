@@ -16,6 +16,7 @@ from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, classify_value
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.methods.classify import classification, classifier
+from fsdp_recipes.train import losses
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.recipes import load_recipe, read_metrics, recipe_config, recipe_error_in_process
 
@@ -143,10 +144,11 @@ def test_weighted_loss_is_the_global_mean_whatever_the_split():
         dict(input_ids=inputs[2:], attention_mask=None, labels=labels[2:]),
     ]
     total = sum(classifier.weight_sum(batch, weights) for batch in halves)
-    scale = classifier.global_mean_scale(_TwoRanks(), total)
+    scale = losses.global_mean_scale(_TwoRanks(), total)
     averaged = sum(float(classifier.loss_sum(model, batch, weights)) * scale for batch in halves) / 2
     assert averaged == pytest.approx(expected, rel=1e-6)
-    assert classifier.global_mean_scale(_TwoRanks(), 0.0) == 0.0
+    assert losses.global_mean_scale(_TwoRanks(), 0.0) == 0.0
+    assert losses.global_mean_scale(_TwoRanks(), 0.5) == 4.0  # class weights can sum to less than 1
 
 
 def test_class_weights_and_columns_are_validated_with_the_config(tmp_path):

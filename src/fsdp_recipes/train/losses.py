@@ -39,11 +39,13 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
 
 
-def global_mean_scale(accelerator: Accelerator, global_target_count: float) -> float:
+def global_mean_scale(accelerator: Accelerator, global_total: float) -> float:
     """Factor turning a rank's summed loss into its share of the global mean: FSDP/DDP average gradients over
-    ranks, so each rank scales by world_size / (targets in the whole optimizer step, all ranks and micro-batches).
-    The result is the same gradient whatever the split of the global batch into ranks and micro-batches."""
-    return accelerator.num_processes / max(global_target_count, 1.0)
+    ranks, so each rank scales by world_size / (what the mean divides by in the whole optimizer step, all ranks and
+    micro-batches: targets, pairs, examples, or a sum of class weights, which may be under 1). The result is the same
+    gradient whatever the split of the global batch into ranks and micro-batches. A step with nothing to average
+    (all prompt, every class weighted 0) has a zero loss sum: its scale is 0."""
+    return accelerator.num_processes / global_total if global_total > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- chunked cross-entropy

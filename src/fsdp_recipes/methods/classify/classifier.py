@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.train.checkpoint import saved_model_config_path
@@ -70,12 +69,6 @@ def weight_sum(batch: dict[str, torch.Tensor], weights: torch.Tensor | None = No
     if weights is None:
         return float(batch["labels"].numel())
     return float(weights[batch["labels"].cpu()].double().sum())
-
-
-def global_mean_scale(accelerator: Accelerator, global_weight_sum: float) -> float:
-    """FSDP averages gradients over ranks: world size / the global batch's weight sum turns a rank's summed loss into
-    its share of the global (weighted) mean. A batch whose classes all weigh 0 contributes nothing."""
-    return accelerator.num_processes / global_weight_sum if global_weight_sum > 0 else 0.0
 
 
 @torch.no_grad()
