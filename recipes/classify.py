@@ -64,8 +64,8 @@ class ClassifyConfig(config_lib.TrainingConfig):
         # the tokenizer's own special tokens are counted once it is loaded (classification.tokenize)
         return 2, "a special token the tokenizer adds (BOS or CLS) and at least one token of the text"
 
-    def validate(self) -> list[str]:
-        problems = super().validate()
+    def cross_field_problems(self) -> list[str]:
+        problems = []
         if self.text_pair_column is not None and self.text_pair_column == self.text_column:
             problems.append("text_pair_column must differ from text_column (null: no pair)")
         if self.class_weights not in (None, "balanced"):
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     evaluator = evaluation.MetricEvaluator(
         accelerator, model, eval_loader, predict=classifier.predict, metrics=metrics, every=config.eval_steps
     )
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
         train_loader,
         scheduler,
@@ -172,9 +172,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
-    for step in range(first_step, total_steps + 1):
-        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+    for step in training.steps():
+        micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         weight_total = run.sum_over_ranks(sum(classifier.weight_sum(batch, weights) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, weight_total)
         loss_sum = 0.0
@@ -182,15 +181,14 @@ def main(argv: list[str] | None = None) -> None:
             loss = classifier.loss_sum(model, batch, weights)
             accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
-        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+        grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        run.metrics.log_step(step, loss_sum=loss_sum, target_count=weight_total, grad_norm=grad_norm)
-        run.evaluation.maybe_evaluate(step)
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=weight_total, grad_norm=grad_norm)
+        training.evaluation.maybe_evaluate(step)
+        training.checkpoints.maybe_save(step)
 
     # --- finish: held-out metrics (per class too), summary, export, card with model-index, Hub ---------------------------
-    results = run.evaluation.final_results()
+    results = training.evaluation.final_results()
     results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], evaluator.gathered, names)
     card_results = model_index.eval_results(
         results,
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         dataset_config=config.dataset_config,
         split=eval_split,
     )
-    run.finish(model, results=results, eval_results=card_results)
+    training.finish(model, results=results, eval_results=card_results)
 
 
 if __name__ == "__main__":

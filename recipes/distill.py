@@ -11,13 +11,12 @@ it is SFT's loss exactly. docs/reward-and-distillation.md.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 
 import torch
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.common import arguments, checks, errors
 from fsdp_recipes.data import rows
 from fsdp_recipes.methods.distill import distillation
 from fsdp_recipes.methods.sft import supervised
@@ -43,24 +42,28 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
         "loaded in the compute dtype and sharded like the student (one more model in memory, one more forward "
         "per step)",
         resume="sensitive",
+        check=checks.required("the model whose distributions the student learns"),
     )
     kd_ratio: float = arguments.setting(
         0.5,
         "weight of the distillation loss: (1 - kd_ratio) x cross-entropy on the data + kd_ratio x KD. "
         "1: the teacher alone; 0: plain SFT",
         resume="sensitive",
+        check=checks.within(0, 1, include_high=True, note=" (0: plain SFT, 1: the teacher alone)"),
     )
     temperature: float = arguments.setting(
         1.0,
         "softens both distributions before comparing them: > 1 teaches the teacher's ranking of unlikely "
         "tokens too, at the cost of a weaker signal on the likely ones",
         resume="sensitive",
+        check=checks.above(0, note=" (1.0: the distributions as they are)"),
     )
     kd_loss: str = arguments.setting(
         "forward_kl",
         "forward_kl: KL(teacher || student), covers all the teacher's mass; reverse_kl: KL(student || "
         "teacher), mode-seeking; jsd: Jensen-Shannon, symmetric and bounded",
         resume="sensitive",
+        check=checks.one_of(distillation.KD_LOSSES),
     )
 
     def frozen_models(self) -> list[str]:
@@ -68,20 +71,6 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
 
     def loss_chunk_buffers(self) -> int:
         return distillation.PEAK_CHUNK_BUFFERS if self.kd_ratio > 0 else 1
-
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        if not self.teacher_model_name_or_path:
-            problems.append("teacher_model_name_or_path is required: the model whose distributions the student learns")
-        if not (math.isfinite(self.kd_ratio) and 0 <= self.kd_ratio <= 1):
-            problems.append(f"kd_ratio must be in [0, 1], got {self.kd_ratio} (0: plain SFT, 1: the teacher alone)")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            problems.append(
-                f"temperature must be a number > 0, got {self.temperature} (1.0: the distributions as they are)"
-            )
-        if self.kd_loss not in distillation.KD_LOSSES:
-            problems.append(f"kd_loss {self.kd_loss!r} is not one of {', '.join(distillation.KD_LOSSES)}")
-        return problems
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     teacher.gather_head()  # a collective under FSDP2: the teacher's output layer, whole on every rank
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
         train_loader,
         scheduler,
@@ -165,14 +154,13 @@ def main(argv: list[str] | None = None) -> None:
 
     results = {}
     if supervised.exact_match_wanted(config, data):
-        results["exact_match_before"] = run.measured_once("exact_match", lambda: exact_match()["exact_match"])
+        results["exact_match_before"] = training.measured_once("exact_match", lambda: exact_match()["exact_match"])
         accelerator.print(f"exact match before training: {results['exact_match_before']:.1%}")
 
     # --- the loop: forward (teacher, then student), loss, backward, step ----------------------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
-    for step in range(first_step, total_steps + 1):
-        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+    for step in training.steps():
+        micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
         loss_sum, parts = 0.0, {}
@@ -182,20 +170,19 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
             for name, value in distill_loss.last_parts.items():
                 parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + value
-        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+        grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts)
-        run.evaluation.maybe_evaluate(step)
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts)
+        training.evaluation.maybe_evaluate(step)
+        training.checkpoints.maybe_save(step)
 
     # --- finish: generation check, then summary, export, card, Hub ------------------------------------------------------
     if supervised.exact_match_wanted(config, data):
         after = exact_match()
         results["exact_match_after"] = after["exact_match"]
-        run.log.log({"step": total_steps, "exact_match": after["exact_match"]})
+        training.log.log({"step": total_steps, "exact_match": after["exact_match"]})
         accelerator.print(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
-    run.finish(model, results=results)
+    training.finish(model, results=results)
 
 
 if __name__ == "__main__":

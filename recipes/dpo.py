@@ -73,9 +73,8 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
     def min_max_length(self) -> tuple[int, str]:
         return 2, "a pair's rows need a prompt token and an answer token predicted from it"
 
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        problems += objectives.configuration_problems(
+    def cross_field_problems(self) -> list[str]:
+        problems = objectives.configuration_problems(
             self.loss_type,
             self.loss_weights,
             beta=self.beta,
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     evaluator = evaluation.MetricEvaluator(
         accelerator, model, in_order.get("eval"), predict=held_out, metrics={}, every=config.eval_steps
     )
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
         train_loader,
         scheduler,
@@ -202,9 +201,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- the loop: forward (reference, then policy), loss, backward, step -------------------------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
-    for step in range(first_step, total_steps + 1):
-        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+    for step in training.steps():
+        micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)
         loss_sum, figures = 0.0, {}
@@ -214,15 +212,14 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             for name, value in objectives.pair_figures(result, policy_chosen, policy_rejected).items():
                 figures[name] = figures.get(name, 0.0) + value.sum().detach()
-        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+        grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        run.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
-        run.evaluation.maybe_evaluate(step)
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
+        training.evaluation.maybe_evaluate(step)
+        training.checkpoints.maybe_save(step)
 
     # --- finish: held-out preference figures, summary, export, card, Hub -------------------------------------------------
-    run.finish(model, results=run.evaluation.final_results())
+    training.finish(model, results=training.evaluation.final_results())
 
 
 if __name__ == "__main__":

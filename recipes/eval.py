@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.common import arguments, checks, errors
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.data import files, held_out
 from fsdp_recipes.methods.classify import classification, classifier
@@ -33,7 +33,9 @@ class EvalConfig(config_lib.RunConfig):
 
     # --- the model ----------------------------------------------------------------------------------------------------
     model_name_or_path: str | None = arguments.setting(
-        None, "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)"
+        None,
+        "model folder, Hub id, or recipe checkpoint (output_dir/checkpoints/step-N)",
+        check=checks.required("a model folder, a Hub id or a recipe checkpoint"),
     )
     base_model_name_or_path: str | None = arguments.setting(
         None,
@@ -43,12 +45,15 @@ class EvalConfig(config_lib.RunConfig):
     task: str | None = arguments.setting(
         None,
         "null: from the model (a *ForSequenceClassification is a classifier); or causal-lm, sequence-classification",
+        check=checks.one_of(evaluation.DEFAULT_METRICS, or_null=True, note=" (null: from the model)"),
     )
     # --- the data -----------------------------------------------------------------------------------------------------
     dataset_split: str = arguments.setting(
         "test", "the dataset split to evaluate on (a dataset with one split: that one)"
     )
-    max_eval_samples: int | None = arguments.setting(None, "the first N examples (null: all): faster, less precise")
+    max_eval_samples: int | None = arguments.setting(
+        None, "the first N examples (null: all): faster, less precise", check=checks.at_least(1, or_null=True)
+    )
     text_column: str = arguments.setting("text", "plain text for perplexity; the text a classifier reads")
     text_pair_column: str | None = arguments.setting(
         None, "classifiers: the second text, if the model was trained with one (null: none)"
@@ -61,7 +66,7 @@ class EvalConfig(config_lib.RunConfig):
         "recall). A causal LM also takes generation metrics: exact_match, rouge, sacrebleu, chrf or an "
         "evaluate script (each costs a full generation pass, shared between them)",
     )
-    max_new_tokens: int = arguments.setting(64, "generation budget per prompt")
+    max_new_tokens: int = arguments.setting(64, "generation budget per prompt", check=checks.at_least(1))
     do_sample: bool = arguments.setting(
         False, "false: greedy decoding; true: sampling (seeded per batch, so reproducible)"
     )
@@ -82,20 +87,10 @@ class EvalConfig(config_lib.RunConfig):
         "none", "tracker that also gets the results: none, tensorboard, wandb or trackio (written to output_dir)"
     )
 
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        if not self.model_name_or_path:
-            problems.append("model_name_or_path is required: a model folder, a Hub id or a recipe checkpoint")
-        if self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.max_eval_samples is not None and self.max_eval_samples < 1:
-            problems.append(f"max_eval_samples must be >= 1 or null, got {self.max_eval_samples}")
+    def cross_field_problems(self) -> list[str]:
+        problems = []
         if not (self.temperature > 0 and 0 < self.top_p <= 1):
             problems.append(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature} and {self.top_p}")
-        if self.task not in (None, *evaluation.DEFAULT_METRICS):
-            problems.append(
-                f"task {self.task!r} is not one of {', '.join(evaluation.DEFAULT_METRICS)} (or null: from the model)"
-            )
         if self.metrics is not None and (not self.metrics or len(set(self.metrics)) != len(self.metrics)):
             problems.append(f"metrics must name each metric once, got {self.metrics}")
         return problems

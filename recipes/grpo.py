@@ -18,7 +18,7 @@ import sys
 import torch
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.common import arguments, checks, errors
 from fsdp_recipes.data import files
 from fsdp_recipes.methods.grpo import completion_log, prompts, rewards, rollouts
 from fsdp_recipes.methods.grpo import policy_gradient as pg
@@ -50,6 +50,7 @@ class GRPOConfig(online_rl.OnlineRLFields, config_lib.TrainingConfig):
         "full_logits only: the completion tokens' log-probabilities and entropies come from their "
         "logits at the sampling temperature (the positions before completions get none)",
         resume="free",
+        check=checks.one_of(("full_logits",), note=" for GRPO (the chunked losses have no temperature)"),
     )
     dataset_prompt_column: str = arguments.setting(
         "prompt", "the column of prompts, text or chat turns (e.g. question for gsm8k)", resume="sensitive"
@@ -57,12 +58,6 @@ class GRPOConfig(online_rl.OnlineRLFields, config_lib.TrainingConfig):
     num_completions_to_print: int = arguments.setting(
         4, "completions (with prompt and reward) written to completions.jsonl and tables per log", resume="free"
     )
-
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        if self.loss_implementation != "full_logits":
-            problems.append("loss_implementation must be full_logits for GRPO (the chunked losses have no temperature)")
-        return problems
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                     return rollouts.completion_log_probs(model, batch, config.temperature)[0]
             return rollouts.completion_log_probs(reference_copy, batch, config.temperature)[0]
 
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
         schedule,
         scheduler,
@@ -141,20 +136,19 @@ def main(argv: list[str] | None = None) -> None:
             + rollouts.describe_gathering(model, enabled=config.gather_weights_for_generation),
         ),
     )
-    if (first_step - 1) % config.num_iterations:
+    if (training.first_step - 1) % config.num_iterations:
         raise errors.ConfigError("the checkpoint falls inside a generation round: resume from one between rounds")
 
     # --- the loop: generate -> score -> advantages -> loss -> backward -> step --------------------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
     watch, rollout = rollouts.Stopwatch(), None
     shown = completion_log.CompletionLog(accelerator, config.output_dir, count=config.num_completions_to_print)
-    for step in range(first_step, total_steps + 1):
+    for step in training.steps():
         round_index, iteration = divmod(step - 1, config.num_iterations)
         if iteration == 0:
             with watch.phase("generation"):
                 slots = rollouts.rank_slots(
-                    batches.prompts_for_round(round_index), config.num_generations, rank=rank, world_size=world
+                    training.batches.prompts_for_round(round_index), config.num_generations, rank=rank, world_size=world
                 )
                 prompt_ids = [data.prompt_ids[p] for p, _ in slots]
                 keys = [rollouts.sampling_key(round_index, p, g) for p, g in slots]
@@ -191,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                         part["reference_log_probs"] = reference_log_probs(part)
             loss_sum, figures = 0.0, {}
             for part in loop.micro_batches_in_sync(accelerator, model, micro):
-                run.metrics.count_batch(part)
+                training.metrics.count_batch(part)
                 log_probs, entropy = rollouts.completion_log_probs(model, part, config.temperature)
                 terms = pg.per_token_losses(
                     log_probs, part.get("old_log_probs", log_probs.detach()), part["advantages"],
@@ -207,22 +201,25 @@ def main(argv: list[str] | None = None) -> None:
                 loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
                 for name, value in pg.loss_figures(terms, entropy, part["completion_mask"]).items():
                     figures[name] = figures.get(name, 0.0) + value / max(global_tokens, 1.0)
-            grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+            grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         timing = watch.shares()
         speed = {}
         if iteration == 0:
             speed["tokens/generated_per_second"] = rollout["tokens/generated"] / max(watch.seconds["generation"], 1e-9)
-        if run.metrics.due(step):
+        if training.metrics.due(step):
             shown.write(step)
-        run.metrics.log_step(step, loss_sum=loss_sum, grad_norm=grad_norm, sums=figures, **rollout, **timing, **speed)
+        training.metrics.log_step(
+            step, loss_sum=loss_sum, grad_norm=grad_norm, sums=figures, **rollout, **timing, **speed
+        )
         watch = rollouts.Stopwatch()
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.checkpoints.maybe_save(step)
 
     # --- finish: summary, export, card, Hub ---------------------------------------------------------------------------
-    shares = {key: run.log.mean(f"time/{key}_share") for key in ("generation", "scoring", "training")}
-    run.finish(model, summary={"step_time_shares": shares})  # means over the logged steps (each since the last log)
+    shares = {key: training.log.mean(f"time/{key}_share") for key in ("generation", "scoring", "training")}
+    training.finish(
+        model, summary={"step_time_shares": shares}
+    )  # means over the logged steps (each since the last log)
 
 
 if __name__ == "__main__":

@@ -45,12 +45,8 @@ class KTOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
         1.0, "weight of the bad answers' losses (raise it when they are the fewer)", resume="sensitive"
     )
 
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        problems += kto.configuration_problems(
-            self.loss_type, self.beta, self.desirable_weight, self.undesirable_weight
-        )
-        return problems
+    def cross_field_problems(self) -> list[str]:
+        return kto.configuration_problems(self.loss_type, self.beta, self.desirable_weight, self.undesirable_weight)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         objective=objective,
         every=config.eval_steps,
     )
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
         train_loader,
         scheduler,
@@ -152,9 +148,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- the loop: KL estimate (no gradients), then forward, loss, backward, step -------------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
-    for step in range(first_step, total_steps + 1):
-        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+    for step in training.steps():
+        micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         examples = run.sum_over_ranks(sum(batch["label"].numel() for batch in micro_batches))
         desirable = run.sum_over_ranks(sum(int(batch["label"].sum()) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, examples)
@@ -176,15 +171,16 @@ def main(argv: list[str] | None = None) -> None:
             sums = kto.figure_sums(result, policy, batch["label"], examples=examples, desirable=desirable)
             for name, value in sums.items():
                 figures[name] = figures.get(name, 0.0) + value
-        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+        grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        run.metrics.log_step(step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, sums=figures, kl=kl)
-        run.evaluation.maybe_evaluate(step)
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.metrics.log_step(
+            step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, sums=figures, kl=kl
+        )
+        training.evaluation.maybe_evaluate(step)
+        training.checkpoints.maybe_save(step)
 
     # --- finish: held-out figures, summary, export, card, Hub ---------------------------------------------------------
-    run.finish(model, results=run.evaluation.final_results())
+    training.finish(model, results=training.evaluation.final_results())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import math
 import sys
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.common import arguments, checks, errors
 from fsdp_recipes.data import packing, text
 from fsdp_recipes.distributed import collectives
 from fsdp_recipes.models import adapters, modeling
@@ -48,6 +48,7 @@ class PretrainConfig(config_lib.TrainingConfig):
         "wrapped: concatenate and split, every row full (no padding), documents cut at row ends; bfd: "
         "whole documents fitted into rows (only those longer than a row cut), at the cost of padding",
         resume="sensitive",
+        check=checks.one_of(packing.PACKING_STRATEGIES),
     )
     cross_document_attention: bool = arguments.setting(
         False,
@@ -56,15 +57,14 @@ class PretrainConfig(config_lib.TrainingConfig):
         resume="sensitive",
     )
     max_eval_samples: int | None = arguments.setting(
-        256, "held-out rows evaluated each time (null: all); each costs a forward pass", resume="free"
+        256,
+        "held-out rows evaluated each time (null: all); each costs a forward pass",
+        resume="free",
+        check=checks.at_least(1, or_null=True),
     )
 
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        if self.packing_strategy not in packing.PACKING_STRATEGIES:
-            problems.append(
-                f"packing_strategy {self.packing_strategy!r} is not one of {', '.join(packing.PACKING_STRATEGIES)}"
-            )
+    def cross_field_problems(self) -> list[str]:
+        problems = []
         if self.cross_document_attention and self.packing_strategy != "wrapped":
             problems.append(
                 "cross_document_attention needs packing_strategy: wrapped (bfd packs to keep documents whole)"
@@ -73,8 +73,6 @@ class PretrainConfig(config_lib.TrainingConfig):
             problems.append("pretrain reads dataset_name (streamed or not), not dataset_mixture: give dataset_name")
         if self.streaming and self.max_steps <= 0:
             problems.append("streaming: true needs max_steps > 0: a stream's length is unknown until it has been read")
-        if self.max_eval_samples is not None and self.max_eval_samples < 1:
-            problems.append(f"max_eval_samples must be >= 1 or null, got {self.max_eval_samples}")
         return problems
 
 
@@ -147,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         return stream, split, eval_rows
 
-    batches, split, eval_rows = run.on_every_rank(prepare_data, main_process_first=True)
+    stream, split, eval_rows = run.on_every_rank(prepare_data, main_process_first=True)
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = run.load_model(**adapters.loading_options(config, accelerator))
@@ -164,9 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # rows are at most max_length: no rank runs past its part
     total_steps = loop.total_optimizer_steps(batches_per_epoch or 1, config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
-        batches,
+        stream,
         scheduler,
         total_steps=total_steps,
         evaluator=run.loss_evaluator(model, eval_rows, token_loss.loss_sum),
@@ -181,9 +179,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
-    for step in range(first_step, total_steps + 1):
-        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+    for step in training.steps():
+        micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
         loss_sum = 0.0
@@ -191,21 +188,20 @@ def main(argv: list[str] | None = None) -> None:
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
-        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+        grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
-        run.evaluation.maybe_evaluate(step)
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
+        training.evaluation.maybe_evaluate(step)
+        training.checkpoints.maybe_save(step)
 
     # --- finish: what each rank read, then summary, export, card, Hub ---------------------------------------------------
     read = {
         f"{key}_read_per_rank": [int(value) for value in collectives.values_of_all_ranks(accelerator, count)]
-        for key, count in batches.counts().items()
+        for key, count in stream.counts().items()
     }
-    run.log.log({"step": total_steps, **read})
-    eval_loss = run.log.last("eval_loss")
-    run.finish(model, results={"eval_perplexity": math.exp(eval_loss) if eval_loss is not None else None})
+    training.log.log({"step": total_steps, **read})
+    eval_loss = training.log.last("eval_loss")
+    training.finish(model, results={"eval_perplexity": math.exp(eval_loss) if eval_loss is not None else None})
 
 
 if __name__ == "__main__":

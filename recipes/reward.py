@@ -11,13 +11,12 @@ docs/reward-and-distillation.md.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 
 import torch
 
 from fsdp_recipes import run as run_lib
-from fsdp_recipes.common import arguments, errors
+from fsdp_recipes.common import arguments, checks, errors
 from fsdp_recipes.data import files, rows
 from fsdp_recipes.methods.classify import classifier
 from fsdp_recipes.methods.preference import paired
@@ -46,6 +45,7 @@ class RewardConfig(config_lib.TrainingConfig):
         "adds this x (r_chosen + r_rejected)^2 to each pair's loss: keeps rewards centred on 0 (1e-2 is "
         "usual), at a small cost in how freely the scores move (null: off)",
         resume="sensitive",
+        check=checks.non_negative(or_null=True),
     )
     max_prompt_length: int | None = arguments.setting(
         None, "prompts longer than this keep their end (null: only max_length applies)", resume="sensitive"
@@ -63,11 +63,8 @@ class RewardConfig(config_lib.TrainingConfig):
     def min_max_length(self) -> tuple[int, str]:
         return 2, "a pair's rows need a prompt token and an answer token"
 
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        coefficient = self.center_rewards_coefficient
-        if coefficient is not None and not (math.isfinite(coefficient) and coefficient >= 0):
-            problems.append(f"center_rewards_coefficient must be a number >= 0 or null, got {coefficient}")
+    def cross_field_problems(self) -> list[str]:
+        problems = []
         if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
             problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
         return problems
@@ -133,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     evaluator = evaluation.MetricEvaluator(
         accelerator, model, eval_loader, predict=reward_model.make_predict(center), metrics={}, every=config.eval_steps
     )
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
         train_loader,
         scheduler,
@@ -151,9 +148,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- the loop: forward (chosen and rejected rows together), loss, backward, step ----------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
-    for step in range(first_step, total_steps + 1):
-        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+    for step in training.steps():
+        micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)  # a rank's share of the global mean over pairs
         loss_sum, figures = 0.0, {}
@@ -166,15 +162,14 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum += pair_loss.sum().detach()  # on the device: no host sync per micro-batch
             for name, value in reward_model.metric_sums(chosen, rejected).items():
                 figures[name] = figures.get(name, 0.0) + value
-        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+        grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        run.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
-        run.evaluation.maybe_evaluate(step)
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
+        training.evaluation.maybe_evaluate(step)
+        training.checkpoints.maybe_save(step)
 
     # --- finish: held-out accuracy and margin, summary, export, card with model-index, Hub -------------------------------
-    results = run.evaluation.final_results()
+    results = training.evaluation.final_results()
     card_results = model_index.eval_results(
         {key: results[key] for key in ("eval_accuracy", "eval_margin") if key in results},
         task="text-classification",
@@ -182,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         dataset_config=config.dataset_config,
         split=eval_split,
     )
-    run.finish(model, results=results, eval_results=card_results)
+    training.finish(model, results=results, eval_results=card_results)
 
 
 if __name__ == "__main__":

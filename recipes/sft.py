@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    batches, first_step = run.begin(
+    training = run.begin(
         model,
         train_loader,
         scheduler,
@@ -78,14 +78,13 @@ def main(argv: list[str] | None = None) -> None:
 
     results = {}
     if supervised.exact_match_wanted(config, data):
-        results["exact_match_before"] = run.measured_once("exact_match", lambda: exact_match()["exact_match"])
+        results["exact_match_before"] = training.measured_once("exact_match", lambda: exact_match()["exact_match"])
         logs.info(f"exact match before training: {results['exact_match_before']:.1%}")
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
     model.train()
-    bar = run.progress_bar(first_step)
-    for step in range(first_step, total_steps + 1):
-        micro_batches = batches.take(config.gradient_accumulation_steps, window=run.metrics.window)
+    for step in training.steps():
+        micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
         loss_sum = 0.0
@@ -93,22 +92,21 @@ def main(argv: list[str] | None = None) -> None:
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
-        grad_norm = run.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
+        grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        run.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
-        run.evaluation.maybe_evaluate(step)
-        run.checkpoints.maybe_save(step)
-    bar.close()
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
+        training.evaluation.maybe_evaluate(step)
+        training.checkpoints.maybe_save(step)
 
     # --- finish: generation check, then summary, export, card, Hub ------------------------------------------------------
     if supervised.exact_match_wanted(config, data):
         after = exact_match()
         results["exact_match_after"] = after["exact_match"]
-        run.log.log({"step": total_steps, "exact_match": after["exact_match"]})
+        training.log.log({"step": total_steps, "exact_match": after["exact_match"]})
         logs.info(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
         for sample in after["samples"]:
             logs.info(f"  reference={sample['reference']!r} generated={sample['generated']!r}")
-    run.finish(model, results=results)
+    training.finish(model, results=results)
 
 
 if __name__ == "__main__":

@@ -116,10 +116,55 @@ def test_every_shipped_recipe_config_parses_and_says_how_to_launch_it(monkeypatc
     [
         ("learning_rate: .nan", "learning_rate must be a finite number"),
         ("learning_rate: .inf", "learning_rate must be a finite number"),
-        ("max_grad_norm: -1", "max_grad_norm must be >= 0, got -1.0 (0 turns clipping off"),
+        ("max_grad_norm: -1", "max_grad_norm must be a finite number >= 0, got -1.0 (0 turns clipping off"),
         ("adam_beta2: 1.0", "adam_beta2 must be in [0, 1)"),
     ],
 )
 def test_values_that_would_break_training_silently_or_late_are_refused(tmp_path, line, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(SFTConfig, ["--config", write(tmp_path, BASE + line + "\n")])
+
+
+RECIPES = ("sft", "pretrain", "dpo", "kto", "grpo", "reward", "distill", "classify", "eval")
+
+
+def test_settings_are_checked_by_declaration_not_by_a_chain_of_overrides():
+    """`validate` is RunConfig's alone: fields declare their checks (`setting(check=...)`), and each settings group
+    states its cross-field rules in its own `cross_field_problems`, which runs whatever the other groups say."""
+    for recipe in RECIPES:
+        overriding = [klass.__name__ for klass in recipe_config_class(recipe).__mro__ if "validate" in vars(klass)]
+        assert overriding == ["RunConfig"], (recipe, overriding)
+
+
+def test_a_recipe_that_changes_a_default_keeps_the_fields_check(tmp_path):
+    """GRPO declares its own per_device_train_batch_size (another default and help); the base check still runs."""
+    grpo = recipe_config_class("grpo")
+    assert "per_device_train_batch_size" in vars(grpo)["__annotations__"]
+    lines = BASE + "reward_funcs: [exact_match]\nper_device_train_batch_size: 0\nloss_implementation: chunked\n"
+    with pytest.raises(ConfigError) as refused:
+        parse_config(grpo, ["--config", write(tmp_path, lines)])
+    problems = refused.value.problems
+    assert "per_device_train_batch_size must be >= 1, got 0" in problems
+    # both the base's check (a known implementation) and GRPO's own (full_logits only) speak of loss_implementation
+    assert [p for p in problems if p.startswith("loss_implementation 'chunked'")] and any(
+        "for GRPO" in p for p in problems
+    )
+
+
+def test_every_groups_rules_run_and_every_problem_is_reported_at_once(tmp_path):
+    lines = (
+        BASE + "reward_funcs: []\nreward_weights: [1.0]\nnum_generations: 1\nmax_steps: 0\nnum_train_epochs: 0\n"
+        "max_completion_length: 5000\nhub_strategy: checkpoint\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        parse_config(recipe_config_class("grpo"), ["--config", write(tmp_path, lines)])
+    text = "\n".join(refused.value.problems)
+    for expected in (
+        "reward_funcs is required",  # a field's check (online RL)
+        "num_generations must be >= 2",  # a field's check (online RL)
+        "reward_weights has 1 values for 0 reward_funcs",  # the online-RL group's rule
+        "max_completion_length must be >= 1 and < max_length",  # the online-RL group's rule
+        "set max_steps > 0 or num_train_epochs > 0",  # TrainingConfig's rule
+        "hub_strategy 'checkpoint' uploads resumable checkpoints",  # publishing's field check
+    ):
+        assert expected in text, expected

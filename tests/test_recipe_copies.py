@@ -14,7 +14,7 @@ def section(recipe: str, first_line: str, last_line: str) -> list[str]:
 
 
 def test_the_token_loss_loops_are_the_same():
-    loop = ("for step in range(first_step, total_steps + 1):", "run.checkpoints.maybe_save(step)")
+    loop = ("for step in training.steps():", "training.checkpoints.maybe_save(step)")
     assert section("sft", *loop) == section("pretrain", *loop)
 
 
@@ -22,11 +22,12 @@ TRAINING_RECIPES = ("sft", "pretrain", "dpo", "kto", "grpo", "reward", "distill"
 
 
 def test_every_training_recipe_ends_its_steps_with_the_one_optimizer_step():
-    """Clip, step, schedule, zero_grad, progress and the fault point are `run.optimizer_step`, called once per step;
-    forward, loss and backward stay written out in each recipe."""
+    """Clip, step, schedule, zero_grad, progress and the fault point are `training.optimizer_step`, called once per
+    step of `training.steps()`; forward, loss and backward stay written out in each recipe."""
     for recipe in TRAINING_RECIPES:
         text = (REPO / "recipes" / f"{recipe}.py").read_text()
-        assert text.count("grad_norm = run.optimizer_step(step, model, optimizer, scheduler)") == 1, recipe
+        assert text.count("grad_norm = training.optimizer_step(step, model, optimizer, scheduler)") == 1, recipe
+        assert text.count("for step in training.steps():") == 1, recipe
         assert "accelerator.backward(" in text, recipe
         assert not any(
             call in text for call in ("optimizer.step()", "clip_grad_norm_(", "zero_grad(", "fault_point(")

@@ -1,6 +1,7 @@
 """A config dataclass from a YAML file plus `--field value` flags (`parse_config`): every problem found, unknown keys
-with a "did you mean", values of the wrong type and what the class's own `validate()` reports, collected and raised
-together as one ConfigError before anything expensive starts. Command-line values win over the file; `--field null`
+with a "did you mean", values of the wrong type and what the config's `validate()` reports (each field's declared
+check, each settings group's rules: `fsdp_recipes.common.checks`), collected and raised together as one ConfigError
+before anything expensive starts. Command-line values win over the file; `--field null`
 sets a nullable field to None as `null` does in YAML."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import difflib
 import json
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from transformers import HfArgumentParser
@@ -129,20 +131,22 @@ def setting(
     help: str = "",
     *,
     resume: str | None = None,
+    check: Callable[[str, Any], str | None] | None = None,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
-    """A config field with its `--help` text and, in a training recipe's settings, what a resume may do with it:
-    "sensitive" (the objective or the data depend on it: a resume keeps the checkpoint's value unless
-    allow_config_change names it), "fixed" (the checkpoint's tensors depend on it: never changed on resume) or
-    "free". Declared here, with the field, so that a new field cannot be left out of the resume check in silence."""
+    """A config field with its `--help` text, its `check` (`fsdp_recipes.common.checks`: (name, value) -> the problem
+    or None) and, in a training recipe's settings, what a resume may do with it: "sensitive" (the objective or the
+    data depend on it: a resume keeps the checkpoint's value unless allow_config_change names it), "fixed" (the
+    checkpoint's tensors depend on it: never changed on resume) or "free". Declared here, with the field, so that a
+    new field cannot be left out of the resume check, nor its check out of the validation, in silence."""
     if resume is not None and resume not in RESUME_KINDS:
         raise ValueError(f"resume={resume!r} is not one of {RESUME_KINDS}")
-    metadata = {"help": help} | ({"resume": resume} if resume else {})
+    metadata = {"help": help} | ({"resume": resume} if resume else {}) | ({"check": check} if check else {})
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 # Field metadata keys that are this project's, not argparse's: HfArgumentParser passes every key to add_argument.
-OWN_METADATA = ("resume",)  # what a resume may do with the field (train/recipe_traits.py)
+OWN_METADATA = ("resume", "check")  # what a resume may do with the field (train/recipe_traits.py), its check
 
 
 class _RecipeArgumentParser(HfArgumentParser):

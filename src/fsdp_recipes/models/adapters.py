@@ -34,7 +34,7 @@ _PEFT_TASK = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
 
 
 def adapter_config_problems(config) -> list[str]:
-    """Problems with the LoRA/QLoRA values themselves (no files read), for `TrainingConfig.validate`."""
+    """Problems with the LoRA/QLoRA values themselves (no files read), for `TrainingConfig.cross_field_problems`."""
     problems = []
     if config.load_in_4bit and not config.use_peft:
         problems.append(

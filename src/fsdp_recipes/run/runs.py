@@ -1,5 +1,5 @@
 """The objects a recipe drives: `StartedRun` (what `start` checked and built), `EvaluationRun` (an evaluation's
-start) and `Run` (a training run: `begin` after `accelerator.prepare`, the loop, `finish`)."""
+start) and `Run` (a training run whose `begin`, after `accelerator.prepare`, returns the loop's `Training`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.common.tables import format_table
@@ -26,6 +25,7 @@ from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, cou
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
+from fsdp_recipes.run.training import Training
 from fsdp_recipes.tools.estimator.live import estimate_for_run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
 from fsdp_recipes.train import compat
@@ -37,10 +37,8 @@ from fsdp_recipes.train.metrics import (
     StepLogger,
     device_name,
     held_state_bytes,
-    memory_figure_notes,
     numeric_fields,
     peak_flops_per_device,
-    plot_training_curves,
 )
 
 T = TypeVar("T")
@@ -84,15 +82,11 @@ class EvaluationRun(StartedRun):
 
 @dataclasses.dataclass
 class Run(StartedRun):
-    """A training run: `begin` after `accelerator.prepare`, the loop, `finish`."""
+    """A training run: `begin` after `accelerator.prepare` returns its `Training` (the loop's parts and `finish`)."""
 
     config: TrainingConfig
     checkpoint: Path | None
     config_changes: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # resumed: allowed, old -> new
-    log: MetricsLog | None = None
-    metrics: StepLogger | None = None
-    evaluation: Evaluation | None = None
-    checkpoints: checkpoints_lib.Checkpointer | None = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     total_steps: int = 0
     uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
@@ -132,26 +126,6 @@ class Run(StartedRun):
             pad_token_id=self.tokenizer.pad_token_id,
         )
 
-    def progress_bar(self, first_step: int) -> tqdm:
-        """The run's progress bar (main process only), which `optimizer_step` advances."""
-        self.bar = tqdm(
-            total=self.total_steps, initial=first_step - 1, disable=not self.accelerator.is_main_process, desc=self.name
-        )
-        return self.bar
-
-    def optimizer_step(self, step: int, model, optimizer, scheduler) -> torch.Tensor | None:
-        """What ends optimizer step `step` in every recipe: the gradients clipped to `max_grad_norm` (0: not
-        clipped), the optimizer and the schedule stepped, the gradients freed, the progress bar advanced, and
-        FSDP_RECIPES_FAULT's point after a step. Returns the gradient norm before clipping (None when not clipped)."""
-        max_norm = self.config.max_grad_norm
-        grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.bar.update(1)
-        self.fault_point(step)
-        return grad_norm
-
     def begin(
         self,
         model,
@@ -163,10 +137,10 @@ class Run(StartedRun):
         summary: dict[str, Any] | None = None,
         checkpoint_files: dict[str, str] | None = None,
         frozen_models: dict[str, torch.nn.Module | None] | None = None,
-    ) -> tuple[BatchStream, int]:
+    ) -> Training:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
-        batch stream at the right data position and the first optimizer step to run.
+        `Training`: the batch stream at the right data position, the steps still to run and those components.
 
         `train_loader` is a prepared DataLoader (its position is progress.json's, valid on any world size), or a
         stream that keeps each rank's own position: it has BatchStream's `take`, `epoch` and `batches_into_epoch`
@@ -222,7 +196,7 @@ class Run(StartedRun):
                 dataclasses.replace(config, attn_implementation=self.attn_implementation),
             ),
         )
-        self.log = MetricsLog(
+        log = MetricsLog(
             config.output_dir,
             enabled=accelerator.is_main_process,
             printer=logs.info,
@@ -230,7 +204,7 @@ class Run(StartedRun):
         )
         if accelerator.is_main_process:
             Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-            self.log.start(resumed_step=first_step - 1 if self.resumed else None)
+            log.start(resumed_step=first_step - 1 if self.resumed else None)
             write_json(Path(config.output_dir) / "run_summary.json", self.summary)
             logs.info("run summary:\n" + format_table(list(self.summary.items())))
         self._record_state_bytes_after_first_step(model, scheduler.optimizer, frozen_models)
@@ -239,7 +213,7 @@ class Run(StartedRun):
         )
         if self.resumed:
             changes = {"config_changes": self.config_changes} if self.config_changes else {}
-            self.log.log(
+            log.log(
                 {
                     "step": first_step - 1,
                     "event": "resumed",
@@ -251,9 +225,9 @@ class Run(StartedRun):
             for name, (old, new) in self.config_changes.items():
                 logs.warning(f"warning: resumed with {name} {old!r} -> {new!r} (allow_config_change)")
 
-        self.metrics = StepLogger(
+        metrics = StepLogger(
             accelerator,
-            self.log,
+            log,
             every=config.logging_steps,
             total_steps=total_steps,
             model_config=self.model_config,
@@ -261,15 +235,15 @@ class Run(StartedRun):
             peak_flops=peak_flops_per_device(self.summary["device_name"], config.peak_flops_per_device),
             position=lambda: {"epoch": batches.epoch, "lr": scheduler.get_last_lr()[0]},
         )
-        self.evaluation = evaluator or Evaluation()
-        self.evaluation.attach(log=self.log, total_steps=total_steps, pause=self.metrics.window.paused)
-        self.checkpoints = checkpoints_lib.Checkpointer(
+        evaluation = evaluator or Evaluation()
+        evaluation.attach(log=log, total_steps=total_steps, pause=metrics.window.paused)
+        checkpoints = checkpoints_lib.Checkpointer(
             accelerator,
             config.output_dir,
             every=config.save_steps,
             total_steps=total_steps,
             save_total_limit=config.save_total_limit,
-            pause=self.metrics.window.paused,
+            pause=metrics.window.paused,
             position=lambda step: checkpoints_lib.TrainingProgress(
                 step=step,
                 epoch=batches.epoch,
@@ -281,7 +255,7 @@ class Run(StartedRun):
             ),
             rank_state=batches.state_dict if per_rank_stream else None,
             extra_files=checkpoint_files,
-            after_save=lambda step: self.push_at_save(model, step),
+            after_save=lambda step: self.push_at_save(model, step, train_loss=log.last("loss")),
             model_files_writer=lambda folder: checkpoints_lib.write_model_files(
                 folder,
                 model_config=self.model_config,
@@ -294,9 +268,17 @@ class Run(StartedRun):
         )
         # eval_strategy / save_strategy / logging_strategy (steps, epoch, no) decide each component's cadence
         per_epoch = None if per_rank_stream else -(-len(train_loader) // config.gradient_accumulation_steps)
-        for component, kind in ((self.metrics, "logging"), (self.evaluation, "eval"), (self.checkpoints, "save")):
+        for component, kind in ((metrics, "logging"), (evaluation, "eval"), (checkpoints, "save")):
             component.cadence = compat.cadence(config, kind, total_steps=total_steps, steps_per_epoch=per_epoch)
-        return batches, first_step
+        return Training(
+            self,
+            batches=batches,
+            first_step=first_step,
+            log=log,
+            metrics=metrics,
+            evaluation=evaluation,
+            checkpoints=checkpoints,
+        )
 
     def _record_state_bytes_after_first_step(self, model, optimizer, frozen_models=None) -> None:
         """After the first optimizer step (collective, as every rank steps), the run summary gets the bytes each rank
@@ -323,68 +305,6 @@ class Run(StartedRun):
     def accelerate_settings(self) -> dict[str, Any]:
         return {"launch_environment": launch_environment(), "resolved": self.summary}
 
-    def measured_once(self, key: str, measure: Callable[[], float]) -> float | None:
-        """A figure taken before training (e.g. accuracy of the untrained model): measured and logged at step 0 by a
-        new run; a resumed run reads it from the main process's log instead of measuring a half-trained model."""
-        if self.resumed:
-            return (
-                broadcast_object_list([self.log.first(key)])[0]
-                if self.accelerator.num_processes > 1
-                else self.log.first(key)
-            )
-        value = measure()
-        self.log.log({"step": 0, key: value})
-        return value
-
-    def finish(
-        self,
-        model,
-        *,
-        results: dict[str, Any] | None = None,
-        eval_results: list | None = None,
-        summary: dict[str, Any] | None = None,
-    ) -> Path | None:
-        """Collective. Evaluates at the last step if that has not happened, prints the final metrics, draws the
-        curves, exports the model folder (read back and compared), writes the card (with `eval_results`, a list of
-        huggingface_hub EvalResults, as its model-index) and `eval_results.json`, pushes to the Hub. `summary`: run
-        summary fields known only at the end, added to run_summary.json. Returns the folder on the main process."""
-        config, accelerator = self.config, self.accelerator
-        if summary:
-            self.summary.update(summary)
-            if accelerator.is_main_process:
-                write_json(Path(config.output_dir) / "run_summary.json", self.summary)
-        self.evaluation.maybe_evaluate(self.total_steps)
-        results = {key: value for key, value in (results or {}).items() if value is not None}
-        final_metrics = {
-            "train_loss": self.log.last("loss"),
-            "eval_loss": self.log.last("eval_loss"),
-            **results,
-            **self.metrics.final_metrics(),
-            "estimated_memory_gib_per_gpu": self.summary["memory_estimate"]["predicted_per_gpu_bytes"]["total"] / 2**30,
-        }
-        if accelerator.is_main_process:
-            logs.info(
-                "final metrics (speeds: means over logged windows after the first):\n"
-                + format_table(list(final_metrics.items()))
-                + "\n"
-                + memory_figure_notes(accelerator.device.type)
-            )
-            plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
-        folder = self.export(model, final_metrics, eval_results)
-        if accelerator.is_main_process:
-            if results:
-                write_json(folder / "eval_results.json", results)
-            if config.push_to_hub:
-                for upload in self.uploads:  # every_save's background commits land first, in order
-                    upload.result()
-                url = push_folder_to_hub(
-                    folder, config.hub_model_id, token=self.hub_token, private=config.hub_private_repo
-                )
-                logs.info(f"pushed to the Hub: {url}")
-            logs.info(f"model exported to {folder.resolve()}")
-        accelerator.end_training()
-        return folder
-
     @property
     def export_dtype(self) -> torch.dtype:
         """The exported weights' dtype: export_dtype, else the config's torch_dtype/dtype, else the base model's."""
@@ -392,13 +312,13 @@ class Run(StartedRun):
             getattr(self.config, "export_dtype", "auto"), self.model_config, recipe_dtype_override(self.config)
         )
 
-    def push_at_save(self, model, step: int) -> None:
+    def push_at_save(self, model, step: int, *, train_loss: float | None) -> None:
         """Collective, after each checkpoint; with hub_strategy every_save, the model as it is now is exported to
         output_dir and uploaded in the background while training goes on (at the last step, the end's push does it)."""
         config = self.config
         if not config.push_to_hub or getattr(config, "hub_strategy", "end") != "every_save" or step >= self.total_steps:
             return
-        folder = self.export(model, {"step": step, "train_loss": self.log.last("loss")})
+        folder = self.export(model, {"step": step, "train_loss": train_loss})
         if self.accelerator.is_main_process:
             options = dict(private=config.hub_private_repo, commit_message=f"Training in progress, step {step}")
             self.uploads.append(

@@ -17,6 +17,7 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 
+from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.mixture import mixture_problems
@@ -56,6 +57,7 @@ class RunCompatFields:
         "main process's log level: debug, info, warning, error, critical; passive = info. Other "
         "processes always log warnings and errors only",
         resume="free",
+        check=checks.one_of(LOG_LEVELS),
     )
     dataset_mixture: dict | None = setting(
         None,
@@ -70,6 +72,7 @@ class RunCompatFields:
         "bfloat16, float16, float32. Training still keeps fp32 master weights; the Accelerate config's "
         "mixed_precision sets the compute dtype; the export is written in this dtype unless export_dtype says",
         resume="free",
+        check=checks.one_of(DTYPES, or_null=True),
     )
     eos_token: str | None = setting(
         None, "the tokenizer's end token (must be in its vocabulary), e.g. <|im_end|>; null: its own", resume="free"
@@ -86,12 +89,13 @@ class RunCompatFields:
         "seconds a process waits in a collective before the run fails: raise it when one rank does long "
         "work alone (tokenising a large dataset on the main process first)",
         resume="free",
+        check=checks.at_least(1, note=" (seconds)"),
     )
 
     def trackers(self) -> list[str]:
         return [name.strip() for name in self.report_to.split(",") if name.strip() not in ("", "none")]
 
-    def run_compat_problems(self) -> list[str]:
+    def cross_field_problems(self) -> list[str]:
         problems = []
         names = [name.strip() for name in self.report_to.split(",")]
         if "none" in names and len(names) > 1:
@@ -104,14 +108,8 @@ class RunCompatFields:
                     f"report_to names {name!r} but the package is not installed: pip install {name}, or set "
                     "report_to: none"
                 )
-        if self.log_level not in LOG_LEVELS:
-            problems.append(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)} (or null)")
         if self.bf16 and self.fp16:
             problems.append("bf16 and fp16 are both true: choose one mixed precision")
-        if self.ddp_timeout < 1:
-            problems.append(f"ddp_timeout must be >= 1 second, got {self.ddp_timeout}")
         if self.dataset_mixture is not None:
             if getattr(self, "dataset_name", None):
                 problems.append("set dataset_name or dataset_mixture, not both")
@@ -128,15 +126,22 @@ class TrainingCompatFields:
         "when held-out loss is measured: steps (every eval_steps, and at the end), epoch (each epoch's "
         "end), no (never, unless do_eval: then once at the end)",
         resume="free",
+        check=checks.one_of(STRATEGIES),
     )
     do_eval: bool | None = setting(
         None, "false: no evaluation at all; true with eval_strategy no: once at the end (as scripts do)", resume="free"
     )
     save_strategy: str = setting(
-        "steps", "when checkpoints are written: steps (every save_steps and at the end), epoch, or no", resume="free"
+        "steps",
+        "when checkpoints are written: steps (every save_steps and at the end), epoch, or no",
+        resume="free",
+        check=checks.one_of(STRATEGIES),
     )
     logging_strategy: str = setting(
-        "steps", "when step figures are logged: steps (every logging_steps), epoch, or no", resume="free"
+        "steps",
+        "when step figures are logged: steps (every logging_steps), epoch, or no",
+        resume="free",
+        check=checks.one_of(STRATEGIES),
     )
     lr_scheduler_kwargs: dict | None = setting(
         None,
@@ -154,18 +159,8 @@ class TrainingCompatFields:
         False, "accepted, no effect here (listed as ignored in the run summary): " + LIGER_NOTE, resume="free"
     )
 
-    def training_compat_problems(self) -> list[str]:
-        problems = []
-        for name in ("eval_strategy", "save_strategy", "logging_strategy"):
-            if getattr(self, name) not in STRATEGIES:
-                problems.append(f"{name} {getattr(self, name)!r} is not one of {', '.join(STRATEGIES)}")
-        warmup = self.warmup_steps
-        if not math.isfinite(warmup) or warmup < 0 or (warmup >= 1 and warmup != int(warmup)):
-            problems.append(
-                f"warmup_steps must be a whole number of steps or a fraction of the run in [0, 1), got {warmup}"
-            )
-        problems.extend(scheduler_problems(self.lr_scheduler_type, self.lr_scheduler_kwargs))
-        return problems
+    def cross_field_problems(self) -> list[str]:
+        return scheduler_problems(self.lr_scheduler_type, self.lr_scheduler_kwargs)
 
     def held_out_split_size(self) -> float:
         """The fraction carved out of train for held-out loss: none when nothing will be evaluated."""
@@ -177,7 +172,7 @@ def scheduler_problems(scheduler_type: str, kwargs: dict | None) -> list[str]:
     whatever the scheduler itself refuses when built on a throwaway optimizer (cosine_with_min_lr without min_lr)."""
     functions = {kind.value: function for kind, function in TYPE_TO_SCHEDULER_FUNCTION.items()}
     if scheduler_type not in functions:
-        return []  # TrainingConfig.validate names the valid types
+        return []  # lr_scheduler_type's own check names the valid types
     kwargs = kwargs or {}
     parameters = inspect.signature(functions[scheduler_type]).parameters
     own = [name for name in parameters if name not in ("optimizer", "num_warmup_steps", "num_training_steps")]
@@ -194,6 +189,13 @@ def scheduler_problems(scheduler_type: str, kwargs: dict | None) -> list[str]:
     except (TypeError, ValueError) as error:
         return [f"lr_scheduler_type {scheduler_type} with lr_scheduler_kwargs {kwargs}: {error}"]
     return []
+
+
+def check_warmup_steps(name: str, value: float) -> str | None:
+    """warmup_steps as transformers 5 reads it: a whole number of steps, or a fraction of the run below 1."""
+    if math.isfinite(value) and value >= 0 and (value < 1 or value == int(value)):
+        return None
+    return f"{name} must be a whole number of steps or a fraction of the run in [0, 1), got {value}"
 
 
 def warmup_steps(config, total_steps: int) -> int:

@@ -11,16 +11,16 @@ field's help (`--help`) says what the knob trades.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
 from transformers import SchedulerType
 
+from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
-from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields
+from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields, check_warmup_steps
 from fsdp_recipes.train.losses import LOSS_IMPLEMENTATIONS
 from fsdp_recipes.train.publishing import PublishingFields
 from fsdp_recipes.train.recipe_traits import RecipeTraits
@@ -60,6 +60,7 @@ class RunConfig(RunCompatFields):
         "rows per process per forward pass on held-out data (and per generation batch); no "
         "gradients are kept, so it can often be larger than per_device_train_batch_size",
         resume="free",
+        check=checks.at_least(1),
     )
     # --- outputs and tracking -----------------------------------------------------------------------------------------
     output_dir: str = setting(
@@ -87,8 +88,13 @@ class RunConfig(RunCompatFields):
         return 2, "a causal LM example needs one token to read and one to predict"
 
     def validate(self) -> list[str]:
-        """Problems with the values themselves (no file system or network access). Subclasses extend the list."""
-        problems = self.run_compat_problems()
+        """Every problem with the values (`common.checks.config_problems`): each field's declared check, then each
+        settings group's `cross_field_problems`. Not overridden: a group states its rules in its own
+        `cross_field_problems`, which runs whatever the other groups do."""
+        return checks.config_problems(self)
+
+    def cross_field_problems(self) -> list[str]:
+        problems = []
         if not self.dataset_name and self.dataset_mixture is None:
             problems.append(
                 "dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path (or a dataset_mixture)"
@@ -96,15 +102,13 @@ class RunConfig(RunCompatFields):
         fewest, why = self.min_max_length()
         if self.max_length < fewest:
             problems.append(f"max_length must be >= {fewest} ({why}), got {self.max_length}")
-        if self.per_device_eval_batch_size < 1:
-            problems.append(f"per_device_eval_batch_size must be >= 1, got {self.per_device_eval_batch_size}")
         return problems
 
 
 @dataclasses.dataclass
 class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTraits):
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
-    format, its loss), extends `validate`, and overrides the methods below that describe it to the shared layer."""
+    format, its loss), states the rules between its fields in `cross_field_problems`, and overrides the methods below that describe it to the shared layer."""
 
     # --- model --------------------------------------------------------------------------------------------------------
     model_config: str | None = setting(
@@ -165,12 +169,16 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         "test", "held-out split; if the dataset lacks it, eval_split_size is carved out of train", resume="sensitive"
     )
     eval_split_size: float = setting(
-        0.05, "fraction of train held out when there is no test split (0 disables eval)", resume="sensitive"
+        0.05,
+        "fraction of train held out when there is no test split (0 disables eval)",
+        resume="sensitive",
+        check=checks.within(0, 1),
     )
     train_sampling_strategy: str = setting(
         "group_by_length",
         "group_by_length: rows of similar length share a batch (less padding); or random",
         resume="sensitive",
+        check=checks.one_of(("group_by_length", "random")),
     )
     repeat_small_dataset: bool = setting(
         False,
@@ -184,45 +192,79 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         False, "allow writing into a non-empty output_dir (its files may be replaced)", resume="free"
     )
     num_train_epochs: float = setting(
-        1.0, "passes over the training data (fractions allowed); ignored when max_steps > 0", resume="free"
+        1.0,
+        "passes over the training data (fractions allowed); ignored when max_steps > 0",
+        resume="free",
+        check=checks.non_negative(),
     )
     max_steps: int = setting(-1, "optimizer steps; > 0 overrides num_train_epochs", resume="free")
-    per_device_train_batch_size: int = setting(8, "rows per process per micro-step", resume="free")
+    per_device_train_batch_size: int = setting(
+        8, "rows per process per micro-step", resume="free", check=checks.at_least(1)
+    )
     gradient_accumulation_steps: int = setting(
         1,
         "micro-steps per optimizer step: global batch = per_device_train_batch_size * processes * "
         "this; more steps, same memory",
         resume="free",
+        check=checks.at_least(1),
     )
     learning_rate: float = setting(
-        2e-5, "AdamW's peak learning rate, reached after warmup, then shaped by lr_scheduler_type", resume="free"
+        2e-5,
+        "AdamW's peak learning rate, reached after warmup, then shaped by lr_scheduler_type",
+        resume="free",
+        check=checks.non_negative(),
     )
     weight_decay: float = setting(
-        0.0, "AdamW weight decay, on weight matrices only (not on norms and biases)", resume="free"
+        0.0,
+        "AdamW weight decay, on weight matrices only (not on norms and biases)",
+        resume="free",
+        check=checks.non_negative(),
     )
-    adam_beta1: float = setting(0.9, "AdamW's decay rate of the running mean of gradients (momentum)", resume="free")
+    adam_beta1: float = setting(
+        0.9, "AdamW's decay rate of the running mean of gradients (momentum)", resume="free", check=checks.within(0, 1)
+    )
     adam_beta2: float = setting(
         0.999,
         "AdamW's decay rate of the running mean of squared gradients: lower adapts faster to a changing gradient scale",
         resume="free",
+        check=checks.within(0, 1),
     )
-    adam_epsilon: float = setting(1e-8, "added to AdamW's denominator for numerical stability", resume="free")
+    adam_epsilon: float = setting(
+        1e-8, "added to AdamW's denominator for numerical stability", resume="free", check=checks.non_negative()
+    )
     lr_scheduler_type: str = setting(
-        "cosine", "any transformers SchedulerType: linear, cosine, constant_with_warmup, ...", resume="free"
+        "cosine",
+        "any transformers SchedulerType: linear, cosine, constant_with_warmup, ...",
+        resume="free",
+        check=checks.one_of(scheduler.value for scheduler in SchedulerType),
     )
     warmup_ratio: float = setting(
-        0.0, "fraction of steps spent warming up (ignored if warmup_steps > 0)", resume="free"
+        0.0,
+        "fraction of steps spent warming up (ignored if warmup_steps > 0)",
+        resume="free",
+        check=checks.within(0, 1),
     )
     warmup_steps: float = setting(
         0,
         "warmup from 0 to learning_rate: >= 1 a number of optimizer steps, in (0, 1) a fraction of the "
         "run (transformers 5); > 0 overrides warmup_ratio",
         resume="free",
+        check=check_warmup_steps,
     )
-    max_grad_norm: float = setting(1.0, "gradient clipping; 0 disables it", resume="free")
-    logging_steps: int = setting(10, "log every N steps; each logging step is a few small all-reduces", resume="free")
+    max_grad_norm: float = setting(
+        1.0,
+        "gradient clipping; 0 disables it",
+        resume="free",
+        check=checks.non_negative(note=" (0 turns clipping off; a negative value is not a way to do that)"),
+    )
+    logging_steps: int = setting(
+        10, "log every N steps; each logging step is a few small all-reduces", resume="free", check=checks.at_least(1)
+    )
     eval_steps: int | None = setting(
-        None, "evaluate every N steps (null: only at the end); each costs a pass over the eval data", resume="free"
+        None,
+        "evaluate every N steps (null: only at the end); each costs a pass over the eval data",
+        resume="free",
+        check=checks.at_least(1, or_null=True),
     )
     # --- speed and measurement -----------------------------------------------------------------------------------
     loss_implementation: str = setting(
@@ -232,14 +274,19 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         "trainers do (more memory); liger: liger-kernel's fused kernel (CUDA, pip install liger-kernel); "
         "linear_cross_entropy: torch's own (torch >= 2.13; measured against chunked: docs/chunked-loss.md)",
         resume="free",
+        check=checks.one_of(LOSS_IMPLEMENTATIONS),
     )
     loss_chunk_size: int = setting(
-        1024, "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory", resume="free"
+        1024,
+        "tokens per chunk: larger = fewer, bigger matmuls; smaller = less memory",
+        resume="free",
+        check=checks.at_least(1),
     )
     optim: str = setting(
         "adamw_torch",
         "adamw_torch (foreach kernels) or adamw_torch_fused (one kernel per step: faster on GPU)",
         resume="free",
+        check=checks.one_of(("adamw_torch", "adamw_torch_fused"), note=": the optimizers supported here"),
     )
     torch_compile: bool = setting(
         False, "compile each decoder layer: faster steps after a compile pause at start-up", resume="free"
@@ -251,17 +298,26 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         resume="free",
     )
     dataloader_num_workers: int = setting(
-        0, "worker processes collating batches; raise if data_wait_fraction is high", resume="free"
+        0,
+        "worker processes collating batches; raise if data_wait_fraction is high",
+        resume="free",
+        check=checks.at_least(0),
     )
     peak_flops_per_device: float | None = setting(
         None, "for MFU on devices not in the table (e.g. 989e12 for an H100)", resume="free"
     )
     # --- checkpoints ---------------------------------------------------------------------------------------------
     save_steps: int | None = setting(
-        500, "resumable checkpoint every N steps and at the end (null: none); each costs a write", resume="free"
+        500,
+        "resumable checkpoint every N steps and at the end (null: none); each costs a write",
+        resume="free",
+        check=checks.at_least(1, or_null=True),
     )
     save_total_limit: int | None = setting(
-        None, "keep only the newest K checkpoints (null: keep all); saves disk", resume="free"
+        None,
+        "keep only the newest K checkpoints (null: keep all); saves disk",
+        resume="free",
+        check=checks.at_least(1, or_null=True),
     )
     resume_from_checkpoint: str | None = setting(
         None, "latest (the newest in output_dir/checkpoints) or a checkpoint folder", resume="free"
@@ -274,8 +330,8 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         resume="free",
     )
 
-    def validate(self) -> list[str]:
-        problems = super().validate() + self.training_compat_problems()
+    def cross_field_problems(self) -> list[str]:
+        problems = []
         if (self.model_name_or_path is None) == (self.model_config is None):
             problems.append(
                 "set exactly one of model_name_or_path (pretrained weights) and model_config (initialise from a "
@@ -285,57 +341,8 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
             problems.append(f"model_config: no such file {self.model_config!r}")
         if self.model_config is not None and self.tokenizer_name_or_path is None:
             problems.append("model_config needs tokenizer_name_or_path: a model built from a config has no tokenizer")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in (
-            "learning_rate",
-            "weight_decay",
-            "adam_epsilon",
-            "max_grad_norm",
-            "num_train_epochs",
-            "warmup_ratio",
-            "eval_split_size",
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value):
-                problems.append(f"{name} must be a finite number, got {value}")
-            elif value < 0:
-                problems.append(
-                    f"{name} must be >= 0, got {value}"
-                    + (
-                        " (0 turns clipping off; a negative value is not a way to do that)"
-                        if name == "max_grad_norm"
-                        else ""
-                    )
-                )
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.train_sampling_strategy not in ("group_by_length", "random"):
-            problems.append(
-                f"train_sampling_strategy {self.train_sampling_strategy!r} is not group_by_length or random"
-            )
-        if self.loss_implementation not in LOSS_IMPLEMENTATIONS:
-            problems.append(f"loss_implementation {self.loss_implementation!r} is not one of {LOSS_IMPLEMENTATIONS}")
-        if self.loss_chunk_size < 1:
-            problems.append(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
-        if self.optim not in ("adamw_torch", "adamw_torch_fused"):
-            problems.append(f"optim {self.optim!r} is not supported: use adamw_torch or adamw_torch_fused")
-        if self.dataloader_num_workers < 0:
-            problems.append(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
-        for name in ("save_steps", "save_total_limit", "eval_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1 or null, got {getattr(self, name)}")
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             problems.append("set max_steps > 0 or num_train_epochs > 0")
-        if self.warmup_ratio >= 1:
-            problems.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.eval_split_size >= 1:
-            problems.append(f"eval_split_size must be in [0, 1), got {self.eval_split_size}")
-        schedulers = [s.value for s in SchedulerType]
-        if self.lr_scheduler_type not in schedulers:
-            problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {', '.join(schedulers)}")
         problems.extend(adapter_config_problems(self))
         problems.extend(allow_config_change_problems(self))
         if self.push_to_hub and not self.hub_model_id:

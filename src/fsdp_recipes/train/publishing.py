@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 
 EXPORT_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 HUB_STRATEGIES = ("end", "every_save")
+
+
+def check_hub_strategy(name: str, value: str) -> str | None:
+    if value in ("checkpoint", "all_checkpoints"):
+        return (
+            f"{name} {value!r} uploads resumable checkpoints, which here are sharded per-rank state that only this "
+            "run can read: use every_save (the exported model at every save) or end"
+        )
+    return checks.one_of(HUB_STRATEGIES)(name, value)
 
 
 @dataclasses.dataclass
@@ -21,6 +31,7 @@ class PublishingFields:
         "float32, bfloat16 or float16. Training keeps fp32 master weights whatever this says; float32 exports "
         "of a bf16 base are twice the size and no more accurate than the base",
         resume="free",
+        check=checks.one_of(EXPORT_DTYPE_CHOICES),
     )
     chat_template_path: str | None = setting(
         None,
@@ -34,19 +45,10 @@ class PublishingFields:
         "(also at every checkpoint: the model exported then, uploaded in the background; each save also "
         "gathers the full weights on the main process)",
         resume="free",
+        check=check_hub_strategy,
     )
 
-    def validate(self) -> list[str]:
-        problems = super().validate()  # the next base in the MRO: RunConfig
-        if self.export_dtype not in EXPORT_DTYPE_CHOICES:
-            problems.append(f"export_dtype {self.export_dtype!r} is not one of {', '.join(EXPORT_DTYPE_CHOICES)}")
-        if self.hub_strategy in ("checkpoint", "all_checkpoints"):
-            problems.append(
-                f"hub_strategy {self.hub_strategy!r} uploads resumable checkpoints, which here are sharded per-rank "
-                "state that only this run can read: use every_save (the exported model at every save) or end"
-            )
-        elif self.hub_strategy not in HUB_STRATEGIES:
-            problems.append(f"hub_strategy {self.hub_strategy!r} is not one of {', '.join(HUB_STRATEGIES)}")
+    def cross_field_problems(self) -> list[str]:
         if self.chat_template_path is not None and getattr(self, "chat_template", None) is not None:
-            problems.append("set one of chat_template and chat_template_path (both set the model's template): keep one")
-        return problems
+            return ["set one of chat_template and chat_template_path (both set the model's template): keep one"]
+        return []

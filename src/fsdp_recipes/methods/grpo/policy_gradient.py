@@ -32,7 +32,7 @@ STD_EPSILON = 1e-4  # TRL's: a group whose rewards are all equal gets advantage 
 def objective_problems(
     beta: float, epsilon: float, epsilon_high: float | None, loss_type: str, scale_rewards: str
 ) -> list[str]:
-    """What is wrong with the objective's settings (TRL's names), for a config's `validate`."""
+    """What is wrong with the objective's settings (TRL's names), for the config's `cross_field_problems`."""
     problems = []
     if not (math.isfinite(beta) and beta >= 0):
         problems.append(f"beta must be >= 0 (0: no reference model), got {beta}")

@@ -79,7 +79,7 @@ class GenerationSettings:
 
 
 def sampling_problems(temperature: float, top_p: float, top_k: int | None) -> list[str]:
-    """What is wrong with the sampling settings, for a config's `validate`."""
+    """What is wrong with the sampling settings, for the config's `cross_field_problems`."""
     problems = []
     if not (math.isfinite(temperature) and temperature > 0):
         problems.append(f"temperature must be > 0, got {temperature}")

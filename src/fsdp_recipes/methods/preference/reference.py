@@ -89,11 +89,10 @@ class ReferenceFields:
             )
         ]
 
-    def validate(self) -> list[str]:
-        problems = super().validate()
+    def cross_field_problems(self) -> list[str]:
         if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
-            problems.append(f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null")
-        return problems
+            return [f"max_prompt_length must be >= 1 and < max_length ({self.max_length}), or null"]
+        return []
 
 
 def for_splits(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.data import chat, files, rows
 from fsdp_recipes.train import evaluation
@@ -22,12 +23,14 @@ class SupervisedFields:
         "tokens per packed row (null: max_length). Shorter rows cost less attention per token with "
         "sdpa/eager, which compute the whole row; longer examples still get a row of their own, uncut",
         resume="sensitive",
+        check=checks.at_least(1, or_null=True),
     )
     packing_strategy: str = setting(
         "bfd",
         "how examples share rows: bfd (best-fit decreasing, TRL's default); ffd (older TRL) is read as "
         "bfd. TRL's wrapped is refused: it cuts examples across rows, which SFT here never does",
         resume="free",
+        check=checks.one_of(("bfd", "ffd"), note=": SFT packs whole examples, never cut"),
     )
     assistant_only_loss: bool = setting(True, "conversational data: loss only on assistant turns", resume="sensitive")
     completion_only_loss: bool = setting(
@@ -38,9 +41,13 @@ class SupervisedFields:
         "held-out examples whose greedy completion is compared with the reference, before and after "
         "training (0: none); costs one generation per sample each time",
         resume="free",
+        check=checks.at_least(0),
     )
     max_new_tokens: int = setting(
-        64, "generation budget (tokens per completion) of the exact_match_eval_samples check", resume="free"
+        64,
+        "generation budget (tokens per completion) of the exact_match_eval_samples check",
+        resume="free",
+        check=checks.at_least(1),
     )
 
     def row_length(self) -> int:
@@ -48,18 +55,6 @@ class SupervisedFields:
 
     def packs_examples(self) -> bool:
         return self.packing
-
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        if self.packing_row_length is not None and self.packing_row_length < 1:
-            problems.append(f"packing_row_length must be >= 1 or null, got {self.packing_row_length}")
-        if self.packing_strategy not in ("bfd", "ffd"):
-            problems.append(
-                f"packing_strategy {self.packing_strategy!r} is not bfd (or ffd): SFT packs whole examples, never cut"
-            )
-        if self.exact_match_eval_samples < 0 or self.max_new_tokens < 1:
-            problems.append("exact_match_eval_samples must be >= 0 and max_new_tokens >= 1")
-        return problems
 
 
 @dataclasses.dataclass

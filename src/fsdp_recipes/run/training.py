@@ -1,0 +1,129 @@
+"""`Training`: what `Run.begin` hands the loop, every part built and none of them None. The batch stream at the resumed
+data position, the steps still to run (with the progress bar), the one optimizer step every recipe calls, and the
+components that keep their own cadence: `metrics` (logging), `evaluation` (the recipe's evaluator), `checkpoints`
+(saves), over the run's `log`. `finish` ends the run."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import broadcast_object_list
+from tqdm.auto import tqdm
+
+from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.common.yaml_json import write_json
+from fsdp_recipes.distributed import logs
+from fsdp_recipes.publish.hub import push_folder_to_hub
+from fsdp_recipes.train.checkpoint import Checkpointer
+from fsdp_recipes.train.evaluation import Evaluation
+from fsdp_recipes.train.loop import BatchStream
+from fsdp_recipes.train.metrics import MetricsLog, StepLogger, memory_figure_notes, plot_training_curves
+
+
+@dataclasses.dataclass
+class Training:
+    run: Any  # the `Run` whose begin built this (runs.py imports this module, not the other way round)
+    batches: BatchStream
+    first_step: int
+    log: MetricsLog
+    metrics: StepLogger
+    evaluation: Evaluation
+    checkpoints: Checkpointer
+    bar: tqdm | None = dataclasses.field(default=None, init=False)
+
+    @property
+    def total_steps(self) -> int:
+        return self.run.total_steps
+
+    def steps(self) -> Iterator[int]:
+        """The optimizer steps still to run, first_step..total_steps, behind a progress bar (main process only) that
+        `optimizer_step` advances."""
+        accelerator = self.run.accelerator
+        self.bar = tqdm(
+            total=self.total_steps,
+            initial=self.first_step - 1,
+            disable=not accelerator.is_main_process,
+            desc=self.run.name,
+        )
+        try:
+            yield from range(self.first_step, self.total_steps + 1)
+        finally:
+            self.bar.close()
+
+    def optimizer_step(self, step: int, model, optimizer, scheduler) -> torch.Tensor | None:
+        """What ends optimizer step `step` in every recipe: the gradients clipped to `max_grad_norm` (0: not
+        clipped), the optimizer and the schedule stepped, the gradients freed, the progress bar advanced, and
+        FSDP_RECIPES_FAULT's point after a step. Returns the gradient norm before clipping (None when not clipped)."""
+        max_norm = self.run.config.max_grad_norm
+        grad_norm = self.run.accelerator.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.bar is not None:
+            self.bar.update(1)
+        self.run.fault_point(step)
+        return grad_norm
+
+    def measured_once(self, key: str, measure: Callable[[], float]) -> float | None:
+        """A figure taken before training (e.g. accuracy of the untrained model): measured and logged at step 0 by a
+        new run; a resumed run reads it from the main process's log instead of measuring a half-trained model."""
+        if self.run.resumed:
+            first = self.log.first(key)
+            return broadcast_object_list([first])[0] if self.run.accelerator.num_processes > 1 else first
+        value = measure()
+        self.log.log({"step": 0, key: value})
+        return value
+
+    def finish(
+        self,
+        model,
+        *,
+        results: dict[str, Any] | None = None,
+        eval_results: list | None = None,
+        summary: dict[str, Any] | None = None,
+    ) -> Path | None:
+        """Collective. Evaluates at the last step if that has not happened, prints the final metrics, draws the
+        curves, exports the model folder (read back and compared), writes the card (with `eval_results`, a list of
+        huggingface_hub EvalResults, as its model-index) and `eval_results.json`, pushes to the Hub. `summary`: run
+        summary fields known only at the end, added to run_summary.json. Returns the folder on the main process."""
+        run = self.run
+        config, accelerator = run.config, run.accelerator
+        if summary:
+            run.summary.update(summary)
+            if accelerator.is_main_process:
+                write_json(Path(config.output_dir) / "run_summary.json", run.summary)
+        self.evaluation.maybe_evaluate(self.total_steps)
+        results = {key: value for key, value in (results or {}).items() if value is not None}
+        final_metrics = {
+            "train_loss": self.log.last("loss"),
+            "eval_loss": self.log.last("eval_loss"),
+            **results,
+            **self.metrics.final_metrics(),
+            "estimated_memory_gib_per_gpu": run.summary["memory_estimate"]["predicted_per_gpu_bytes"]["total"] / 2**30,
+        }
+        if accelerator.is_main_process:
+            logs.info(
+                "final metrics (speeds: means over logged windows after the first):\n"
+                + format_table(list(final_metrics.items()))
+                + "\n"
+                + memory_figure_notes(accelerator.device.type)
+            )
+            plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
+        folder = run.export(model, final_metrics, eval_results)
+        if accelerator.is_main_process:
+            if results:
+                write_json(folder / "eval_results.json", results)
+            if config.push_to_hub:
+                for upload in run.uploads:  # every_save's background commits land first, in order
+                    upload.result()
+                url = push_folder_to_hub(
+                    folder, config.hub_model_id, token=run.hub_token, private=config.hub_private_repo
+                )
+                logs.info(f"pushed to the Hub: {url}")
+            logs.info(f"model exported to {folder.resolve()}")
+        accelerator.end_training()
+        return folder
