@@ -107,7 +107,7 @@ def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weight
         ({"beta": -0.1}, "beta must be >= 0"),
         ({"epsilon": 0}, "epsilon must be > 0"),
         ({"temperature": 0.0}, "temperature must be > 0"),
-        ({"reward_funcs": [], "reward_weights": None}, "reward_funcs is empty"),
+        ({"reward_funcs": [], "reward_weights": None}, "reward_funcs is required: name at least one"),
         ({"reward_funcs": ["no_such_module_xyz:reward"], "reward_weights": None}, "could not be imported"),
         ({"reward_weights": [1.0]}, "reward_weights has 1 values for 2 reward_funcs"),
         ({"loss_type": "ppo"}, "loss_type 'ppo' is not one of"),

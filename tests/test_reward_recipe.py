@@ -123,7 +123,7 @@ def test_refuses_a_margin_that_is_not_a_number(tmp_path, capsys, pretrained_tiny
 
 def test_refuses_a_negative_center_rewards_coefficient(tmp_path, capsys, pretrained_tiny_model, reward_pairs):
     values = _bad_input_values(tmp_path, pretrained_tiny_model, reward_pairs, center_rewards_coefficient=-1.0)
-    assert "center_rewards_coefficient must be a number >= 0" in recipe_error_in_process(
+    assert "center_rewards_coefficient must be a finite number >= 0" in recipe_error_in_process(
         "reward", tmp_path, values, capsys
     )
 
