@@ -22,6 +22,7 @@ pytest_plugins = [
     "fixtures.reward_distill",
     "fixtures.preference",
     "fixtures.grpo",
+    "fixtures.every_recipe",
 ]
 
 

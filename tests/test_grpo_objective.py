@@ -199,6 +199,7 @@ def test_scores_are_weighted_and_none_is_no_reward():
         ("raise", "reward function bad raised ValueError: no 'b' .* prompt 11"),
         ([1.0, 2.0], "reward function bad returned 2 values for 3 completions"),
         ([1.0, math.nan, 0.0], "reward function bad returned nan .* prompt 11"),
+        ([1.0, -math.inf, 0.0], "reward function bad returned -inf .* prompt 11 .*: rewards must be finite numbers"),
         ([1.0, "x", 0.0], "reward function bad returned 'x' .* prompt 11"),
     ],
 )

@@ -20,11 +20,6 @@ import pytest
 import torch
 import yaml
 
-from fixtures.dpo import dpo_values
-from fixtures.grpo import grpo_values
-from fixtures.preference import kto_values
-from fixtures.reward_distill import distill_values, reward_values
-from helpers.data import write_jsonl
 from helpers.paths import REPO, TOKENIZER
 from helpers.recipes import base_recipe_values, launch_environment_of, read_metrics, run_recipe_launched_here
 
@@ -115,58 +110,11 @@ def bf16_output(tmp_path_factory):
     return run
 
 
-def pretrain_values(tiny_model_config: Path, corpus: Path):
-    return lambda output: dict(
-        model_config=str(tiny_model_config),
-        tokenizer_name_or_path=str(TOKENIZER),
-        dataset_name=str(corpus),
-        max_length=32,
-        max_steps=2,
-        per_device_train_batch_size=2,
-        logging_steps=1,
-        output_dir=str(output),
-        report_to="none",
-        seed=7,
-    )
-
-
-@pytest.fixture(scope="module")
-def text_corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("corpus")
-    stories = (REPO / "demo" / "assets" / "text" / "train-00000-of-00004.jsonl").read_text().splitlines()[:40]
-    write_jsonl(folder / "train.jsonl", [json.loads(line) for line in stories])
-    return folder
-
-
-SHORT = dict(max_steps=2, save_steps=None, eval_steps=None, gradient_accumulation_steps=1, logging_steps=1)
-
-
 @pytest.mark.parametrize("recipe", ["pretrain", "dpo", "kto", "grpo", "reward", "distill", "classify"])
-def test_every_training_recipe_runs_its_first_steps_under_bf16(
-    recipe, bf16_output, request, tiny_model_config, pretrained_tiny_model, text_corpus
-):
+def test_every_training_recipe_runs_its_first_steps_under_bf16(recipe, bf16_output, short_run_values):
     """Each recipe's own loss path under the shipped bf16 (SFT is the config test above): finite losses, the export
     verified by the recipe itself."""
-    if recipe == "pretrain":
-        values_for = pretrain_values(tiny_model_config, text_corpus)
-    elif recipe in ("dpo", "kto"):
-        data = request.getfixturevalue("preference_data")
-        make = dpo_values if recipe == "dpo" else kto_values
-        values_for = lambda output: make(pretrained_tiny_model, data, output, **SHORT)  # noqa: E731
-    elif recipe == "grpo":
-        data = request.getfixturevalue("prompt_data")
-        values_for = lambda output: grpo_values(pretrained_tiny_model, data, output, max_steps=2)  # noqa: E731
-    elif recipe == "reward":
-        data = request.getfixturevalue("reward_pairs")
-        values_for = lambda output: reward_values(pretrained_tiny_model, data, output, **SHORT)  # noqa: E731
-    elif recipe == "distill":
-        student, data = request.getfixturevalue("student_config"), request.getfixturevalue("small_chat_data")
-        values_for = lambda output: distill_values(student, pretrained_tiny_model, data, output, max_steps=2)  # noqa: E731
-    else:
-        from fixtures.classify import classify_values
-
-        data = request.getfixturevalue("classify_data")
-        values_for = lambda output: classify_values(tiny_model_config, data, output, **SHORT)  # noqa: E731
+    values_for = short_run_values(recipe)
     output = bf16_output(recipe, values_for)
     summary = json.loads((output / "run_summary.json").read_text())
     assert (summary["distributed_type"], summary["mixed_precision"]) == ("FSDP", "bf16")

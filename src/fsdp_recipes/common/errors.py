@@ -43,6 +43,11 @@ class DistributedSetupError(UserError, RuntimeError):
     """The launch cannot give the training that was asked for."""
 
 
+class NonFiniteError(UserError, ArithmeticError):
+    """A training figure that is not a finite number (the gradient norm of a step, a reward): the run stops there,
+    on every rank, before the update reaches the weights."""
+
+
 class InputError(UserError):
     """A library's exception (the Hub, a file, a tokenizer) caused by the user's input, translated by the step that met
     it (`fsdp_recipes.common.steps.step`): the step, the input and the fix."""

@@ -6,6 +6,7 @@ Set `FSDP_RECIPES_FAULT` to `<action>-<point>:<step>[@<rank>]`, e.g.
     kill-after-step:6@1      only rank 1 dies (a lost node); the launcher must bring the others down
     kill-during-save:8       die after the shards of step 8's checkpoint are written, before it is committed
     raise-after-step:4@1     rank 1 raises an exception (a bad batch)
+    nan-before-step:3        step 3's gradients are made NaN before the optimizer sees them (a numeric blow-up)
 
 Unset, nothing happens.
 """
@@ -24,18 +25,20 @@ class InjectedFault(RuntimeError):
     deliberate = True  # not a bug: the error boundary does not ask for a report
 
 
-def inject_fault(point: str, step: int, rank: int) -> None:
+def inject_fault(point: str, step: int, rank: int) -> bool:
+    """Acts on FSDP_RECIPES_FAULT at `point`; True when the caller is to make this step's values not finite."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return False
     action_point, _, where = spec.partition(":")
     action, _, fault_point = action_point.partition("-")
     at_step, _, at_rank = where.partition("@")
     if fault_point != point or int(at_step) != step or (at_rank and int(at_rank) != rank):
-        return
+        return False
     if action == "kill":
         # The time lets a test measure how long the launcher takes to bring the other ranks down.
         print(f"FAULT: SIGKILL to rank {rank} at {time.time():.3f}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "raise":
         raise InjectedFault(f"injected fault on rank {rank} after step {step} ({FAULT_ENV}={spec})")
+    return action == "nan"

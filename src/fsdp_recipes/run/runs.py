@@ -28,7 +28,7 @@ from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.run.training import Training
 from fsdp_recipes.tools.estimator.live import estimate_for_run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import compat
+from fsdp_recipes.train import compat, loop
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 from fsdp_recipes.train.loop import BatchStream
@@ -166,6 +166,7 @@ class Run(StartedRun):
                     ),
                 )
             first_step = progress.step + 1
+            loop.apply_settings_on_resume(scheduler, config)
 
         adapters.register_generate_as_forward(model)
         self.summary = describe_run(accelerator, model, self.wrap_classes)

@@ -6,6 +6,7 @@ components that keep their own cadence: `metrics` (logging), `evaluation` (the r
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,13 @@ import torch
 from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
+from fsdp_recipes.common.errors import NonFiniteError
+from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs
 from fsdp_recipes.publish.hub import push_folder_to_hub
-from fsdp_recipes.train.checkpoint import Checkpointer
+from fsdp_recipes.train.checkpoint import Checkpointer, latest_checkpoint
 from fsdp_recipes.train.evaluation import Evaluation
 from fsdp_recipes.train.loop import BatchStream
 from fsdp_recipes.train.metrics import MetricsLog, StepLogger, memory_figure_notes, plot_training_curves
@@ -34,6 +37,7 @@ class Training:
     evaluation: Evaluation
     checkpoints: Checkpointer
     bar: tqdm | None = dataclasses.field(default=None, init=False)
+    skipped_steps: int = dataclasses.field(default=0, init=False)  # non-finite steps skipped since this launch
 
     @property
     def total_steps(self) -> int:
@@ -54,19 +58,46 @@ class Training:
         finally:
             self.bar.close()
 
-    def optimizer_step(self, step: int, model, optimizer, scheduler) -> torch.Tensor | None:
-        """What ends optimizer step `step` in every recipe: the gradients clipped to `max_grad_norm` (0: not
-        clipped), the optimizer and the schedule stepped, the gradients freed, the progress bar advanced, and
-        FSDP_RECIPES_FAULT's point after a step. Returns the gradient norm before clipping (None when not clipped)."""
-        max_norm = self.run.config.max_grad_norm
-        grad_norm = self.run.accelerator.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
-        optimizer.step()
+    def optimizer_step(self, step: int, model, optimizer, scheduler) -> torch.Tensor:
+        """What ends optimizer step `step` in every recipe: the gradient norm taken over all ranks and the gradients
+        clipped to `max_grad_norm` (0: measured, not clipped); a norm that is not finite stops the run on every rank
+        before the update (or skips the update, `skip_nonfinite_steps`); the optimizer and the schedule stepped, the
+        gradients freed, the progress bar advanced, and FSDP_RECIPES_FAULT's points. Returns the norm before
+        clipping."""
+        config, accelerator = self.run.config, self.run.accelerator
+        if inject_fault("before-step", step, accelerator.process_index):
+            _poison_gradients(model)
+        # clipping to inf multiplies by 1.0: the norm is measured and the gradients are bitwise as they were
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+        if torch.isfinite(grad_norm):  # the one host sync a step needs: the same global value on every rank
+            optimizer.step()
+        else:
+            self._nonfinite_step(step, grad_norm)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if self.bar is not None:
             self.bar.update(1)
         self.run.fault_point(step)
         return grad_norm
+
+    def _nonfinite_step(self, step: int, grad_norm: torch.Tensor) -> None:
+        config = self.run.config
+        self.skipped_steps += 1
+        if self.skipped_steps > config.skip_nonfinite_steps:
+            latest = latest_checkpoint(config.output_dir)
+            raise NonFiniteError(
+                f"step {step}: the gradient norm is {float(grad_norm)}: a loss or gradient is not a finite number. "
+                "The step's update was not applied; the weights were not exported, and output_dir and the last "
+                f"checkpoint ({latest.name if latest else 'none yet'}) are as they were. Likely causes: a learning "
+                "rate too high for this model and batch (lower learning_rate, or warm up with warmup_steps), a "
+                "value that is not finite in the data or from a reward function, a loss that overflows in "
+                "float16 (use bf16). To skip such steps instead, set skip_nonfinite_steps: N"
+            )
+        logs.warning(
+            f"warning: step {step}: the gradient norm is {float(grad_norm)}; the update is skipped "
+            f"({self.skipped_steps} of skip_nonfinite_steps {config.skip_nonfinite_steps})"
+        )
+        self.log.log({"step": step, "event": "skipped_nonfinite_step", "skipped_nonfinite_steps": self.skipped_steps})
 
     def measured_once(self, key: str, measure: Callable[[], float]) -> float | None:
         """A figure taken before training (e.g. accuracy of the untrained model): measured and logged at step 0 by a
@@ -127,3 +158,11 @@ class Training:
             logs.info(f"model exported to {folder.resolve()}")
         accelerator.end_training()
         return folder
+
+
+def _poison_gradients(model) -> None:
+    """FSDP_RECIPES_FAULT=nan-before-step:N: one gradient made NaN, as a numeric blow-up would."""
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.fill_(math.nan)
+            return

@@ -257,6 +257,14 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         resume="free",
         check=checks.non_negative(note=" (0 turns clipping off; a negative value is not a way to do that)"),
     )
+    skip_nonfinite_steps: int = setting(
+        0,
+        "a step whose gradient norm is not finite (NaN/inf) stops the run, its update not applied (0); N: up to N "
+        "such steps are skipped instead (no update; the batch is spent, the schedule moves on), and counted. "
+        "Skipping hides a blow-up that usually needs a lower learning rate or cleaner data",
+        resume="free",
+        check=checks.at_least(0),
+    )
     logging_steps: int = setting(
         10, "log every N steps; each logging step is a few small all-reduces", resume="free", check=checks.at_least(1)
     )

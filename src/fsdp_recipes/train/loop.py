@@ -55,6 +55,23 @@ def build_scheduler(optimizer, config, *, total_steps: int):
     )
 
 
+def apply_settings_on_resume(scheduler, config) -> None:
+    """After a checkpoint is loaded: the optimizer's hyperparameters and the schedule's peak as the config now says.
+    The checkpoint's optimizer state carries its own (learning_rate, weight_decay, adam_*), which would otherwise win
+    in silence over a value changed for the resumed run; the moments and the step count stay the checkpoint's."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the torch scheduler
+    optimizer = inner.optimizer
+    optimizer.param_groups[0]["weight_decay"] = config.weight_decay  # build_optimizer's first group: the matrices
+    for group in optimizer.param_groups:
+        group.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+        group["initial_lr"] = config.learning_rate
+    inner.base_lrs = [config.learning_rate] * len(optimizer.param_groups)
+    if hasattr(inner, "lr_lambdas"):  # every schedule get_scheduler builds for a step count is a LambdaLR
+        for group, base, factor in zip(optimizer.param_groups, inner.base_lrs, inner.lr_lambdas):
+            group["lr"] = base * factor(inner.last_epoch)
+        inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def micro_batches_in_sync(accelerator: Accelerator, model: torch.nn.Module, micro_batches: list):
     """Yields the micro-batches of one optimizer step; gradients are reduced across ranks once, on the last one
     (the others run under `no_sync`)."""

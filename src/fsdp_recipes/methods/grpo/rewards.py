@@ -12,7 +12,7 @@ assistant turn, as TRL gives them), `columns` every other dataset column by name
   completion is the reward. It is loaded whole on every rank (a seam: a large reward model would be sharded).
 
 Loading happens before the policy's weights (`load_reward_functions`): one that cannot be found is a ConfigError.
-`score` checks what each returns: raising, the wrong number of values or NaN is a DataError naming the function and
+`score` checks what each returns: raising, the wrong number of values, NaN or inf is a DataError naming the function and
 the prompt (its index in the training data).
 """
 
@@ -240,7 +240,7 @@ def score(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weighted reward of each completion ([N]) and each function's values ([functions, N], NaN for None).
     DataError naming the function and the prompt when one raises, returns the wrong number of values, a value that is
-    not a number, or NaN."""
+    not a number, NaN or infinite."""
     count = len(completions)
     per_function = torch.full((len(functions), count), math.nan, dtype=torch.float32)
     for row, (name, function) in enumerate(functions):
@@ -262,10 +262,12 @@ def score(
         for column, value in enumerate(values):
             if value is None:
                 continue
-            if not isinstance(value, numbers.Real) or math.isnan(float(value)):
+            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
                 raise DataError(
                     f"reward function {name} returned {value!r} for a completion of prompt "
-                    f"{prompt_indices[column]} of the training data: rewards must be numbers (None: no reward)"
+                    f"{prompt_indices[column]} of the training data: rewards must be finite numbers (None: no "
+                    "reward; a penalty is a finite negative number, e.g. -1.0: advantages compare rewards within a "
+                    "group, so its size only needs to set it apart)"
                 )
             per_function[row, column] = float(value)
     weight = torch.tensor(list(weights), dtype=torch.float32).unsqueeze(1)
