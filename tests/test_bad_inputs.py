@@ -591,3 +591,61 @@ def test_base_model_name_or_path_points_an_adapter_at_its_base(given):
     folder = adapter_folder(given, MISSING_MODEL)
     source = model_source.resolve(str(folder), base_model_name_or_path="someone/base")
     assert (source.kind, source.base, source.config_files) == ("adapter", "someone/base", "someone/base")
+
+
+# ------------------------------------------------------------------------------------------ chat answers, every recipe
+USER = {"role": "user", "content": "reverse: abc"}
+ANSWER = {"role": "assistant", "content": "cba"}
+WRONG = {"role": "assistant", "content": "abc"}
+DEGENERATE_ANSWERS = {
+    "empty": ([{"role": "assistant", "content": ""}], "turn 1 (assistant) is empty"),
+    "whitespace": ([{"role": "assistant", "content": " \n "}], "turn 1 (assistant) is only whitespace"),
+    "no_final_answer": ([ANSWER, {"role": "user", "content": "and?"}], "its last turn must be the assistant's"),
+}
+
+
+def chat_rows(recipe: str, answer: list[dict], bad_row: int) -> list[dict]:
+    """40 good examples in the recipe's chat format, the one at `bad_row` ending with `answer`."""
+    if recipe in ("sft", "distill"):
+        good, bad = {"messages": [USER, ANSWER]}, {"messages": [USER, *answer]}
+    elif recipe == "kto":
+        good = {"prompt": [USER], "completion": [ANSWER], "label": True}
+        bad = {**good, "completion": answer}
+    else:  # dpo, reward: pairs
+        good = {"prompt": [USER], "chosen": [ANSWER], "rejected": [WRONG]}
+        bad = {**good, "chosen": answer}
+    rows = [dict(bad if index == bad_row else good) for index in range(40)]
+    if recipe == "kto":  # good and bad answers both
+        for index, row in enumerate(rows):
+            row["label"] = index % 2 == 0
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("recipe", "answer"),
+    [
+        (recipe, answer)
+        for recipe in ("sft", "dpo", "kto", "reward", "distill")
+        for answer in DEGENERATE_ANSWERS
+        # a conversation may end with a user turn (it is context); an answer given as a completion may not
+        if not (answer == "no_final_answer" and recipe in ("sft", "distill"))
+    ],
+)
+def test_a_degenerate_chat_answer_is_refused_with_its_row_in_every_recipe_that_trains_on_chat(
+    recipe, answer, given, pretrained_tiny_model, student_config, capsys
+):
+    from fixtures.preference import kto_values
+    from fixtures.reward_distill import distill_values, reward_values
+
+    turns, expected = DEGENERATE_ANSWERS[answer]
+    data = write_jsonl(given.tmp / "data" / "train.jsonl", chat_rows(recipe, turns, bad_row=7))
+    out = given.tmp / "out"
+    values = {
+        "sft": lambda: base_recipe_values(given.model_config, data, out),
+        "dpo": lambda: dpo_values(pretrained_tiny_model, data, out),
+        "kto": lambda: kto_values(pretrained_tiny_model, data, out),
+        "reward": lambda: reward_values(pretrained_tiny_model, data, out),
+        "distill": lambda: distill_values(student_config, pretrained_tiny_model, data, out),
+    }[recipe]()
+    values["eval_split_size"] = 0.0  # no held-out part carved out: the row's index is its line in the file
+    assert_refused(recipe, given, values, capsys, ["7 of the train split", expected])

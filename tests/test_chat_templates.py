@@ -163,3 +163,34 @@ def test_chat_template_and_chat_template_path_together_is_one_error(tmp_path, ti
     )
     error = recipe_error_in_process("sft", tmp_path, values, capsys)
     assert "set one of chat_template and chat_template_path" in error
+
+
+# the alignment-handbook's zephyr recipes write the template itself in the YAML, as a multi-line string
+HANDBOOK_YAML = """\
+model_name_or_path: some/model
+dataset_name: some/data
+chat_template: "{% for message in messages %}\\n{% if message['role'] == 'user' %}\\n{{ '<|user|>\\n' + message['content'] + eos_token }}\\n{% elif message['role'] == 'assistant' %}\\n{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\\n{% endif %}\\n{% if loop.last and add_generation_prompt %}\\n{{ '<|assistant|>' }}\\n{% endif %}\\n{% endfor %}"
+"""  # noqa: E501
+
+
+def test_an_inline_template_as_the_handbook_writes_it_is_the_template(tmp_path):
+    from fsdp_recipes.common.arguments import parse_config
+    from fsdp_recipes.models.modeling import load_tokenizer
+    from helpers.recipes import load_recipe
+
+    (tmp_path / "zephyr.yaml").write_text(HANDBOOK_YAML)
+    config = parse_config(load_recipe("sft").SFTConfig, ["--config", str(tmp_path / "zephyr.yaml")])
+    assert config.chat_template.count("\n") >= 8
+    tokenizer = load_tokenizer(str(TOKENIZER), chat_template=config.chat_template)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered.startswith("<|user|>\nhi")
+
+
+def test_a_template_path_that_does_not_exist_is_not_taken_for_a_template_or_a_hub_id(tmp_path):
+    from fsdp_recipes.common.errors import InputError
+    from fsdp_recipes.models.modeling import load_tokenizer
+
+    with pytest.raises(InputError, match=r"chat_template: there is no such file .*templates/chatml\.jinja"):
+        load_tokenizer(str(TOKENIZER), chat_template="templates/chatml.jinja")
+    with pytest.raises(InputError, match=r"chat_template_path: there is no such local file .*chatml\.jinja"):
+        load_tokenizer(str(TOKENIZER), chat_template_path="templates/chatml.jinja")

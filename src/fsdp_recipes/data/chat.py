@@ -82,6 +82,23 @@ def conversation_problem(messages: Any, column: str, *, assistant_from: int = 0)
     if not any(turn["role"] == "assistant" for turn in messages[assistant_from:]):
         where = "the completion" if assistant_from else "the conversation"
         return f"{where} has no assistant turn, so there is nothing to learn from it"
+    for index, turn in enumerate(messages[assistant_from:], start=assistant_from):
+        content = turn.get("content")
+        if (
+            turn["role"] == "assistant"
+            and isinstance(content, str)
+            and not content.strip()
+            and not turn.get("tool_calls")
+        ):
+            return (
+                f"turn {index} (assistant) is {'only whitespace' if content else 'empty'}: it would be trained as the "
+                "end-of-turn token alone"
+            )
+    if assistant_from and messages[-1]["role"] != "assistant":
+        return (
+            f"the completion ends with {_a(messages[-1]['role'])} turn ({_preview(messages[-1])}): its last turn must "
+            "be the assistant's answer"
+        )
     return None
 
 
@@ -90,7 +107,7 @@ def _kind(value: Any) -> str:
 
 
 def _a(word: str) -> str:
-    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+    return f"an {word}" if word[0] in "aeio" else f"a {word}"  # a user, a list; an assistant, an integer
 
 
 def _preview(turn: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from transformers import (
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from fsdp_recipes.common import steps
-from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError, InputError
 
 # What a recipe trains: the transformers Auto class that builds it, and the Hub's pipeline tag for its card.
 TASKS = {
@@ -78,22 +78,45 @@ def load_tokenizer(
         with steps.step(
             f"reading chat_template_path {chat_template_path!r}", name=chat_template_path, setting="chat_template_path"
         ):
-            source = Path(chat_template_path)
-            tokenizer.chat_template = (
-                source.read_text()
-                if source.is_file()
-                else AutoTokenizer.from_pretrained(
+            source = Path(chat_template_path).expanduser()
+            if source.is_file():
+                tokenizer.chat_template = source.read_text()
+            elif not source.exists() and _names_a_local_file(chat_template_path):
+                raise InputError(
+                    f"chat_template_path: there is no such local file ({source.resolve()}): point it at a .jinja "
+                    "file, or at a tokenizer folder or Hub id whose template to use"
+                )
+            else:
+                tokenizer.chat_template = AutoTokenizer.from_pretrained(
                     chat_template_path, trust_remote_code=trust_remote_code
                 ).chat_template
-            )
     if chat_template is not None:
-        template_path = Path(chat_template)
-        with steps.step(f"reading chat_template {chat_template!r}", name=chat_template, setting="chat_template"):
-            tokenizer.chat_template = template_path.read_text() if template_path.is_file() else chat_template
+        if _is_inline_template(chat_template):  # the handbook's recipes write the template itself in the YAML
+            tokenizer.chat_template = chat_template
+        else:
+            with steps.step(f"reading chat_template {chat_template!r}", name=chat_template, setting="chat_template"):
+                template_path = Path(chat_template).expanduser()
+                if not template_path.is_file():
+                    raise InputError(
+                        f"chat_template: there is no such file ({template_path.resolve()}); give a path to a .jinja "
+                        "file, or the template itself (Jinja text, with {% ... %} or {{ ... }})"
+                    )
+                tokenizer.chat_template = template_path.read_text()
     if tokenizer.pad_token is None:
         # Padding never carries loss and never attends to real tokens, so any id will do; eos is always there.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _is_inline_template(value: str) -> bool:
+    """Jinja text rather than a path: it holds a tag or an expression (no template is without one)."""
+    return "{%" in value or "{{" in value
+
+
+def _names_a_local_file(value: str) -> bool:
+    """A chat_template_path that can only mean a local file (a .jinja name, or a relative or absolute path), never a
+    Hub id, which is `name` or `org/name`."""
+    return value.endswith(".jinja") or value.startswith((".", "/", "~")) or value.count("/") > 1
 
 
 def load_model_config(

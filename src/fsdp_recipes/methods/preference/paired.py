@@ -68,9 +68,9 @@ def pair_problem(prompt: Any, chosen: Any, rejected: Any, *, implicit: bool = Fa
             f"{', '.join(type(v).__name__ for v in (prompt, chosen, rejected))}"
         )
     for column, answer in (("chosen", chosen), ("rejected", rejected)):
-        if isinstance(answer, str) and not answer and chosen != rejected:
+        if isinstance(answer, str) and not answer.strip() and chosen != rejected:
             other = "rejected" if column == "chosen" else "chosen"
-            return f"{column!r} is empty" + (
+            return f"{column!r} is {'only whitespace' if answer else 'empty'}" + (
                 f": all of it is the start of {other!r}, so it is taken as the prompt" if implicit else ""
             )
     if isinstance(chosen, list):

@@ -20,6 +20,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import chat
 from fsdp_recipes.data.rows import shifted_targets
 from fsdp_recipes.methods.preference import paired
 
@@ -86,8 +87,12 @@ def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_leng
             f"example {index} of the {name} split: 'prompt' and 'completion' must be strings or lists of turns, all "
             "examples alike. Fix or remove that example."
         )
-    if not completion:
-        raise DataError(f"example {index} of the {name} split: 'completion' is empty. Fix or remove that example.")
+    if isinstance(completion, list):
+        problem = chat.conversation_problem(prompt + completion, "completion", assistant_from=len(prompt))
+    else:
+        problem = None if completion.strip() else f"'completion' is {'only whitespace' if completion else 'empty'}"
+    if problem:
+        raise DataError(f"example {index} of the {name} split: {problem}. Fix or remove that example.")
     row: dict[str, Any] = {"index": index, "label": label}
     for side, answer in zip(SIDES, (completion, partner)):
         ids, mask = paired.tokenize_side(
