@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             generation="transformers generate with KV cache; "
             + rollouts.describe_gathering(model, enabled=config.gather_weights_for_generation),
         ),
+        save_multiple=config.num_iterations,  # a preemption saves between generation rounds
     )
     if (training.first_step - 1) % config.num_iterations:
         raise errors.ConfigError("the checkpoint falls inside a generation round: resume from one between rounds")

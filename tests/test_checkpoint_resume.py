@@ -1,5 +1,6 @@
 """Checkpoints under real 2-process FSDP2 launches: a rank killed while saving stops the job and leaves the previous
-checkpoint as `latest`; the run resumes from it exactly, on the same or another world size."""
+checkpoint as `latest`, from which the run resumes on another world size. A preemption signal that reaches one rank
+makes both save the same step and stop; the same command started again resumes by itself, exactly."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helpers.recipes import read_metrics
 
 pytestmark = pytest.mark.slow
 RESUMED_FROM = 3
+PREEMPTED_AT = 4
 
 
 def losses_by_step(output_dir: Path) -> dict[int, float]:
@@ -46,25 +48,47 @@ def test_a_rank_killed_while_saving_stops_the_job_and_leaves_the_previous_checkp
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, killed_during_save) -> dict[int, Path]:
-    """The killed run resumed from its latest checkpoint on 2 processes, and on 1 (another world size, the same global
-    batch: DCP reshards; 2 -> 4 takes the same path, and the HSDP run of tests/test_topology_rehearsal.py checks 4
-    ranks' state bytes), launched side by side. {processes: output_dir}."""
+def resumed(tmp_path_factory, killed_during_save, preempted_run) -> dict:
+    """Launched side by side: the killed run resumed on 1 process (another world size, the same global batch: DCP
+    reshards; 2 -> 4 takes the same path, and the HSDP run of tests/test_topology_rehearsal.py checks 4 ranks' state
+    bytes) as a requeued SLURM job does, by itself; and the preempted run started again with its own command, on its
+    2 processes. {"killed": output_dir, "preempted": output_dir}."""
 
-    def resume(num_processes: int) -> Path:
-        tmp = tmp_path_factory.mktemp(f"resumed_on_{num_processes}")
+    def resume_killed_on_one_process() -> Path:
+        tmp = tmp_path_factory.mktemp("resumed_on_1")
         out, values = copy_of(killed_during_save, tmp)
-        overrides = {} if num_processes == 2 else {"per_device_train_batch_size": 8, "exact_match_eval_samples": 0}
-        run_sft(
-            tmp, "resumed", {**values, "resume_from_checkpoint": "latest", **overrides}, num_processes=num_processes
-        )
+        overrides = {"per_device_train_batch_size": 8, "exact_match_eval_samples": 0}
+        # no resume flag: the restart count of a requeued job says this start is a restart
+        run_sft(tmp, "resumed", {**values, **overrides}, num_processes=1, env={"SLURM_RESTART_COUNT": "1"})
         return out
 
-    return dict(zip((2, 1), concurrently(lambda: resume(2), lambda: resume(1))))
+    def restart_preempted() -> Path:
+        source, values, _ = preempted_run
+        tmp = tmp_path_factory.mktemp("restarted")
+        shutil.copytree(source, tmp / "out")  # the preempted folder stays as it was left, for the test below
+        run_sft(tmp, "restarted", {**values, "output_dir": str(tmp / "out")})  # the same values: no resume flag
+        return tmp / "out"
+
+    return dict(zip(("killed", "preempted"), concurrently(resume_killed_on_one_process, restart_preempted)))
 
 
-def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(reference_run, resumed):
-    out = resumed[2]
+def test_a_signal_on_one_rank_makes_every_rank_save_the_same_step_and_stop_with_the_preemption_code(preempted_run):
+    out, _, result = preempted_run
+    assert result.returncode != 0
+    assert "SIGTERM received: finishing this optimizer step" in result.stderr  # rank 1
+    assert "preempted: a signal on another rank: every rank finished step 4" in result.stderr  # rank 0 says it
+    assert re.search(r"exitcode\s*:\s*75", result.stderr)  # the launcher reports the ranks' preemption code
+    # the one traceback is the launcher's own, reporting the ranks' exit codes; no rank printed one
+    assert result.stderr.count("Traceback") == 1 and "ChildFailedError" in result.stderr
+    assert [p.name for p in complete_checkpoints(out)] == ["step-00000003", "step-00000004"]
+    assert (out / "checkpoints" / "PREEMPTED").read_text().strip() == "step-00000004"
+    assert not (out / "model.safetensors").exists()
+
+
+def test_the_preempted_run_started_again_resumes_by_itself_with_identical_losses_and_bitwise_equal_weights(
+    reference_run, resumed
+):
+    out = resumed["preempted"]
     resumed_losses, reference_losses = losses_by_step(out), losses_by_step(reference_run)
     assert sorted(resumed_losses) == list(range(1, STEPS + 1))
     assert resumed_losses == reference_losses  # exactly equal, step for step
@@ -75,16 +99,18 @@ def test_killed_run_resumes_with_identical_losses_and_bitwise_equal_weights(refe
     assert resumed_weights.keys() == reference_weights.keys()
     for key in reference_weights:
         assert torch.equal(resumed_weights[key], reference_weights[key]), key
-    assert [e["step"] for e in read_metrics(out) if e.get("event") == "resumed"] == [RESUMED_FROM]
-    assert not list((out / "checkpoints").glob(".staging-*"))
+    assert [e["step"] for e in read_metrics(out) if e.get("event") == "resumed"] == [PREEMPTED_AT]
     assert [p.name for p in complete_checkpoints(out)] == ["step-00000009", "step-00000012"]  # save_total_limit 2
+    assert not (out / "checkpoints" / "PREEMPTED").exists()  # finished: a later start is a new run
     # The exact match before training was measured by the interrupted run; the resumed one reads it from the log.
     reference_results = json.loads((reference_run / "eval_results.json").read_text())
     assert json.loads((out / "eval_results.json").read_text()) == reference_results
 
 
-def test_resume_on_another_world_size(reference_run, resumed):
-    out, num_processes = resumed[1], 1
+def test_the_killed_run_resumes_on_another_world_size(reference_run, resumed):
+    out, num_processes = resumed["killed"], 1
+    assert [e["step"] for e in read_metrics(out) if e.get("event") == "resumed"] == [RESUMED_FROM]
+    assert not list((out / "checkpoints").glob(".staging-*"))  # the half-written save, cleared by the next save
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == num_processes and summary["distributed_type"] == "FSDP"
     assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]

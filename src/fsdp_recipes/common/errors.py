@@ -48,6 +48,14 @@ class NonFiniteError(UserError, ArithmeticError):
     on every rank, before the update reaches the weights."""
 
 
+PREEMPTED_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: a temporary failure, to be tried again
+
+
+class Preempted(Exception):
+    """A preemption signal reached a rank: every rank finished the step and saved a checkpoint together; the run
+    stops with PREEMPTED_EXIT_CODE, and the same command started again resumes from that checkpoint."""
+
+
 class InputError(UserError):
     """A library's exception (the Hub, a file, a tokenizer) caused by the user's input, translated by the step that met
     it (`fsdp_recipes.common.steps.step`): the step, the input and the fix."""
@@ -83,11 +91,17 @@ BUG_NOTE = (
 
 def exit_on_user_error(main: Callable[[], object]) -> None:
     """Runs `main`, the recipe's boundary: a UserError becomes `error: <message>` on stderr (main rank only) and exit
-    status 2; any other exception is a bug, re-raised (its traceback printed once, by the rank that hit it) with a
+    status 2; a preemption, `preempted: <where it saved>` and PREEMPTED_EXIT_CODE; any other exception is a bug, re-raised (its traceback printed once, by the rank that hit it) with a
     last line saying so; a rank stopped by another rank's bug prints one line and exits 1."""
     rank = os.environ.get("RANK", "0")
     try:
         main()
+    except Preempted as stop:
+        _close_progress_bars()
+        if is_main_rank():
+            print(f"preempted: {stop}", file=sys.stderr, flush=True)
+        _destroy_process_group()
+        sys.exit(PREEMPTED_EXIT_CODE)
     except UserError as error:
         if isinstance(error, PeerRankFailed) and error.bug:  # one line: the traceback is the failing rank's to show
             print(f"rank {rank}: stopping because {error}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ Set `FSDP_RECIPES_FAULT` to `<action>-<point>:<step>[@<rank>]`, e.g.
     kill-during-save:8       die after the shards of step 8's checkpoint are written, before it is committed
     raise-after-step:4@1     rank 1 raises an exception (a bad batch)
     nan-before-step:3        step 3's gradients are made NaN before the optimizer sees them (a numeric blow-up)
+    term-after-step:4@1      rank 1 gets SIGTERM after step 4 (a preemption notice reaching one rank first)
 
 Unset, nothing happens.
 """
@@ -39,6 +40,8 @@ def inject_fault(point: str, step: int, rank: int) -> bool:
         # The time lets a test measure how long the launcher takes to bring the other ranks down.
         print(f"FAULT: SIGKILL to rank {rank} at {time.time():.3f}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
     if action == "raise":
         raise InjectedFault(f"injected fault on rank {rank} after step {step} ({FAULT_ENV}={spec})")
     return action == "nan"

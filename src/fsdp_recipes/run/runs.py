@@ -137,6 +137,7 @@ class Run(StartedRun):
         summary: dict[str, Any] | None = None,
         checkpoint_files: dict[str, str] | None = None,
         frozen_models: dict[str, torch.nn.Module | None] | None = None,
+        save_multiple: int = 1,
     ) -> Training:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
@@ -148,7 +149,8 @@ class Run(StartedRun):
         before loading weights, so it is used here as it is. `checkpoint_files`: {name: text} kept in every
         checkpoint, committed with it (e.g. values computed before the first step that a resume needs).
         `frozen_models`: {name: a frozen model kept beside the policy, or None}, whose bytes on each rank the summary's
-        `state_bytes_per_rank` then shows under that name (0 for None)."""
+        `state_bytes_per_rank` then shows under that name (0 for None). `save_multiple`: a checkpoint a preemption
+        forces falls on a step that is a multiple of it (a resume must start where the recipe can)."""
         config, accelerator = self.config, self.accelerator
         self.total_steps = total_steps
         accelerator.register_for_checkpointing(scheduler)
@@ -279,6 +281,7 @@ class Run(StartedRun):
             metrics=metrics,
             evaluation=evaluation,
             checkpoints=checkpoints,
+            save_multiple=save_multiple,
         )
 
     def _record_state_bytes_after_first_step(self, model, optimizer, frozen_models=None) -> None:

@@ -34,7 +34,7 @@ from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import compat
+from fsdp_recipes.train import compat, preemption
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
 
@@ -45,6 +45,9 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     expensive: the Accelerate config, the checkpoint to resume (same global batch, same model), output_dir, the Hub
     token, tokenizer and model config, the wrap classes, activation checkpointing, the attention implementation."""
     accelerator = accelerator_for(config, compile_layers=config.torch_compile)
+    if not config.resume_from_checkpoint and (reason := preemption.automatic_resume(config.output_dir)):
+        logs.info(reason)
+        config.resume_from_checkpoint = "latest"
     checks = on_every_rank_together(accelerator, lambda: _checks_before_loading(accelerator, config, task))
     return Run(config=config, name=name, task=task, accelerator=accelerator, **checks)
 

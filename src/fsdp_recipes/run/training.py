@@ -15,12 +15,13 @@ import torch
 from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
-from fsdp_recipes.common.errors import NonFiniteError
+from fsdp_recipes.common.errors import NonFiniteError, Preempted
 from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs
 from fsdp_recipes.publish.hub import push_folder_to_hub
+from fsdp_recipes.train import preemption
 from fsdp_recipes.train.checkpoint import Checkpointer, latest_checkpoint
 from fsdp_recipes.train.evaluation import Evaluation
 from fsdp_recipes.train.loop import BatchStream
@@ -36,6 +37,7 @@ class Training:
     metrics: StepLogger
     evaluation: Evaluation
     checkpoints: Checkpointer
+    save_multiple: int = 1  # a preemption saves at a step that is a multiple of it (GRPO: between rounds)
     bar: tqdm | None = dataclasses.field(default=None, init=False)
     skipped_steps: int = dataclasses.field(default=0, init=False)  # non-finite steps skipped since this launch
 
@@ -45,18 +47,35 @@ class Training:
 
     def steps(self) -> Iterator[int]:
         """The optimizer steps still to run, first_step..total_steps, behind a progress bar (main process only) that
-        `optimizer_step` advances."""
-        accelerator = self.run.accelerator
+        `optimizer_step` advances. After each step (the recipe's body done, its saves included) every rank asks
+        whether any rank got a preemption signal; if one did, all save the step's checkpoint and stop (`Preempted`)
+        at the first step that is a multiple of `save_multiple`."""
+        accelerator, config = self.run.accelerator, self.run.config
         self.bar = tqdm(
             total=self.total_steps,
             initial=self.first_step - 1,
             disable=not accelerator.is_main_process,
             desc=self.run.name,
         )
+        watch = preemption.PreemptionWatch(config.preemption_signals)
         try:
-            yield from range(self.first_step, self.total_steps + 1)
+            for step in range(self.first_step, self.total_steps + 1):
+                yield step
+                if step % self.save_multiple == 0 and watch.requested(accelerator):
+                    self._stop_for_preemption(step, watch.received)
         finally:
+            watch.close()
             self.bar.close()
+
+    def _stop_for_preemption(self, step: int, received: str | None) -> None:
+        saved = self.checkpoints.save(step)
+        if self.run.accelerator.is_main_process:
+            preemption.mark_preempted(self.run.config.output_dir, saved)
+        self.run.accelerator.wait_for_everyone()
+        raise Preempted(
+            f"{received or 'a signal on another rank'}: every rank finished step {step} and saved {saved}. Start the "
+            "same command again: it resumes from there by itself"
+        )
 
     def optimizer_step(self, step: int, model, optimizer, scheduler) -> torch.Tensor:
         """What ends optimizer step `step` in every recipe: the gradient norm taken over all ranks and the gradients
@@ -146,6 +165,7 @@ class Training:
             plot_training_curves(self.log.records, Path(config.output_dir) / "training_curves.png")
         folder = run.export(model, final_metrics, eval_results)
         if accelerator.is_main_process:
+            preemption.clear_mark(config.output_dir)  # finished: a later start is a new run
             if results:
                 write_json(folder / "eval_results.json", results)
             if config.push_to_hub:

@@ -128,10 +128,15 @@ class Checkpointer:
         self.cadence = Cadence(every, total_steps, at_last_step=every is not None)
         self.save_total_limit, self.position, self.model_files_writer = save_total_limit, position, model_files_writer
         self.pause, self.rank_state, self.extra_files = pause, rank_state, extra_files
+        self.saved: Path | None = None  # the last checkpoint this run wrote
 
     def maybe_save(self, step: int) -> Path | None:
-        if not self.cadence.due(step):
-            return None
+        return self.save(step) if self.cadence.due(step) else None
+
+    def save(self, step: int) -> Path:
+        """Collective: the checkpoint of step `step` (a preemption saves outside the cadence)."""
+        if self.saved is not None and self.saved.name == checkpoint_name(step):
+            return self.saved
         with self.pause():
             saved = save_checkpoint(
                 self.accelerator,
@@ -144,6 +149,7 @@ class Checkpointer:
             )
             if self.after_save is not None:
                 self.after_save(step)
+            self.saved = saved
             return saved
 
 

@@ -22,6 +22,7 @@ from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
 from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields, check_warmup_steps
 from fsdp_recipes.train.losses import LOSS_IMPLEMENTATIONS
+from fsdp_recipes.train.preemption import check_signal_names
 from fsdp_recipes.train.publishing import PublishingFields
 from fsdp_recipes.train.recipe_traits import RecipeTraits
 
@@ -328,7 +329,17 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         check=checks.at_least(1, or_null=True),
     )
     resume_from_checkpoint: str | None = setting(
-        None, "latest (the newest in output_dir/checkpoints) or a checkpoint folder", resume="free"
+        None,
+        "latest (the newest in output_dir/checkpoints) or a checkpoint folder. Unset, a run that was preempted, "
+        "or restarted by its launcher (--max_restarts, a requeued SLURM job), resumes from latest by itself",
+        resume="free",
+    )
+    preemption_signals: list[str] = setting(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        help="signals that mean the job is about to be stopped: every rank finishes its step, all save a checkpoint, "
+        "and the run exits with status 75 to be started again ([]: the signals' own default, which kills the run)",
+        resume="free",
+        check=check_signal_names,
     )
     allow_config_change: list[str] | None = setting(
         None,
