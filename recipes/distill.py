@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def check_teacher():  # its config and tokenizer only: no weights yet
         options = dict(revision="main", trust_remote_code=config.trust_remote_code)
+        adapters.check_not_an_adapter_folder(
+            config.teacher_model_name_or_path, setting="teacher_model_name_or_path", role="a teacher"
+        )
         teacher_tokenizer = modeling.load_tokenizer(
             config.teacher_model_name_or_path, setting="teacher_model_name_or_path", **options
         )

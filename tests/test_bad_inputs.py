@@ -649,3 +649,28 @@ def test_a_degenerate_chat_answer_is_refused_with_its_row_in_every_recipe_that_t
     }[recipe]()
     values["eval_split_size"] = 0.0  # no held-out part carved out: the row's index is its line in the file
     assert_refused(recipe, given, values, capsys, ["7 of the train split", expected])
+
+
+@pytest.mark.parametrize("recipe", ["sft", "kto"])
+def test_a_bad_example_is_named_by_its_row_in_the_file_when_a_held_out_part_was_carved_out(
+    recipe, given, pretrained_tiny_model, capsys
+):
+    """eval_split_size carves held-out rows out of train at random: the row named is the file's, on either side."""
+    from fixtures.preference import kto_values
+    from fsdp_recipes.data import files
+
+    turns, expected = DEGENERATE_ANSWERS["empty"]
+    rows = chat_rows(recipe, turns, bad_row=29)
+    data = write_jsonl(given.tmp / "data" / "train.jsonl", rows)
+    out = given.tmp / "out"
+    values = (
+        base_recipe_values(given.model_config, data, out)
+        if recipe == "sft"
+        else kto_values(pretrained_tiny_model, data, out)
+    )
+    values["eval_split_size"] = 0.25
+    raw = files.load_raw_dataset(str(data), None)
+    train, held_out = files.split_train_eval(raw, "train", None, 0.25, values.get("seed", 42))
+    part = held_out if 29 in [files.carving_of(held_out).row(i) for i in range(len(held_out))] else train
+    assert part[[files.carving_of(part).row(i) for i in range(len(part))].index(29)] == raw["train"][29]
+    assert_refused(recipe, given, values, capsys, ["29 of the train split", expected])

@@ -1,6 +1,6 @@
-"""Checkpoints under real 2-process FSDP2 launches: a rank killed while saving stops the job and leaves the previous
-checkpoint as `latest`, from which the run resumes on another world size. A preemption signal that reaches one rank
-makes both save the same step and stop; the same command started again resumes by itself, exactly."""
+"""Checkpoints under real 2-process FSDP2 launches: a preemption signal that reaches one rank makes both save the same
+step and stop; the same command started again resumes by itself, exactly, and a requeued job resumes on another world
+size. (A rank killed while saving: tests/test_sft_lora.py.)"""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.sft import STEPS, run_sft
-from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
+from fsdp_recipes.train.checkpoint import complete_checkpoints
 from helpers.launch import concurrently
 from helpers.recipes import read_metrics
 
 pytestmark = pytest.mark.slow
-RESUMED_FROM = 3
 PREEMPTED_AT = 4
 
 
@@ -28,48 +27,32 @@ def losses_by_step(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
 
 
-def copy_of(killed_during_save, tmp_path: Path) -> tuple[Path, dict]:
-    source, values, _, _ = killed_during_save
-    out = tmp_path / "out"
-    shutil.copytree(source, out)
-    return out, {**values, "output_dir": str(out)}
-
-
-def test_a_rank_killed_while_saving_stops_the_job_and_leaves_the_previous_checkpoint(killed_during_save):
-    out, _, result, finished = killed_during_save
-    assert result.returncode != 0
-    killed_at = float(re.search(r"FAULT: SIGKILL to rank 1 at ([0-9.]+)", result.stderr).group(1))
-    assert finished - killed_at < 30, f"the launcher took {finished - killed_at:.1f} s to stop after the kill"
-    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", result.stderr)  # the launcher names the failed rank
-    assert latest_checkpoint(out).name == "step-00000003"
-    assert [p.name for p in complete_checkpoints(out)] == ["step-00000003"]
-    assert list((out / "checkpoints").glob(".staging-*"))  # the half-written save is there, and ignored
-    assert not (out / "model.safetensors").exists()
-
-
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, killed_during_save, preempted_run) -> dict:
-    """Launched side by side: the killed run resumed on 1 process (another world size, the same global batch: DCP
-    reshards; 2 -> 4 takes the same path, and the HSDP run of tests/test_topology_rehearsal.py checks 4 ranks' state
-    bytes) as a requeued SLURM job does, by itself; and the preempted run started again with its own command, on its
-    2 processes. {"killed": output_dir, "preempted": output_dir}."""
+def resumed(tmp_path_factory, preempted_run) -> dict:
+    """Launched side by side, from copies of the preempted run: started again with its own command on its 2
+    processes; and resumed on 1 process (another world size, the same global batch: DCP reshards; 2 -> 4 takes the
+    same path, and the HSDP run of tests/test_topology_rehearsal.py checks 4 ranks' state bytes) as a requeued SLURM
+    job starts, its preemption mark removed: by the restart count alone. {processes: output_dir}."""
+    source, values, _ = preempted_run
 
-    def resume_killed_on_one_process() -> Path:
-        tmp = tmp_path_factory.mktemp("resumed_on_1")
-        out, values = copy_of(killed_during_save, tmp)
-        overrides = {"per_device_train_batch_size": 8, "exact_match_eval_samples": 0}
-        # no resume flag: the restart count of a requeued job says this start is a restart
+    def copy(name: str) -> tuple[Path, Path]:
+        tmp = tmp_path_factory.mktemp(name)
+        shutil.copytree(source, tmp / "out")  # the preempted folder stays as it was left, for the test below
+        return tmp, tmp / "out"
+
+    def restart() -> Path:
+        tmp, out = copy("restarted")
+        run_sft(tmp, "restarted", {**values, "output_dir": str(out)})  # the same values: no resume flag
+        return out
+
+    def requeued_on_one_process() -> Path:
+        tmp, out = copy("resumed_on_1")
+        (out / "checkpoints" / "PREEMPTED").unlink()
+        overrides = {"output_dir": str(out), "per_device_train_batch_size": 8, "exact_match_eval_samples": 0}
         run_sft(tmp, "resumed", {**values, **overrides}, num_processes=1, env={"SLURM_RESTART_COUNT": "1"})
         return out
 
-    def restart_preempted() -> Path:
-        source, values, _ = preempted_run
-        tmp = tmp_path_factory.mktemp("restarted")
-        shutil.copytree(source, tmp / "out")  # the preempted folder stays as it was left, for the test below
-        run_sft(tmp, "restarted", {**values, "output_dir": str(tmp / "out")})  # the same values: no resume flag
-        return tmp / "out"
-
-    return dict(zip(("killed", "preempted"), concurrently(resume_killed_on_one_process, restart_preempted)))
+    return dict(zip((2, 1), concurrently(restart, requeued_on_one_process)))
 
 
 def test_a_signal_on_one_rank_makes_every_rank_save_the_same_step_and_stop_with_the_preemption_code(preempted_run):
@@ -88,7 +71,7 @@ def test_a_signal_on_one_rank_makes_every_rank_save_the_same_step_and_stop_with_
 def test_the_preempted_run_started_again_resumes_by_itself_with_identical_losses_and_bitwise_equal_weights(
     reference_run, resumed
 ):
-    out = resumed["preempted"]
+    out = resumed[2]
     resumed_losses, reference_losses = losses_by_step(out), losses_by_step(reference_run)
     assert sorted(resumed_losses) == list(range(1, STEPS + 1))
     assert resumed_losses == reference_losses  # exactly equal, step for step
@@ -107,15 +90,14 @@ def test_the_preempted_run_started_again_resumes_by_itself_with_identical_losses
     assert json.loads((out / "eval_results.json").read_text()) == reference_results
 
 
-def test_the_killed_run_resumes_on_another_world_size(reference_run, resumed):
-    out, num_processes = resumed["killed"], 1
-    assert [e["step"] for e in read_metrics(out) if e.get("event") == "resumed"] == [RESUMED_FROM]
-    assert not list((out / "checkpoints").glob(".staging-*"))  # the half-written save, cleared by the next save
+def test_the_preempted_run_resumes_on_another_world_size_as_a_requeued_job(reference_run, resumed):
+    out, num_processes = resumed[1], 1
+    assert [e["step"] for e in read_metrics(out) if e.get("event") == "resumed"] == [PREEMPTED_AT]
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == num_processes and summary["distributed_type"] == "FSDP"
     assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]
     resumed_losses, expected = losses_by_step(out), losses_by_step(reference_run)
-    steps = list(range(RESUMED_FROM + 1, STEPS + 1))
+    steps = list(range(PREEMPTED_AT + 1, STEPS + 1))
     torch.testing.assert_close(
         torch.tensor([resumed_losses[s] for s in steps]),
         torch.tensor([expected[s] for s in steps]),

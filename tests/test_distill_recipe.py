@@ -204,7 +204,7 @@ def test_refuses_a_teacher_with_another_tokenizer(tmp_path, capsys, values, pret
         if path.name.startswith(("tokenizer_config", "special_tokens", "chat_template")):
             (teacher / path.name).write_bytes(path.read_bytes())
     line = recipe_error_in_process("distill", tmp_path, values(teacher_model_name_or_path=str(teacher)), capsys)
-    assert "different tokenizers (2 token/id entries differ" in line or "different tokenizers (4 token/id" in line
+    assert "2 token/id entries only in the teacher's, 2 only in the student's: the teacher's has" in line
 
 
 def test_vocabulary_check_names_the_mismatch(tokenizer, tiny_model_config):
@@ -217,6 +217,15 @@ def test_vocabulary_check_names_the_mismatch(tokenizer, tiny_model_config):
 
 # -------------------------------------------------------------------------------------------------- the shared runs
 @pytest.mark.slow
+def test_a_lora_adapter_given_as_the_teacher_is_named_with_its_missing_base(tmp_path, capsys, values):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/gone/base-model"}))
+    line = recipe_error_in_process("distill", tmp_path, values(teacher_model_name_or_path=str(adapter)), capsys)
+    assert "is a LoRA adapter folder (for the base model '/gone/base-model', which does not exist here)" in line
+    assert "a teacher is loaded as a whole model" in line and "export_merged_model" in line
+
+
 def test_two_ranks_equal_one_process_with_the_teacher_sharded(reward_distill_launches):
     """2 ranks x 4 rows and 1 process x 8 rows give the same losses, parts and gradient norms (rtol 1e-5), with the
     teacher sharded on the 2 ranks (half its weights each, plus its whole output layer)."""

@@ -174,6 +174,12 @@ def test_a_reward_model_folder_scores_prompt_and_completion(tmp_path, tokenizer)
     tokenizer.save_pretrained(tmp_path / "two")
     with pytest.raises(ConfigError, match="one label"):
         rewards.load_reward_function(str(tmp_path / "two"), OPTIONS)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "lm")  # a causal LM: 2 labels by default
+    tokenizer.save_pretrained(tmp_path / "lm")
+    with pytest.raises(ConfigError, match="is not a sequence classifier .*LlamaForCausalLM"):
+        rewards.load_reward_function(str(tmp_path / "lm"), OPTIONS)
 
 
 def scored(function, **overrides):

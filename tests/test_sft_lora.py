@@ -133,6 +133,28 @@ def test_frozen_weights_get_no_gradient_and_no_optimizer_state(run, request):
 
 
 @pytest.mark.slow
+def test_a_rank_killed_while_saving_stops_the_job_and_leaves_the_previous_checkpoint(
+    lora_killed_during_save, lora_killed_launch
+):
+    """Rank 1 SIGKILLed while step 6's checkpoint is being written (FULL_STATE_DICT): the launcher stops rank 0 and
+    names rank 1, and the latest complete checkpoint is step 3's; the half-written save is left, ignored."""
+    import re
+
+    from fsdp_recipes.train.checkpoint import complete_checkpoints, latest_checkpoint
+
+    out, _, _ = lora_killed_during_save
+    result, finished = lora_killed_launch
+    assert result.returncode != 0
+    killed_at = float(re.search(r"FAULT: SIGKILL to rank 1 at ([0-9.]+)", result.stderr).group(1))
+    assert finished - killed_at < 30, f"the launcher took {finished - killed_at:.1f} s to stop after the kill"
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", result.stderr)  # the launcher names the failed rank
+    assert latest_checkpoint(out).name == "step-00000003"
+    assert [p.name for p in complete_checkpoints(out)] == ["step-00000003"]
+    assert list((out / "checkpoints").glob(".staging-*"))  # the half-written save is there, and ignored
+    assert not (out / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
 def test_checkpoints_hold_the_adapters_not_the_frozen_base(lora_reference_run, lora_killed_during_save):
     sharded = lora_reference_run / "checkpoints" / "step-00000012" / "pytorch_model_fsdp_0"
     keys = list(dcp.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata)
@@ -153,6 +175,7 @@ def test_a_killed_lora_run_resumes_with_identical_losses_and_bitwise_equal_adapt
     out = lora_resumed_run
     assert losses_by_step(out) == losses_by_step(lora_reference_run)
     assert [r["step"] for r in read_metrics(out) if r.get("event") == "resumed"] == [RESUMED_FROM]
+    assert not list((out / "checkpoints").glob(".staging-*"))  # the half-written save, cleared by the next save
     resumed, reference = (
         load_file(out / "adapter_model.safetensors"),
         load_file(lora_reference_run / "adapter_model.safetensors"),

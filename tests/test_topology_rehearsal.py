@@ -206,6 +206,41 @@ def test_slurm_template_refuses_a_missing_recipe_script():
     assert "RECIPE_SCRIPT is '--config', not a recipe file here" in result.stderr
 
 
+def test_slurm_template_passes_a_preemption_notice_to_the_launchers_and_requeues_the_job(tmp_path):
+    """SLURM's notice (USR1 to the batch script, --signal=B:USR1@180) becomes SIGTERM to srun, which passes it on to
+    the launchers and their ranks (the 2-process preemption test: tests/test_checkpoint_resume.py); once srun is done
+    the job is requeued. Stand-ins record what srun and scontrol were told."""
+    import signal
+    import subprocess
+    import time
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\ntrap \'kill "$child"; echo "srun: TERM" >> {log}; exit 75\' TERM\n'
+        f'sleep 60 & child=$!\necho "srun: started" >> {log}\nwait\n'
+    )
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\n[[ $1 == requeue ]] && echo "scontrol: $*" >> {log}\necho 127.0.0.1\n'
+    )
+    for script in bin_dir.iterdir():
+        script.chmod(0o755)
+    environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node0"}
+    environment.update(SLURM_NNODES="1", SLURM_JOB_ID="42")
+    job = subprocess.Popen(
+        ["bash", str(CONFIGS / "slurm_multinode.sbatch"), str(CONFIGS / "fsdp_8gpu.yaml"), "recipes/sft.py"],
+        cwd=REPO, env=environment, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    for _ in range(100):
+        if log.exists():
+            break
+        time.sleep(0.1)
+    job.send_signal(signal.SIGUSR1)
+    _, stderr = job.communicate(timeout=30)
+    assert log.read_text().splitlines() == ["srun: started", "srun: TERM", "scontrol: requeue 42"]
+    assert job.returncode == 0 and "preempted: requeueing job 42" in stderr
+
+
 def test_a_wrap_class_the_model_lacks_stops_the_recipe_before_weights_load(tiny_model_config):
     from types import SimpleNamespace
 

@@ -17,6 +17,7 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import files
 
 
 def detect_format(column_names: list[str]) -> str:
@@ -301,7 +302,14 @@ def tokenize_example(
 
 
 def _checked_tokenize_example(
-    example: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, data_format: str, *, name: str, **options
+    example: dict[str, Any],
+    index: int,
+    tokenizer: PreTrainedTokenizerBase,
+    data_format: str,
+    *,
+    name: str,
+    carving: files.Carving | None = None,
+    **options,
 ) -> dict[str, Any]:
     problem = example_problem(example, data_format)
     fix = "Fix or remove that example"
@@ -311,7 +319,7 @@ def _checked_tokenize_example(
         except TemplateError as error:
             problem = f"the chat template refused it: {error}"
             fix += ", or set chat_template to a template that accepts it"
-    raise DataError(f"example {index} of the {name} split: {problem}. {fix}.")
+    raise DataError(f"example {files.row_place(carving, index, name)}: {problem}. {fix}.")
 
 
 def tokenize_dataset(
@@ -342,6 +350,7 @@ def tokenize_dataset(
             tokenizer=tokenizer,
             data_format=data_format,
             name=name,
+            carving=files.carving_of(dataset),
             assistant_only_loss=assistant_only_loss,
             completion_only_loss=completion_only_loss,
             max_length=max_length,

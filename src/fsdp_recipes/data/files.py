@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow
 from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from datasets import config as datasets_config
@@ -323,15 +326,54 @@ def _csv_problem(path: Path) -> str | None:
 def split_train_eval(
     raw: DatasetDict, train_split: str, test_split: str | None, eval_split_size: float, seed: int
 ) -> tuple[Dataset, Dataset | None]:
+    """(train, held-out or None): the test split when there is one, else `eval_split_size` of train carved out at
+    random (the rows `datasets`' train_test_split would pick), each part remembering its rows' places in the split
+    it came from (`row_place`)."""
     if train_split not in raw:
         raise DataError(f"the dataset has no split {train_split!r} (it has {sorted(raw)}); set dataset_train_split")
     train = raw[train_split]
     if test_split and test_split in raw:
         return train, raw[test_split]
     if eval_split_size > 0 and len(train) > 1:
-        parts = train.train_test_split(test_size=eval_split_size, seed=seed)
-        return parts["train"], parts["test"]
+        held_out_count = math.ceil(eval_split_size * len(train))
+        order = np.random.default_rng(seed).permutation(len(train))
+        parts = train.select(order[held_out_count:]), train.select(order[:held_out_count])
+        for part, held_out in zip(parts, (False, True)):
+            _CARVED[part._fingerprint] = Carving(train_split, len(train), seed, held_out_count, held_out)
+        return parts
     return train, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Carving:
+    """How a part was carved out of a split (small: it travels in `Dataset.map`'s arguments); the rows themselves
+    are drawn again only to name one in a message."""
+
+    split: str
+    size: int
+    seed: int
+    held_out_count: int
+    held_out: bool
+
+    def row(self, index: int) -> int:
+        order = np.random.default_rng(self.seed).permutation(self.size)
+        return int((order[: self.held_out_count] if self.held_out else order[self.held_out_count :])[index])
+
+
+_CARVED: dict[str, Carving] = {}
+
+
+def carving_of(dataset: Dataset) -> Carving | None:
+    return _CARVED.get(getattr(dataset, "_fingerprint", None))
+
+
+def row_place(carving: Carving | None, index: int, name: str) -> str:
+    """'<row> of the <split> split' for row `index` of a part named `name`, counted as in the user's data: a part
+    carved out of a split by `split_train_eval` names that split and the row's place in it."""
+    if carving is None:
+        return f"{index} of the {name} split"
+    held = " (held out for evaluation)" if carving.held_out else ""
+    return f"{carving.row(index)} of the {carving.split} split{held}"
 
 
 def evaluation_split(raw: DatasetDict, split: str) -> tuple[Dataset, str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,23 @@ def apply(model: torch.nn.Module, config, *, task: str) -> torch.nn.Module:
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()  # one trainable dtype per FSDP2 unit; fp32 optimizer math
     return model
+
+
+def check_not_an_adapter_folder(name: str, *, setting: str, role: str) -> None:
+    """ConfigError when `name` is a LoRA adapter folder where a whole model is needed (`role`, e.g. the teacher),
+    naming the base it records and whether that base is here."""
+    adapter_config = Path(name).expanduser() / "adapter_config.json"
+    if not adapter_config.is_file():
+        return
+    base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    local = bool(base) and (base.startswith((".", "/", "~")) or base.count("/") > 1)  # a Hub id is org/name
+    missing = local and not Path(base).expanduser().exists()
+    raise ConfigError(
+        f"{setting} {name!r} is a LoRA adapter folder (for the base model {base!r}"
+        f"{', which does not exist here' if missing else ''}): {role} is loaded as a whole model. Give the merged "
+        f"model instead: {Path(name) / 'merged'} when the adapter's run had export_merged_model: true, or merge it "
+        "into its base yourself (peft's merge_and_unload)"
+    )
 
 
 def is_adapter_model(model: torch.nn.Module) -> bool:

@@ -78,9 +78,9 @@ class TrainingProgress:
         ):
             raise ConfigError(
                 f"the checkpoint was written by {self.world_size} processes x {self.per_device_train_batch_size} rows, "
-                f"each process keeping its own position in its part of the data (its shards or documents, and the "
-                f"packer's leftover tokens); {world_size} processes x {per_device_train_batch_size} rows would split "
-                "the data differently, so the run could not continue where it stopped. Resume with --num_processes "
+                f"each process keeping its own position in its own part of the data; {world_size} processes x "
+                f"{per_device_train_batch_size} rows would split the data differently, so the run could not continue "
+                "where it stopped. Resume with --num_processes "
                 f"{self.world_size} and --per_device_train_batch_size {self.per_device_train_batch_size}."
             )
         if gradient_accumulation_steps != self.gradient_accumulation_steps:

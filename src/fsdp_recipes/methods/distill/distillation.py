@@ -263,18 +263,26 @@ def check_shared_vocabulary(student_config, teacher_config, student_tokenizer, t
         )
     student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if student_vocab != teacher_vocab:
-        differing = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda item: item[1])
-        shown = ", ".join(f"{token!r}->{index}" for token, index in differing[:3])
+        only_teacher = sorted(set(teacher_vocab.items()) - set(student_vocab.items()), key=lambda item: item[1])
+        only_student = sorted(set(student_vocab.items()) - set(teacher_vocab.items()), key=lambda item: item[1])
+        shown = "; ".join(
+            f"the {side}'s has " + ", ".join(f"{token!r}->{index}" for token, index in entries[:3])
+            for side, entries in (("teacher", only_teacher), ("student", only_student))
+            if entries
+        )
         raise ConfigError(
-            f"the teacher {teacher!r} and the student have different tokenizers ({len(differing)} token/id entries "
-            f"differ, e.g. {shown}): the same text would be different ids for each. Use the teacher's tokenizer "
-            "for the student (tokenizer_name_or_path), or a teacher of the student's family"
+            f"the teacher {teacher!r} (teacher_model_name_or_path) and the student (tokenizer_name_or_path, else "
+            f"model_name_or_path) have different tokenizers ({len(only_teacher)} token/id entries only in the "
+            f"teacher's, {len(only_student)} only in the student's: {shown}): the same text would be different ids "
+            "for each. Use the teacher's tokenizer for the student (tokenizer_name_or_path), or a teacher of the "
+            "student's family"
         )
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(student_tokenizer, name) != getattr(teacher_tokenizer, name):
             raise ConfigError(
-                f"the teacher {teacher!r} and the student's tokenizers have different {name}s "
-                f"({getattr(teacher_tokenizer, name)} and {getattr(student_tokenizer, name)}): use one tokenizer"
+                f"the teacher {teacher!r} and the student's tokenizers have different {name}s (the teacher's "
+                f"{getattr(teacher_tokenizer, name)}, the student's {getattr(student_tokenizer, name)}): use one "
+                "tokenizer"
             )
 
 

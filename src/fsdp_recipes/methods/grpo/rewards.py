@@ -145,6 +145,13 @@ class RewardModel:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         config = AutoConfig.from_pretrained(folder)
+        architectures = getattr(config, "architectures", None) or []
+        if architectures and not any(name.endswith("ForSequenceClassification") for name in architectures):
+            raise ConfigError(
+                f"reward model {folder} is not a sequence classifier (its config.json names {', '.join(architectures)}):"
+                " a reward model scores a completion with one label (num_labels: 1), as recipes/reward.py exports; a "
+                "causal LM gives no score"
+            )
         if getattr(config, "num_labels", None) != 1:
             raise ConfigError(
                 f"reward model {folder} has {getattr(config, 'num_labels', None)} labels: a reward model is a "

@@ -25,6 +25,7 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import files
 from fsdp_recipes.data.chat import TemplatePrefixError, conversation_problem, tokenize_example
 from fsdp_recipes.data.rows import collate_rows, shifted_targets
 
@@ -113,14 +114,16 @@ def tokenize_pair(
     max_length: int,
     max_prompt_length: int | None,
     name: str,
+    carving: files.Carving | None = None,
 ) -> dict[str, Any]:
+    where = f"pair {files.row_place(carving, index, name)}"
     if data_format == "explicit":
         prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
     else:
         try:
             prompt, chosen, rejected = split_implicit_prompt(example["chosen"], example["rejected"])
         except ValueError as error:
-            raise DataError(f"pair {index} of the {name} split: {error}. Fix or remove that pair.") from None
+            raise DataError(f"{where}: {error}. Fix or remove that pair.") from None
     problem = pair_problem(prompt, chosen, rejected, implicit=data_format == "implicit")
     if problem is None:
         try:
@@ -132,17 +135,17 @@ def tokenize_pair(
             problem = f"the chat template refused it: {error}"
         except TemplatePrefixError:
             raise DataError(
-                f"pair {index} of the {name} split: the chat template renders the prompt differently once an answer "
+                f"{where}: the chat template renders the prompt differently once an answer "
                 "follows it, so the answer's tokens cannot be told from the prompt's. Use a template that only "
                 "appends text turn by turn (set chat_template in the recipe config to a Jinja template)."
             ) from None
     if problem is not None:
-        raise DataError(f"pair {index} of the {name} split: {problem}. Fix or remove that pair.")
+        raise DataError(f"{where}: {problem}. Fix or remove that pair.")
     row: dict[str, Any] = {"index": index}
     for side, (ids, mask) in zip(("chosen", "rejected"), sides):
         if sum(mask[1:]) == 0:
             raise DataError(
-                f"pair {index} of the {name} split: its {side} answer has no token left after truncation to "
+                f"{where}: its {side} answer has no token left after truncation to "
                 f"max_length={max_length}"
                 + (f" with max_prompt_length={max_prompt_length}" if max_prompt_length else "")
                 + ". Raise max_length, set (or lower) max_prompt_length, or remove that pair."
@@ -194,6 +197,7 @@ def tokenize_pairs(
             max_length=max_length,
             max_prompt_length=max_prompt_length,
             name=name,
+            carving=files.carving_of(dataset),
         ),
         desc=f"Tokenizing {name} pairs",
     )

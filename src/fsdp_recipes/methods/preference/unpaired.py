@@ -20,7 +20,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import chat
+from fsdp_recipes.data import chat, files
 from fsdp_recipes.data.rows import shifted_targets
 from fsdp_recipes.methods.preference import paired
 
@@ -42,6 +42,7 @@ def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
             "unpaired. Rename the columns (e.g. dataset.rename_column) or convert the data."
         ) from None
     prompts, chosen_answers, rejected_answers = [], [], []
+    carving = files.carving_of(dataset)
     for index, example in enumerate(dataset):
         if data_format == "explicit":
             prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
@@ -49,7 +50,9 @@ def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
             try:
                 prompt, chosen, rejected = paired.split_implicit_prompt(example["chosen"], example["rejected"])
             except ValueError as error:
-                raise DataError(f"pair {index} of the {name} split: {error}. Fix or remove that pair.") from None
+                raise DataError(
+                    f"pair {files.row_place(carving, index, name)}: {error}. Fix or remove that pair."
+                ) from None
         prompts.append(prompt)
         chosen_answers.append(chosen)
         rejected_answers.append(rejected)
@@ -74,17 +77,17 @@ def kl_partners(count: int, seed: int) -> list[int]:
     return partners
 
 
-def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_length, name) -> dict[str, Any]:
+def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_length, where) -> dict[str, Any]:
     prompt, completion, label = example["prompt"], example["completion"], example["label"]
     if not isinstance(label, bool):
         raise DataError(
-            f"example {index} of the {name} split: label must be true (a good answer) or false (a bad one), got "
+            f"{where}: label must be true (a good answer) or false (a bad one), got "
             f"{label!r}. Convert the column to booleans."
         )
     kinds = {type(prompt), type(completion), type(partner)}
     if kinds not in ({str}, {list}):
         raise DataError(
-            f"example {index} of the {name} split: 'prompt' and 'completion' must be strings or lists of turns, all "
+            f"{where}: 'prompt' and 'completion' must be strings or lists of turns, all "
             "examples alike. Fix or remove that example."
         )
     if isinstance(completion, list):
@@ -92,7 +95,7 @@ def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_leng
     else:
         problem = None if completion.strip() else f"'completion' is {'only whitespace' if completion else 'empty'}"
     if problem:
-        raise DataError(f"example {index} of the {name} split: {problem}. Fix or remove that example.")
+        raise DataError(f"{where}: {problem}. Fix or remove that example.")
     row: dict[str, Any] = {"index": index, "label": label}
     for side, answer in zip(SIDES, (completion, partner)):
         ids, mask = paired.tokenize_side(
@@ -100,7 +103,7 @@ def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_leng
         )
         if side == "completion" and sum(mask[1:]) == 0:
             raise DataError(
-                f"example {index} of the {name} split: its completion has no token left after truncation to "
+                f"{where}: its completion has no token left after truncation to "
                 f"max_length={max_length}. Raise max_length, set (or lower) max_prompt_length, or remove it."
             )
         row[f"{side}_input_ids"], row[f"{side}_targets"] = ids, shifted_targets(ids, mask)
@@ -125,7 +128,16 @@ def tokenize_examples(
     booleans."""
     if len(dataset) == 0:
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
+    carving, pair_count = files.carving_of(dataset), len(dataset)
     dataset, note = unpair_if_paired(dataset, name)
+
+    def where(index: int) -> str:
+        """Example `index`, as the user's data numbers it (pairs unpaired: the chosen ones, then the rejected)."""
+        if note is None:
+            return f"example {files.row_place(carving, index, name)}"
+        side = "chosen" if index < pair_count else "rejected"
+        return f"the {side} answer of pair {files.row_place(carving, index % pair_count, name)}"
+
     if len(dataset) < 2:
         raise DataError(f"the {name} split has one example: KTO's KL estimate pairs each prompt with another answer")
     if isinstance(dataset[0]["completion"], list) and not tokenizer.chat_template:
@@ -153,7 +165,7 @@ def tokenize_examples(
             partner=completions[partners[index]],
             max_length=max_length,
             max_prompt_length=max_prompt_length,
-            name=name,
+            where=where(index),
         ),
         with_indices=True,
         remove_columns=dataset.column_names,

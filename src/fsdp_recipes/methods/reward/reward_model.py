@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.data import files
 from fsdp_recipes.methods.preference.paired import PairCollator
 
 LABEL = "reward"  # the one output's name in config.id2label (what pipeline("text-classification") reports)
@@ -65,7 +66,7 @@ def add_margins(pairs: Dataset, raw: Dataset, *, name: str) -> tuple[Dataset, bo
     for index, value in enumerate(margins):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise DataError(
-                f"pair {index} of the {name} split: its {MARGIN_COLUMN!r} is {value!r}, not a finite number. Fix "
+                f"pair {files.row_place(files.carving_of(raw), index, name)}: its {MARGIN_COLUMN!r} is {value!r}, not a finite number. Fix "
                 f"that value, or remove the {MARGIN_COLUMN!r} column (no margin)"
             )
     return pairs.add_column(MARGIN_COLUMN, [float(value) for value in margins]), True
