@@ -146,3 +146,27 @@ def test_a_preempted_run_saves_stops_with_its_code_and_the_same_command_resumes_
     assert [record["step"] for record in resumed] == [2] and not (checkpoints / "PREEMPTED").exists()
     whole, again = (load_file(tmp_path / name / "model.safetensors") for name in ("whole", "preempted"))
     assert all(torch.equal(whole[key], again[key]) for key in whole)
+
+
+def test_the_preemption_watch_notes_the_first_signal_and_gives_the_handlers_back():
+    import os
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train.preemption import PreemptionWatch
+
+    single = SimpleNamespace(device="cpu", num_processes=1)
+    before = signal.getsignal(signal.SIGUSR1)
+    watch = PreemptionWatch(["SIGUSR1", "SIGTERM"])
+    assert not watch.requested(single)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second signal (during the save) changes nothing
+    assert watch.received == "SIGUSR1" and watch.requested(single)
+    watch.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    elsewhere = []  # a run driven from another thread cannot set handlers: it keeps the defaults, and runs
+    thread = threading.Thread(target=lambda: elsewhere.append(PreemptionWatch(["SIGTERM"])))
+    thread.start()
+    thread.join()
+    assert elsewhere and elsewhere[0].received is None

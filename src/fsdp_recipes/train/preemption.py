@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -35,6 +36,8 @@ class PreemptionWatch:
     def __init__(self, signal_names: list[str]):
         self.received: str | None = None
         self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python lets only the main thread set handlers: a run driven from another thread keeps the defaults
         for name in signal_names:
             number = getattr(signal, name)
             self._previous[number] = signal.signal(number, self._note)
