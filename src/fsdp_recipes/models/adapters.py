@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -237,8 +238,7 @@ def check_not_an_adapter_folder(name: str, *, setting: str, role: str) -> None:
     if not adapter_config.is_file():
         return
     base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-    local = bool(base) and (base.startswith((".", "/", "~")) or base.count("/") > 1)  # a Hub id is org/name
-    missing = local and not Path(base).expanduser().exists()
+    missing = bool(base) and not steps.looks_like_hub_id(base) and not Path(base).expanduser().exists()
     raise ConfigError(
         f"{setting} {name!r} is a LoRA adapter folder (for the base model {base!r}"
         f"{', which does not exist here' if missing else ''}): {role} is loaded as a whole model. Give the merged "

@@ -81,7 +81,9 @@ def load_tokenizer(
             source = Path(chat_template_path).expanduser()
             if source.is_file():
                 tokenizer.chat_template = source.read_text()
-            elif not source.exists() and _names_a_local_file(chat_template_path):
+            elif not source.exists() and (
+                chat_template_path.endswith(".jinja") or not steps.looks_like_hub_id(chat_template_path)
+            ):
                 raise InputError(
                     f"chat_template_path: there is no such local file ({source.resolve()}): point it at a .jinja "
                     "file, or at a tokenizer folder or Hub id whose template to use"
@@ -111,12 +113,6 @@ def load_tokenizer(
 def _is_inline_template(value: str) -> bool:
     """Jinja text rather than a path: it holds a tag or an expression (no template is without one)."""
     return "{%" in value or "{{" in value
-
-
-def _names_a_local_file(value: str) -> bool:
-    """A chat_template_path that can only mean a local file (a .jinja name, or a relative or absolute path), never a
-    Hub id, which is `name` or `org/name`."""
-    return value.endswith(".jinja") or value.startswith((".", "/", "~")) or value.count("/") > 1
 
 
 def load_model_config(

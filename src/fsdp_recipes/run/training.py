@@ -88,7 +88,7 @@ class Training:
             _poison_gradients(model)
         # clipping to inf multiplies by 1.0: the norm is measured and the gradients are bitwise as they were
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
-        if torch.isfinite(grad_norm):  # the one host sync a step needs: the same global value on every rank
+        if torch.isfinite(grad_norm):  # a host sync, on a value global to every rank
             optimizer.step()
         else:
             self._nonfinite_step(step, grad_norm)

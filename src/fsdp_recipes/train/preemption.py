@@ -52,9 +52,11 @@ class PreemptionWatch:
             )
 
     def requested(self, accelerator) -> bool:
+        if accelerator.num_processes == 1:
+            return self.received is not None
+        # one small all-reduce (and a host sync) per step, so that every rank stops at the same step
         flag = torch.tensor([self.received is not None], dtype=torch.int32, device=accelerator.device)
-        if accelerator.num_processes > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
     def close(self) -> None:
