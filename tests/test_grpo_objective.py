@@ -3,6 +3,7 @@ against direct computations; no processes."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -81,6 +82,8 @@ def test_each_loss_type_averages_the_global_batch_whatever_its_split_into_ranks(
         "dapo": per_row_sum.sum() / mask.sum(),
         "bnpo": per_row_sum.sum() / mask.sum(),
         "dr_grpo": per_row_sum.sum() / (6 * 7),
+        "cispo": per_row_sum.sum() / mask.sum(),  # averaged as dapo
+        "sapo": (per_row_sum / per_row_count.clamp(min=1)).mean(),  # averaged as grpo
     }[loss_type]
     options = dict(global_completions=6, global_tokens=float(mask.sum()), max_completion_length=7)
     for split in ([6], [3, 3], [1, 5], [2, 2, 2]):
@@ -100,14 +103,26 @@ def test_the_prompt_schedule_and_slots_do_not_depend_on_the_number_of_ranks():
     fresh = rollouts.PromptSchedule(10, 4, seed=3)
     assert fresh.prompts_for_round(3) == rounds[3]  # no state: a resume is exact
     # what a checkpoint records names the schedule's own attributes, and is what the round index alone gives
-    assert fresh.state_dict() == {"epoch": fresh.epoch, "batches_into_epoch": fresh.batches_into_epoch}
+    assert fresh.state_dict() == {"epoch": 1, "batches_into_epoch": 1, "extra_prompts_drawn": 0}
     schedule.prompts_for_round(3)
-    assert schedule.state_dict() == fresh.state_dict() == {"epoch": 1, "batches_into_epoch": 1}
+    assert schedule.state_dict() == fresh.state_dict()
     one = rollouts.rank_slots(rounds[0], 2, rank=0, world_size=1)
     two = rollouts.rank_slots(rounds[0], 2, rank=0, world_size=2) + rollouts.rank_slots(
         rounds[0], 2, rank=1, world_size=2
     )
     assert one == two and len(one) == 8
+
+
+def test_prompts_drawn_beyond_a_round_shift_the_stream_and_a_restored_schedule_continues_it():
+    stream = [p for r in range(6) for p in rollouts.PromptSchedule(10, 4, seed=3).prompts_for_round(r)]
+    schedule = rollouts.PromptSchedule(10, 4, seed=3)
+    assert schedule.prompts_for_round(0) == stream[0:4]
+    assert schedule.more_prompts(4) == stream[4:8] and schedule.more_prompts(4) == stream[8:12]  # round 0's passes
+    assert schedule.prompts_for_round(1) == stream[12:16]  # round 1 starts after everything round 0 drew
+    restored = rollouts.PromptSchedule(10, 4, seed=3)
+    restored.load_state_dict(json.loads(json.dumps(schedule.state_dict())))  # as a checkpoint keeps it
+    assert restored.prompts_for_round(2) == schedule.prompts_for_round(2) == stream[16:20]
+    assert schedule.state_dict()["extra_prompts_drawn"] == 8 and schedule.epoch == 1
 
 
 # ---------------------------------------------------------------------------------------------------------- rewards
