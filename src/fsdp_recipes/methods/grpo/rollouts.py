@@ -19,19 +19,23 @@ from collections.abc import Iterator
 
 import torch
 
+from fsdp_recipes.methods.grpo.groups import ScoredSlots
 from fsdp_recipes.methods.grpo.policy_gradient import token_log_probs
 from fsdp_recipes.train.evaluation import ReproducibleSampling
 
 
 class PromptSchedule:
-    """The prompts of each round: `prompts_per_round` consecutive entries of an endless sequence of permutations of
-    `range(prompt_count)`, one per epoch, each drawn from (seed, epoch). `epoch` / `batches_into_epoch` (rounds
-    started in it) and `state_dict` are what a checkpoint records of it. A resume restores nothing: a round's prompts
-    are a function of its index and the seed, and the step gives the index."""
+    """The prompts of each round: `prompts_per_round` consecutive entries of an endless stream of permutations of
+    `range(prompt_count)`, one per epoch, each drawn from (seed, epoch). Round r starts at position r x
+    prompts_per_round plus the prompts drawn beyond their rounds' share so far (`more_prompts`, dynamic sampling's
+    extra passes), which is all a checkpoint needs to record (`state_dict`): the stream itself is a function of the
+    seed. `epoch` / `batches_into_epoch` (rounds started in it) are what progress.json shows of it."""
 
     def __init__(self, prompt_count: int, prompts_per_round: int, *, seed: int):
         self.prompt_count, self.prompts_per_round, self.seed = prompt_count, prompts_per_round, seed
         self.epoch, self.batches_into_epoch = 0, 0
+        self.extra_prompts_drawn = 0
+        self._next_position = 0
         self._permutations: dict[int, list[int]] = {}
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -40,19 +44,36 @@ class PromptSchedule:
             self._permutations = {epoch: torch.randperm(self.prompt_count, generator=generator).tolist()}
         return self._permutations[epoch]
 
-    def prompts_for_round(self, round_index: int) -> list[int]:
-        start = round_index * self.prompts_per_round
+    def _take(self, start: int, count: int) -> list[int]:
         chosen = []
-        for position in range(start, start + self.prompts_per_round):
+        for position in range(start, start + count):
             epoch, offset = divmod(position, self.prompt_count)
             chosen.append(self._permutation(epoch)[offset])
+        self._next_position = start + count
+        return chosen
+
+    def prompts_for_round(self, round_index: int) -> list[int]:
+        start = round_index * self.prompts_per_round + self.extra_prompts_drawn
         self.epoch = start // self.prompt_count
         first_round_of_epoch = -(-self.epoch * self.prompt_count // self.prompts_per_round)  # the first to start in it
         self.batches_into_epoch = round_index - first_round_of_epoch + 1
-        return chosen
+        return self._take(start, self.prompts_per_round)
+
+    def more_prompts(self, count: int) -> list[int]:
+        """The next `count` prompts of the stream, drawn within the current round (they shift later rounds)."""
+        self.extra_prompts_drawn += count
+        return self._take(self._next_position, count)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_into_epoch": self.batches_into_epoch}
+        return {
+            "epoch": self.epoch,
+            "batches_into_epoch": self.batches_into_epoch,
+            "extra_prompts_drawn": self.extra_prompts_drawn,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the stream of a checkpoint (written between rounds)."""
+        self.extra_prompts_drawn = int(state.get("extra_prompts_drawn", 0))
 
 
 def rank_slots(prompt_indices: list[int], num_generations: int, *, rank: int, world_size: int) -> list[tuple[int, int]]:
@@ -63,9 +84,11 @@ def rank_slots(prompt_indices: list[int], num_generations: int, *, rank: int, wo
     return slots[rank * per_rank : (rank + 1) * per_rank]
 
 
-def sampling_key(round_index: int, prompt_index: int, generation_index: int) -> int:
-    """The index a slot's sampling noise is seeded by (with the run's seed)."""
-    return ((round_index * 1_000_003 + prompt_index) * 10_007 + generation_index) % 2**61
+def sampling_key(round_index: int, prompt_index: int, generation_index: int, attempt: int = 0) -> int:
+    """The index a slot's sampling noise is seeded by (with the run's seed); `attempt` counts a round's generation
+    passes (dynamic sampling draws again, with fresh noise, for more prompts)."""
+    key = ((round_index * 1_000_003 + prompt_index) * 10_007 + generation_index) % 2**61
+    return key if attempt == 0 else (key * 1_009 + attempt) % 2**61
 
 
 @dataclasses.dataclass
@@ -223,7 +246,12 @@ def completion_log_probs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability under `model` (at the sampling temperature) and the entropy there,
-    [rows, completion width] (fp32; values at padding are meaningless: weight them by the mask)."""
+    [rows, completion width] (fp32; values at padding are meaningless: weight them by the mask). From the packed
+    layout when the batch has one (`padding_free`)."""
+    if "packed_input_ids" in batch:
+        from fsdp_recipes.methods.grpo import padding_free
+
+        return padding_free.completion_log_probs(model, batch, temperature)
     completion_width = batch["completion_ids"].shape[1]
     logits = model(
         input_ids=batch["input_ids"],
@@ -234,6 +262,44 @@ def completion_log_probs(
     ).logits
     predicting = logits[:, -completion_width - 1 : -1]
     return token_log_probs(predicting, batch["completion_ids"], temperature)
+
+
+@torch.no_grad()
+def values_before_step(
+    accelerator,
+    model: torch.nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    *,
+    first_of_round: bool,
+    keep_old_log_probs: bool,
+    reference_log_probs,
+    temperature: float,
+    top_entropy_quantile: float,
+) -> None:
+    """Collective. What a step's loss needs before its first gradient pass, added to its micro-batches: at a round's
+    first step the policy's log-probabilities as it generated (`old_log_probs`, the ratio's denominator, when the
+    round serves several steps) and the reference's (`reference_log_probs(batch)`, when there is a KL term); at every
+    step, when `top_entropy_quantile` < 1, `entropy_mask`: the completion tokens whose entropy under the current
+    policy is in that top share of the step's GLOBAL batch (every rank and micro-batch: one threshold, whatever the
+    split; it costs this forward pass without gradients)."""
+    from fsdp_recipes.methods.grpo.policy_gradient import entropy_threshold
+
+    entropies = []
+    for part in micro_batches:
+        if (first_of_round and keep_old_log_probs) or top_entropy_quantile < 1:
+            values, entropy = completion_log_probs(model, part, temperature)
+            if first_of_round and keep_old_log_probs:
+                part["old_log_probs"] = values
+            entropies.append(entropy)
+        if first_of_round and reference_log_probs is not None:
+            part["reference_log_probs"] = reference_log_probs(part)
+    if top_entropy_quantile < 1:
+        masks = torch.cat([part["completion_mask"] for part in micro_batches])
+        threshold = entropy_threshold(
+            accelerator.gather(torch.cat(entropies)), accelerator.gather(masks), top_entropy_quantile
+        )
+        for part, entropy in zip(micro_batches, entropies):
+            part["entropy_mask"] = ((entropy >= threshold) & part["completion_mask"].bool()).float()
 
 
 class Stopwatch:
@@ -256,61 +322,68 @@ class Stopwatch:
 
 
 def assemble_round(
-    accelerator,
-    *,
+    chosen: ScoredSlots,
+    generated: ScoredSlots,
     prompt_ids: list[list[int]],
-    completion_ids: list[list[int]],
-    truncated: list[bool],
-    rewards: torch.Tensor,
-    per_function: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    device,
     function_names: list[str],
     num_generations: int,
     scale_rewards: str,
+    advantage_estimator: str,
     mask_truncated_completions: bool,
     rows_per_micro_batch: int,
     pad_token_id: int,
-) -> tuple[list[dict[str, torch.Tensor]], float, dict[str, float]]:
-    """Collective. This rank's scored completions made into training micro-batches: rewards gathered over ranks (the
-    global batch, slot order) give the group-normalised advantages; rows padded to the round's widest prompt and
-    completion on any rank. Returns the micro-batches (on the device), the global count of loss tokens, and the
-    round's figures under TRL's names (the same on every rank)."""
-    from fsdp_recipes.methods.grpo.policy_gradient import group_advantages, zero_std_fraction
+    padding_free: bool,
+    kept_groups: int,
+    generation_passes: int,
+) -> tuple[list[dict[str, torch.Tensor]], float, dict[str, float], ScoredSlots, torch.Tensor]:
+    """The round's training data, from the groups `chosen` (the same on every rank, slot order) out of everything
+    `generated` this round: this rank's contiguous share made into micro-batches (rows padded to the widest prompt and
+    completion of the whole batch, so a row does not depend on the split; `padding_free` adds their packed layout),
+    the global count of loss tokens, the round's figures under TRL's names (over every generated completion), and
+    this rank's slots with their advantages. No collective: the inputs are global."""
+    from fsdp_recipes.methods.grpo import padding_free as packing
+    from fsdp_recipes.methods.grpo.policy_gradient import advantages_of, zero_std_fraction
 
-    device, rank = accelerator.device, accelerator.process_index
-    all_rewards = accelerator.gather(rewards.to(device)).cpu()
-    all_per_function = accelerator.gather(per_function.T.contiguous().to(device)).cpu()
-    lengths = accelerator.gather(torch.tensor([len(c) for c in completion_ids], device=device)).cpu()
-    all_truncated = accelerator.gather(torch.tensor(truncated, device=device)).cpu()
-    widths = accelerator.gather(torch.tensor([[max(map(len, prompt_ids)), int(lengths.max())]], device=device))
-    prompt_width, completion_width = widths.amax(dim=0).tolist()
-    share = len(completion_ids)
+    advantages = advantages_of(chosen.rewards, num_generations, scale_rewards, advantage_estimator)
+    masks = [0 if t and mask_truncated_completions else 1 for t in chosen.truncated]
+    global_tokens = float(sum(len(c) * m for c, m in zip(chosen.completion_ids, masks)))
+    prompt_width = max(len(prompt_ids[p]) for p in chosen.prompt_indices)
+    completion_width = max(map(len, chosen.completion_ids))
+    per_rank = len(chosen) // world_size
+    share = range(rank * per_rank, (rank + 1) * per_rank)
+    mine = chosen.select(list(share))
     batch = rollout_batch(
-        prompt_ids,
-        completion_ids,
+        [prompt_ids[p] for p in mine.prompt_indices],
+        mine.completion_ids,
         pad_token_id=pad_token_id,
         prompt_width=prompt_width,
         completion_width=completion_width,
     )
-    batch["advantages"] = group_advantages(all_rewards, num_generations, scale_rewards)[
-        rank * share : (rank + 1) * share
-    ]
-    if mask_truncated_completions:
-        batch["completion_mask"] *= (~torch.tensor(truncated)).long().unsqueeze(1)
+    batch["advantages"] = advantages[share.start : share.stop]
+    batch["completion_mask"] *= torch.tensor([masks[s] for s in share], dtype=torch.long).unsqueeze(1)
     batch["real_tokens"] = batch["attention_mask"].sum(dim=1)
-    global_tokens = float(accelerator.reduce(batch["completion_mask"].sum().to(device), reduction="sum"))
-    micro_batches = [
-        {key: value[start : start + rows_per_micro_batch].to(device) for key, value in batch.items()}
-        for start in range(0, share, rows_per_micro_batch)
-    ]
-    scored = (~all_per_function.isnan()).sum(dim=0).clamp(min=1)
-    totals = all_per_function.nan_to_num(0.0).sum(dim=0)
+    micro_batches = []
+    for start in range(0, per_rank, rows_per_micro_batch):
+        part = {key: value[start : start + rows_per_micro_batch] for key, value in batch.items()}
+        if padding_free:
+            part.update(packing.packed_rows(part, row_width=prompt_width + completion_width, pad_token_id=pad_token_id))
+        micro_batches.append({key: value.to(device) for key, value in part.items()})
+    lengths = torch.tensor([len(c) for c in generated.completion_ids], dtype=torch.float)
+    scored = (~generated.per_function.isnan()).sum(dim=0).clamp(min=1)
+    totals = generated.per_function.nan_to_num(0.0).sum(dim=0)
     figures = {
-        "reward": float(all_rewards.mean()),
-        "reward_std": float(all_rewards.std()),
+        "reward": float(generated.rewards.mean()),
+        "reward_std": float(generated.rewards.std()),
         **{f"rewards/{name}/mean": float(totals[i] / scored[i]) for i, name in enumerate(function_names)},
-        "frac_reward_zero_std": zero_std_fraction(all_rewards, num_generations),
-        "completions/mean_length": float(lengths.float().mean()),
-        "completions/clipped_ratio": float(all_truncated.float().mean()),
+        "frac_reward_zero_std": zero_std_fraction(generated.rewards, num_generations),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/clipped_ratio": float(torch.tensor(generated.truncated, dtype=torch.float).mean()),
         "tokens/generated": int(lengths.sum()),
+        "dynamic_sampling/kept_groups": kept_groups,
+        "dynamic_sampling/generation_rounds": generation_passes,
     }
-    return micro_batches, global_tokens, figures
+    return micro_batches, global_tokens, figures, mine, advantages[share.start : share.stop]
