@@ -20,10 +20,11 @@ import torch
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, checks, errors
 from fsdp_recipes.data import files
-from fsdp_recipes.methods.grpo import completion_log, prompts, rewards, rollouts
+from fsdp_recipes.methods.grpo import completion_log, groups, prompts, rewards, rollouts
 from fsdp_recipes.methods.grpo import policy_gradient as pg
 from fsdp_recipes.methods.grpo import settings as online_rl
 from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import frozen_copy, loop
 
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     functions, data = run.on_every_rank(prepare, main_process_first=True)
     prompts_per_round = completions_per_step // config.num_generations
     schedule = rollouts.PromptSchedule(len(data), prompts_per_round, seed=config.seed)
+    if run.checkpoint is not None:  # the prompts dynamic sampling drew beyond their rounds shift the stream
+        schedule.load_state_dict(checkpoint_lib.read_rank_state(run.checkpoint, rank))
     rounds = math.ceil(config.num_train_epochs * len(data) / prompts_per_round)
     total_steps = config.max_steps if config.max_steps > 0 else rounds * config.num_iterations
 
@@ -129,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             prompts_per_step=prompts_per_round,
             completions_per_step=completions_per_step,
             reward_funcs=[name for name, _ in functions],
-            loss=f"{config.loss_type} GRPO, epsilon {config.epsilon}..{config.epsilon_high or config.epsilon}, "
-            f"beta {config.beta}, {config.num_iterations} step(s) per generation round",
+            loss=config.describe_objective(),
             reference="none (beta 0)" if reference_mode is None else reference_mode,
             generation="transformers generate with KV cache; "
             + rollouts.describe_gathering(model, enabled=config.gather_weights_for_generation),
@@ -146,44 +148,55 @@ def main(argv: list[str] | None = None) -> None:
     shown = completion_log.CompletionLog(accelerator, config.output_dir, count=config.num_completions_to_print)
     for step in training.steps():
         round_index, iteration = divmod(step - 1, config.num_iterations)
-        if iteration == 0:
-            with watch.phase("generation"):
-                slots = rollouts.rank_slots(
-                    training.batches.prompts_for_round(round_index), config.num_generations, rank=rank, world_size=world
+        if iteration == 0:  # generate -> score, again for more groups with a reward spread (dynamic_sampling)
+            pool = groups.GroupPool(prompts_per_round, config.num_generations, dynamic_sampling=config.dynamic_sampling)
+            for attempt in range(config.generation_passes()):
+                indices = (
+                    schedule.more_prompts(prompts_per_round) if attempt else schedule.prompts_for_round(round_index)
                 )
-                prompt_ids = [data.prompt_ids[p] for p, _ in slots]
-                keys = [rollouts.sampling_key(round_index, p, g) for p, g in slots]
-                with rollouts.weights_gathered(
-                    model, enabled=config.gather_weights_for_generation, reshard_after_forward=reshard_after_forward
+                slots = rollouts.rank_slots(indices, config.num_generations, rank=rank, world_size=world)
+                with (
+                    watch.phase("generation"),
+                    rollouts.weights_gathered(
+                        model, enabled=config.gather_weights_for_generation, reshard_after_forward=reshard_after_forward
+                    ),
                 ):
                     completion_ids, truncated = rollouts.generate_completions(
-                        model, tokenizer, prompt_ids, keys, settings, synced_gpus=world > 1
+                        model, tokenizer, [data.prompt_ids[p] for p, _ in slots],
+                        [rollouts.sampling_key(round_index, p, g, attempt) for p, g in slots], settings,
+                        synced_gpus=world > 1,
+                    )  # fmt: skip
+                with watch.phase("scoring"):
+                    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+                    indices = [p for p, _ in slots]
+                    scores = run.on_every_rank(
+                        functools.partial(
+                            rewards.score_completions, functions, config.weights(), data, indices, completion_ids, texts
+                        )
                     )
-            with watch.phase("scoring"):
-                texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-                indices = [p for p, _ in slots]
-                local_rewards, local_per_function = run.on_every_rank(
-                    functools.partial(
-                        rewards.score_completions, functions, config.weights(), data, indices, completion_ids, texts
-                    )
-                )
-                micro, global_tokens, rollout = rollouts.assemble_round(
-                    accelerator, prompt_ids=prompt_ids, completion_ids=completion_ids, truncated=truncated,
-                    rewards=local_rewards, per_function=local_per_function,
-                    function_names=[name for name, _ in functions], num_generations=config.num_generations,
-                    scale_rewards=config.scale_rewards, mask_truncated_completions=config.mask_truncated_completions,
-                    rows_per_micro_batch=config.per_device_train_batch_size, pad_token_id=tokenizer.pad_token_id,
-                )  # fmt: skip
-                advantages = torch.cat([part["advantages"] for part in micro])
-                shown.keep(step, [data.prompts[p] for p in indices], texts, local_rewards, advantages)
+                    pool.add(groups.gather_scored(accelerator, indices, completion_ids, truncated, *scores))
+                if pool.full():
+                    break
+            chosen, kept_groups = pool.batch()
+            micro, global_tokens, rollout, mine, advantages = rollouts.assemble_round(
+                chosen, pool.generated, data.prompt_ids, rank=rank, world_size=world, device=accelerator.device,
+                function_names=[name for name, _ in functions], num_generations=config.num_generations,
+                scale_rewards=config.scale_rewards, advantage_estimator=config.advantage_estimator,
+                mask_truncated_completions=config.mask_truncated_completions,
+                rows_per_micro_batch=config.per_device_train_batch_size, pad_token_id=tokenizer.pad_token_id,
+                padding_free=config.padding_free, kept_groups=kept_groups, generation_passes=len(pool.passes),
+            )  # fmt: skip
+            shown.keep(
+                step, [data.prompts[p] for p in mine.prompt_indices],
+                tokenizer.batch_decode(mine.completion_ids, skip_special_tokens=True), mine.rewards, advantages,
+            )  # fmt: skip
 
         with watch.phase("training"):
-            for part in micro if iteration == 0 else []:
-                with torch.no_grad():
-                    if config.num_iterations > 1:  # the policy's values as it generated: the ratio's denominator
-                        part["old_log_probs"] = rollouts.completion_log_probs(model, part, config.temperature)[0]
-                    if reference_mode is not None:
-                        part["reference_log_probs"] = reference_log_probs(part)
+            rollouts.values_before_step(
+                accelerator, model, micro, first_of_round=iteration == 0, keep_old_log_probs=config.num_iterations > 1,
+                reference_log_probs=reference_log_probs if reference_mode else None, temperature=config.temperature,
+                top_entropy_quantile=config.top_entropy_quantile,
+            )  # fmt: skip
             loss_sum, figures = 0.0, {}
             for part in loop.micro_batches_in_sync(accelerator, model, micro):
                 training.metrics.count_batch(part)
@@ -191,13 +204,17 @@ def main(argv: list[str] | None = None) -> None:
                 terms = pg.per_token_losses(
                     log_probs, part.get("old_log_probs", log_probs.detach()), part["advantages"],
                     epsilon=config.epsilon, epsilon_high=config.epsilon_high, beta=config.beta,
-                    reference_log_probs=part.get("reference_log_probs"),
+                    reference_log_probs=part.get("reference_log_probs"), loss_type=config.loss_type,
+                    importance_sampling_level=config.importance_sampling_level, mask=part["completion_mask"],
+                    delta=config.delta, sapo_temperatures=(config.sapo_temperature_pos, config.sapo_temperature_neg),
+                    entropy_mask=part.get("entropy_mask"),
                 )  # fmt: skip
                 token_weights = pg.token_weights(
                     part["completion_mask"], config.loss_type, global_completions=completions_per_step,
                     global_tokens=global_tokens, max_completion_length=config.max_completion_length,
                 )  # fmt: skip
-                loss = (terms["loss"] * token_weights).sum()
+                bonus = config.entropy_coef * entropy * part.get("entropy_mask", 1.0)  # on the trained tokens
+                loss = ((terms["loss"] - bonus) * token_weights).sum()
                 accelerator.backward(loss * world)  # FSDP averages gradients over ranks: undo it, the sum is global
                 loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
                 for name, value in pg.loss_figures(terms, entropy, part["completion_mask"]).items():

@@ -10,25 +10,31 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures.grpo import GRPO_STEPS, grpo_values
+from fixtures.grpo import GRPO_STEPS, grpo_values, uneven_reward
 from fsdp_recipes.common.faults import FAULT_ENV, InjectedFault
+from fsdp_recipes.train.checkpoint import read_rank_state
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 
 SAME_ON_ANY_SPLIT = (
     "reward",
     "reward_std",
-    "rewards/partial_match/mean",
-    "rewards/exact_match/mean",
     "frac_reward_zero_std",
     "completions/mean_length",
     "completions/clipped_ratio",
     "tokens/generated",
+    "dynamic_sampling/kept_groups",
+    "dynamic_sampling/generation_rounds",
 )
 COMPUTED = ("loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm")
 
 
 def step_records(output_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(output_dir) if "loss" in r}
+
+
+def split_independent(record: dict) -> tuple[str, ...]:
+    """The figures of a step that depend on neither the rank split nor a resume: SAME_ON_ANY_SPLIT and each reward's."""
+    return SAME_ON_ANY_SPLIT + tuple(name for name in record if name.startswith("rewards/"))
 
 
 def completions_of(output_dir: Path) -> list[dict]:
@@ -39,12 +45,15 @@ def completions_of(output_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("setting", ["full", "lora"])
 def test_two_processes_generate_and_learn_as_one(grpo_runs, setting):
     """Completions, rewards and losses on 2 processes equal the 1-process run's (rtol 1e-5), with the reference a
-    frozen copy sharded like the policy (full) or the policy with its adapters off (LoRA)."""
+    frozen copy sharded like the policy (full) or the policy with its adapters off (LoRA), and with the options past
+    TRL's core (fixtures.grpo.new_options): full runs dynamic sampling (a second generation pass, then the bound),
+    the sequence-level ratio, two-sided clipping and entropy masking; LoRA RLOO, SAPO, padding-free passes and an
+    entropy bonus."""
     two, one = grpo_runs[setting]
     twos, ones = step_records(two), step_records(one)
     assert sorted(twos) == sorted(ones) == list(range(1, GRPO_STEPS + 1))
     for step in ones:
-        for name in SAME_ON_ANY_SPLIT:
+        for name in split_independent(ones[step]):
             assert twos[step][name] == pytest.approx(ones[step][name], rel=1e-6), (step, name)
         for name in COMPUTED:
             assert twos[step][name] == pytest.approx(ones[step][name], rel=1e-5, abs=1e-7), (step, name)
@@ -55,6 +64,10 @@ def test_two_processes_generate_and_learn_as_one(grpo_runs, setting):
     assert summary["world_size"] == 2 and "Shard(dim=0)" in summary["parameter_placements"][0]
     assert "gathered once per generation pass" in summary["generation"]
     assert summary["reference"] == {"full": "model", "lora": "adapters"}[setting]
+    assert {"full": "sequence-level ratio", "lora": "rloo advantages"}[setting] in summary["loss"]
+    if setting == "full":  # the first pass had one group with a reward spread of two: a second pass, then the bound
+        assert (ones[1]["dynamic_sampling/generation_rounds"], ones[1]["dynamic_sampling/kept_groups"]) == (2, 1)
+        assert ones[1]["tokens/generated"] > 8 and "rewards/completion_length_on_even_answers/mean" in ones[1]
     assert 0 < ones[1]["time/generation_share"] < 1 and ones[1]["tokens/generated_per_second"] > 0
     assert 0 < summary["step_time_shares"]["generation"] < 1
 
@@ -78,10 +91,12 @@ def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weight
     tmp_path, pretrained_tiny_model, prompt_data, monkeypatch
 ):
     """A run that fails after step 3 (its last checkpoint: step 2, between generation rounds) resumed: the same
-    completions and losses as the uninterrupted run, bitwise-equal final weights. Sampling needs no saved state."""
+    completions and losses as the uninterrupted run, bitwise-equal final weights. With dynamic sampling, the prompts
+    drawn beyond their rounds are the only sampling state the checkpoint needs."""
     values = grpo_values(
-        pretrained_tiny_model, prompt_data, tmp_path / "whole", per_device_train_batch_size=8, save_steps=2, max_steps=4
-    )
+        pretrained_tiny_model, prompt_data, tmp_path / "whole", per_device_train_batch_size=8, save_steps=2, max_steps=4,
+        dynamic_sampling=True, reward_funcs=["partial_match", uneven_reward(prompt_data)],
+    )  # fmt: skip
     run_recipe_in_process("grpo", tmp_path, "whole", {**values, "report_to": "tensorboard"})
     assert_the_tracker_shows_the_logged_completions(tmp_path / "whole")
     values["output_dir"] = str(tmp_path / "stopped")
@@ -89,10 +104,12 @@ def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weight
     with pytest.raises(InjectedFault):
         run_recipe_in_process("grpo", tmp_path, "stopped", values)
     monkeypatch.delenv(FAULT_ENV)
+    drawn = read_rank_state(tmp_path / "stopped" / "checkpoints" / "step-00000002", 0)["extra_prompts_drawn"]
+    assert drawn > 0  # dynamic sampling drew beyond round 1's prompts: round 2 starts after them
     run_recipe_in_process("grpo", tmp_path, "resumed", {**values, "resume_from_checkpoint": "latest"})
     whole, resumed = step_records(tmp_path / "whole"), step_records(tmp_path / "stopped")
     assert [resumed[s]["loss"] for s in sorted(resumed)] == [whole[s]["loss"] for s in sorted(whole)]
-    assert all(resumed[s][name] == whole[s][name] for s in whole for name in SAME_ON_ANY_SPLIT)
+    assert all(resumed[s][name] == whole[s][name] for s in whole for name in split_independent(whole[s]))
     assert completions_of(tmp_path / "stopped") == completions_of(tmp_path / "whole")  # steps 1 and 3 generated
     for name, tensor in load_file(tmp_path / "whole" / "model.safetensors").items():
         assert torch.equal(tensor, load_file(tmp_path / "stopped" / "model.safetensors")[name]), name
@@ -111,6 +128,13 @@ def test_an_interrupted_run_resumes_with_identical_completions_losses_and_weight
         ({"reward_funcs": ["no_such_module_xyz:reward"], "reward_weights": None}, "could not be imported"),
         ({"reward_weights": [1.0]}, "reward_weights has 1 values for 2 reward_funcs"),
         ({"loss_type": "ppo"}, "loss_type 'ppo' is not one of"),
+        ({"importance_sampling_level": "completion"}, "importance_sampling_level 'completion' is not one of"),
+        ({"advantage_estimator": "gae"}, "advantage_estimator 'gae' is not one of"),
+        ({"top_entropy_quantile": 0.0}, "top_entropy_quantile must be in (0, 1]"),
+        ({"top_entropy_quantile": 1.5}, "top_entropy_quantile must be in (0, 1]"),
+        ({"dynamic_sampling": True, "max_generation_rounds": 0}, "max_generation_rounds must be >= 1"),
+        ({"delta": 1.1}, "delta must be > 1 + epsilon_high"),
+        ({"loss_type": "cispo"}, "loss_type cispo caps the ratio at epsilon_high itself"),
         ({"save_steps": 3}, "save_steps (3) must be a multiple of num_iterations (2)"),
         ({"dataset_name": "NO_PROMPTS"}, "no 'prompt' column"),
     ],

@@ -53,9 +53,55 @@ class OnlineRLFields:
     )
     loss_type: str = setting(
         "dapo",
-        "how tokens are averaged over the global batch: dapo/bnpo (every token alike), grpo "
-        "(per completion, then over completions: favours short ones), dr_grpo (/ completions x max length)",
+        "the per-token objective and how tokens are averaged over the global batch: dapo/bnpo (clipped "
+        "surrogate, every token alike), grpo (per completion, then over completions: favours short ones), dr_grpo "
+        "(/ completions x max length), cispo (the ratio capped at epsilon_high, e.g. 5.0, detached, weighs A x "
+        "log p: no token's gradient is ever cut off; averaged as dapo), sapo (a soft sigmoid gate instead of the hard clip; averaged as grpo)",
         resume="sensitive",
+        check=checks.one_of(policy_gradient.LOSS_TYPES),
+    )
+    importance_sampling_level: str = setting(
+        "token",
+        "token: each token's own ratio; sequence (GSPO): every token of a completion shares exp(mean log "
+        "ratio over its tokens), steadier for long completions and mixture-of-experts routing",
+        resume="sensitive",
+        check=checks.one_of(policy_gradient.IMPORTANCE_SAMPLING_LEVELS),
+    )
+    delta: float | None = setting(
+        None,
+        "two-sided clipping: the unclipped ratio is also capped at delta (> 1 + epsilon_high), so a "
+        "negative advantage cannot push a token with a huge ratio without bound; null: off",
+        resume="sensitive",
+    )
+    sapo_temperature_pos: float = setting(
+        1.0,
+        "sapo: gate temperature for positive advantages (higher: the gate closes sooner as the ratio leaves 1)",
+        resume="sensitive",
+        check=checks.above(0),
+    )
+    sapo_temperature_neg: float = setting(
+        1.05, "sapo: gate temperature for negative advantages", resume="sensitive", check=checks.above(0)
+    )
+    top_entropy_quantile: float = setting(
+        1.0,
+        "train only on this top share of completion tokens by entropy, over the step's global batch "
+        "(0.2: the 20% most uncertain 'forking' tokens); < 1 costs one forward pass without gradients per step",
+        resume="sensitive",
+        check=policy_gradient.share_check,
+    )
+    entropy_coef: float = setting(
+        0.0,
+        "entropy bonus: subtracts entropy_coef x the mean token entropy from the loss, against entropy "
+        "collapse (verl's entropy_coeff); 0: off",
+        resume="sensitive",
+        check=checks.non_negative(),
+    )
+    advantage_estimator: str = setting(
+        "grpo",
+        "grpo: reward minus the group mean; rloo: minus the mean of the OTHER completions of the group "
+        "(leave-one-out, unbiased; TRL's RLOO), both then scaled as scale_rewards says",
+        resume="sensitive",
+        check=checks.one_of(policy_gradient.ADVANTAGE_ESTIMATORS),
     )
     scale_rewards: str = setting(
         "group", "advantages divided by the std of the group, of the batch, or none", resume="sensitive"
@@ -66,6 +112,24 @@ class OnlineRLFields:
         "the ratio to the log-probs they were generated with",
         resume="sensitive",
         check=checks.at_least(1),
+    )
+    dynamic_sampling: bool = setting(
+        False,
+        "DAPO's dynamic sampling: groups whose rewards are all equal (no gradient) are set aside and more "
+        "prompts are sampled until the round has enough groups with a reward spread (more generation per step)",
+        resume="sensitive",
+    )
+    max_generation_rounds: int = setting(
+        4,
+        "dynamic_sampling: generation passes per round at most; then set-aside groups fill the batch",
+        resume="sensitive",
+        check=checks.at_least(1),
+    )
+    padding_free: bool = setting(
+        False,
+        "policy passes on packed rows (each micro-batch's prompt + completion sequences end to end, no "
+        "padding): the same log-probabilities, less compute when lengths vary",
+        resume="free",
     )
     mask_truncated_completions: bool = setting(
         False, "completions cut at max_completion_length count for no token of the loss", resume="sensitive"
@@ -94,6 +158,28 @@ class OnlineRLFields:
             self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed
         )
 
+    def generation_passes(self) -> int:
+        """Generation passes a round may make (dynamic sampling's bound, else 1)."""
+        return self.max_generation_rounds if self.dynamic_sampling else 1
+
+    def describe_objective(self) -> str:
+        """The run summary's line for the objective: every option that changes what a step optimises."""
+        parts = [
+            f"{self.loss_type} loss, {self.importance_sampling_level}-level ratio",
+            f"epsilon {self.epsilon}..{self.epsilon_high or self.epsilon}"
+            + (f", delta {self.delta}" if self.delta else ""),
+            f"{self.advantage_estimator} advantages scaled by {self.scale_rewards}",
+            f"beta {self.beta}",
+            f"{self.num_iterations} step(s) per generation round",
+        ]
+        if self.top_entropy_quantile < 1:
+            parts.append(f"top {self.top_entropy_quantile:g} of tokens by entropy trained")
+        if self.entropy_coef:
+            parts.append(f"entropy bonus {self.entropy_coef:g}")
+        if self.dynamic_sampling:
+            parts.append(f"dynamic sampling, {self.max_generation_rounds} generation passes at most")
+        return "; ".join(parts)
+
     def generation_footprint(self) -> tuple[int, int, bool]:
         return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
 
@@ -114,7 +200,7 @@ class OnlineRLFields:
 
     def cross_field_problems(self) -> list[str]:
         problems = policy_gradient.objective_problems(
-            self.beta, self.epsilon, self.epsilon_high, self.loss_type, self.scale_rewards
+            self.beta, self.epsilon, self.epsilon_high, self.scale_rewards, self.delta, self.loss_type
         )
         problems += rollouts.sampling_problems(self.temperature, self.top_p, self.top_k)
         if not 1 <= self.max_completion_length < self.max_length:
