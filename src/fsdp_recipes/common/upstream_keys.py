@@ -57,6 +57,11 @@ IGNORED = {
         "on-policy distillation (TRL GKD's lmbda: a share of batches whose completions the student samples and the "
         "teacher scores) is not implemented; distillation here trains on the data's completions, which is lmbda 0",
     ),
+    "use_vllm": (
+        (False,),
+        "GRPO generates with transformers generate (weights gathered once per pass); a vLLM backend is not wired "
+        "(docs/grpo.md, Generation, says what one needs)",
+    ),
     "seq_kd": (
         (False,),
         "sequence-level KD (TRL GKD's seq_kd: training on completions the teacher generates) is not implemented; "
