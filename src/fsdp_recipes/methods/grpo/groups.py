@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from accelerate.utils import gather_object
 
-ZERO_STD = 1e-8  # a group whose reward standard deviation is below this has nothing to compare
+from fsdp_recipes.methods.grpo.policy_gradient import ZERO_STD
 
 
 @dataclasses.dataclass
@@ -52,11 +52,6 @@ class ScoredSlots:
             torch.cat([part.rewards for part in parts]),
             torch.cat([part.per_function for part in parts]),
         )
-
-    def rank_share(self, rank: int, world_size: int) -> ScoredSlots:
-        """This rank's contiguous equal part (a group may span two ranks)."""
-        per_rank = len(self) // world_size
-        return self.select(list(range(rank * per_rank, (rank + 1) * per_rank)))
 
 
 def gather_scored(

@@ -32,6 +32,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's: a group whose rewards are all equal gets advantage 0, not a division by 0
+ZERO_STD = 1e-8  # a group whose reward standard deviation is below this has nothing to compare
 
 
 def objective_problems(
@@ -103,7 +104,7 @@ def advantages_of(
 
 def zero_std_fraction(rewards: torch.Tensor, num_generations: int) -> float:
     """`frac_reward_zero_std`: the share of groups whose completions all got the same reward (nothing to learn)."""
-    return float((rewards.view(-1, num_generations).std(dim=1) < 1e-8).float().mean())
+    return float((rewards.view(-1, num_generations).std(dim=1) < ZERO_STD).float().mean())
 
 
 def token_log_probs(
