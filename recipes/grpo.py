@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             loss_sum, figures = 0.0, {}
             for part in loop.micro_batches_in_sync(accelerator, model, micro):
-                training.metrics.count_batch(part)
+                training.metrics.count_batch(rollouts.rows_run(part))
                 log_probs, entropy = rollouts.completion_log_probs(model, part, config.temperature)
                 terms = pg.per_token_losses(
                     log_probs, part.get("old_log_probs", log_probs.detach()), part["advantages"],

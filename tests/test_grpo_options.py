@@ -161,6 +161,8 @@ def test_padding_free_passes_give_the_padded_log_probs_and_entropies_from_fewer_
     assert packed["packed_input_ids"].shape[0] < batch["input_ids"].shape[0]
     assert packed["packed_input_ids"].numel() < batch["input_ids"].numel()
     assert len(packed["packed_targets"]) == sum(map(len, completions))
+    batch["real_tokens"] = batch["attention_mask"].sum(dim=1)
+    assert rollouts.rows_run({**batch, **packed})["input_ids"] is packed["packed_input_ids"]  # what metrics count
     padded_values = rollouts.completion_log_probs(model, batch, 0.7)
     packed_values = rollouts.completion_log_probs(model, {**batch, **packed}, 0.7)
     mask = batch["completion_mask"].bool()

@@ -242,6 +242,12 @@ def rollout_batch(
     }
 
 
+def rows_run(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows the policy pass runs on (the packed ones with `padding_free`) and their real tokens: what the
+    throughput and `padding_fraction` figures count."""
+    return {"input_ids": batch.get("packed_input_ids", batch["input_ids"]), "real_tokens": batch["real_tokens"]}
+
+
 def completion_log_probs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
