@@ -85,7 +85,7 @@ class OnlineRLFields:
     top_entropy_quantile: float = setting(
         1.0,
         "train only on this top share of completion tokens by entropy, over the step's global batch "
-        "(0.2: the 20% most uncertain 'forking' tokens); < 1 costs one forward pass without gradients per step",
+        "(0.2: the most uncertain fifth, the 'forking' tokens); < 1 costs one forward pass without gradients per step",
         resume="sensitive",
         check=policy_gradient.share_check,
     )
