@@ -230,6 +230,14 @@ def check_same_shapes(
         )
 
 
+def generation_options(model: torch.nn.Module) -> dict:
+    """What `generate` must be told for this model beyond sampling: a mixture of experts configured to return router
+    logits (for its load-balancing loss) is asked not to while decoding, because transformers (5.24) computes that
+    loss on every cached step from the new token's router logits against the whole attention mask, and fails."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
+
+
 def tied_duplicate_names(
     config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
 ) -> set[str]:

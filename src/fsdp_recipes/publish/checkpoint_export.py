@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers.core_model_loading import revert_weight_conversion
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
@@ -27,7 +28,7 @@ from fsdp_recipes.models.export_dtype import (
     write_config_dtype,
 )
 from fsdp_recipes.models.modeling import meta_model, tied_duplicate_names
-from fsdp_recipes.publish.export import ExportVerificationError, write_model_card
+from fsdp_recipes.publish.export import ExportVerificationError, verify_by_loading, write_model_card
 from fsdp_recipes.train.checkpoint import MODEL_FILES, RUN_INFO, read_progress
 
 SHARDED_MODEL = "pytorch_model_fsdp_0"
@@ -70,18 +71,22 @@ def export_checkpoint(
             checkpoint, output_dir, tensors, recipe_config, task, merged=merged, dtype=weights_dtype
         )
     names = _names_to_save(config, tensors.names(), task)
+    skeleton = meta_model(config, task=task)
 
     output_dir.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(names, tensors.nbytes, max_shard_bytes)
-    weight_map, total = {}, 0
+    weight_map, total, converted = {}, 0, False
     for index, shard in enumerate(shards, start=1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         loaded = cast_floating({name: tensors.load(name).contiguous() for name in shard}, weights_dtype)
-        save_file(loaded, output_dir / file, metadata={"format": "pt"})
-        _check_file(output_dir / file, loaded)
-        weight_map.update(dict.fromkeys(shard, file))
-        total += sum(tensor.nbytes for tensor in loaded.values())
-        del loaded
+        # the checkpoint format transformers writes and reads (MoE experts per expert), as save_pretrained does
+        written = {name: tensor.contiguous() for name, tensor in revert_weight_conversion(skeleton, loaded).items()}
+        converted = converted or written.keys() != loaded.keys()
+        save_file(written, output_dir / file, metadata={"format": "pt"})
+        _check_file(output_dir / file, written)
+        weight_map.update(dict.fromkeys(written, file))
+        total += sum(tensor.nbytes for tensor in written.values())
+        del loaded, written
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (output_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -96,6 +101,9 @@ def export_checkpoint(
     )
     generation_config.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(model_files).save_pretrained(output_dir)
+    if converted:  # names changed on the way out: what loads back must be the checkpoint's tensors
+        pairs = ((name, cast_floating({name: tensors.load(name)}, weights_dtype)[name]) for name in names)
+        verify_by_loading(output_dir, pairs, type(skeleton), dtype=weights_dtype)
     progress = read_progress(checkpoint)
     write_model_card(
         output_dir,

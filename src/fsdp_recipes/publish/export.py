@@ -8,6 +8,7 @@ tokenizer and a model card, then read back and checked tensor by tensor.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,64 @@ def export_model_folder(
         if dtype is not None:
             write_config_dtype(output_dir, dtype)
         tokenizer.save_pretrained(output_dir)
-        verify_saved_weights(output_dir, state_dict)
+        if written_names(output_dir) <= state_dict.keys():
+            verify_saved_weights(output_dir, state_dict)
+        else:  # transformers converted names on the way out (fused MoE experts): compare what loads back
+            verify_by_loading(output_dir, state_dict, type(unwrapped))
         write_model_card(output_dir, **{**card, "task": task})
     accelerator.wait_for_everyone()
     return output_dir if accelerator.is_main_process else None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # only what this save wrote, whatever else the folder holds
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        names = ["model.safetensors"]
+    return [folder / name for name in names if (folder / name).is_file()]
+
+
+def written_names(folder: str | Path) -> set[str]:
+    """The tensor names in the folder's safetensors files (the checkpoint's names, which transformers may have
+    converted from the model's in-memory ones)."""
+    names: set[str] = set()
+    for file in _weight_files(Path(folder)):
+        with safe_open(file, framework="pt") as reader:
+            names.update(reader.keys())
+    return names
+
+
+def verify_by_loading(
+    folder: str | Path,
+    state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    model_class,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """For models whose checkpoint format differs from their in-memory layout (transformers 5 holds a mixture of
+    experts' weights fused, `mlp.experts.gate_up_proj`, and writes and reads them per expert through its weight
+    conversion): the folder loaded back with `from_pretrained` holds every trained tensor (`state_dict`, or its
+    (name, tensor) pairs, which may be produced one at a time), equal in shape, dtype and values. Holds a second copy
+    of the model in host memory while it checks. Returns the number of tensors checked."""
+    pairs = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+    if dtype is None and isinstance(state_dict, Mapping):
+        dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
+    loaded = model_class.from_pretrained(folder, dtype=dtype).state_dict()
+    problems, checked = [], 0
+    for key, expected in pairs:
+        checked += 1
+        got = loaded.get(key)
+        if got is None:
+            problems.append(f"{key}: not in the model loaded back from {folder}")
+        elif got.shape != expected.shape or got.dtype != expected.dtype:
+            problems.append(
+                f"{key}: {tuple(got.shape)} {got.dtype} loaded back, {tuple(expected.shape)} {expected.dtype} saved"
+            )
+        elif not torch.equal(got, expected.cpu()):
+            problems.append(f"{key}: the model loaded back differs from the trained weights")
+    if problems:
+        raise ExportVerificationError("export verification failed (loaded back):\n  " + "\n  ".join(problems))
+    return checked
 
 
 def verify_saved_weights(folder: str | Path, state_dict: dict[str, torch.Tensor]) -> int:
@@ -64,12 +119,7 @@ def verify_saved_weights(folder: str | Path, state_dict: dict[str, torch.Tensor]
     problems, checked = [], 0
     on_disk_keys: set[str] = set()
     on_disk_dtypes: set[torch.dtype] = set()
-    index = Path(folder) / "model.safetensors.index.json"
-    if index.is_file():  # only what this save wrote, whatever else the folder holds
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        names = ["model.safetensors"]
-    files = [Path(folder) / name for name in names if (Path(folder) / name).is_file()]
+    files = _weight_files(Path(folder))
     if not files:
         raise ExportVerificationError(f"no safetensors weights were written to {folder}")
     for file in files:

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
+from fsdp_recipes.models.modeling import generation_options
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
 from fsdp_recipes.train.metrics import MetricsLog
@@ -173,6 +174,7 @@ def exact_match_accuracy(
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
                 synced_gpus=world > 1,
+                **generation_options(model),
             )
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             if not chosen:
@@ -426,6 +428,7 @@ def generation_predict(
             do_sample=False,
             logits_processor=processors,
             synced_gpus=synced_gpus,
+            **generation_options(model),
         )
         texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         return {"predictions": [text.strip() for text in texts], "references": list(batch["reference"])}

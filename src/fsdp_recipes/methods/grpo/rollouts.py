@@ -21,6 +21,7 @@ import torch
 
 from fsdp_recipes.methods.grpo.groups import ScoredSlots
 from fsdp_recipes.methods.grpo.policy_gradient import token_log_probs
+from fsdp_recipes.models.modeling import generation_options
 from fsdp_recipes.train.evaluation import ReproducibleSampling
 
 
@@ -203,6 +204,7 @@ def generate_completions(
                 eos_token_id=eos,
                 synced_gpus=synced_gpus,
                 use_cache=True,
+                **generation_options(model),
             )
             for row in output[:, width:].tolist():
                 ended = eos in row
