@@ -72,7 +72,7 @@ def test_a_saved_moe_is_checked_by_what_loads_back_and_a_changed_expert_is_caugh
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_generation_works_with_router_logits_on(family):
-    from fsdp_recipes.models.modeling import generation_options
+    from fsdp_recipes.models.experts import generation_options
 
     model = tiny_moe(family, output_router_logits=True).eval()
     prompts = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
@@ -115,3 +115,27 @@ def test_an_moe_sft_run_with_router_logits_exports_per_expert_and_fsdp_recipes_e
     offline = AutoModelForCausalLM.from_pretrained(exported).state_dict()
     assert end_of_run.keys() == offline.keys()
     assert all(torch.equal(end_of_run[name], offline[name]) for name in end_of_run)
+
+
+def test_flops_and_the_estimator_count_the_parameters_a_token_runs_through():
+    """MFU's FLOPs per token and the estimator's `parameters_active`: the dense parameters and top-k / experts of the
+    routed experts' (here 2 of 4: half), never the total; a dense model is unchanged."""
+    from transformers import AutoConfig
+
+    from fsdp_recipes.models.experts import ExpertRouting, expert_routing
+    from fsdp_recipes.models.modeling import count_non_embedding_parameters
+    from fsdp_recipes.tools.estimator.shapes import model_info_from_config
+
+    model = tiny_moe("qwen3_moe")
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    assert routed > 0 and expert_routing(model.config) == ExpertRouting(num_experts=4, experts_per_token=2)
+    assert count_non_embedding_parameters(model) == total - routed // 2 - embedding
+    info = model_info_from_config(model.config)
+    assert (info.num_params, info.active_params) == (total, total - routed // 2)
+    dense = AutoConfig.for_model("llama", **COMMON)
+    assert (
+        expert_routing(dense) is None
+        and model_info_from_config(dense).active_params == model_info_from_config(dense).num_params
+    )

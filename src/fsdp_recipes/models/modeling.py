@@ -22,6 +22,7 @@ from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_availa
 
 from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import ConfigError, InputError
+from fsdp_recipes.models import experts
 
 # What a recipe trains: the transformers Auto class that builds it, and the Hub's pipeline tag for its card.
 TASKS = {
@@ -230,14 +231,6 @@ def check_same_shapes(
         )
 
 
-def generation_options(model: torch.nn.Module) -> dict:
-    """What `generate` must be told for this model beyond sampling: a mixture of experts configured to return router
-    logits (for its load-balancing loss) is asked not to while decoding, because transformers (5.24) computes that
-    loss on every cached step from the new token's router logits against the whole attention mask, and fails."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
-
-
 def tied_duplicate_names(
     config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
 ) -> set[str]:
@@ -428,16 +421,19 @@ def checkpoint_activations(model: torch.nn.Module, options: dict | None) -> None
 
 
 def count_non_embedding_parameters(model: torch.nn.Module) -> int:
-    """Parameters minus the input embedding table (a lookup, not a matmul), for FLOPs per token. A linear layer's
-    weight counts as in_features x out_features: a 4-bit (QLoRA) weight is stored packed, two to four weights per
-    element, and counting its elements undercounted a QLoRA run's FLOPs 2.4-fold (docs/gpu.md)."""
+    """Parameters a token runs through, minus the input embedding table (a lookup, not a matmul), for FLOPs per
+    token. A linear layer's weight counts as in_features x out_features: a 4-bit (QLoRA) weight is stored packed, two
+    to four weights per element, and counting its elements undercounted a QLoRA run's FLOPs 2.4-fold (docs/gpu.md).
+    Of a mixture of experts' routed experts only the share a token uses counts (`models.experts`: active, not
+    total, parameters)."""
     embedding = model.get_input_embeddings().weight.numel()
-    total = 0
-    for module in model.modules():
+    sizes = []
+    for path, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             is_linear_weight = isinstance(module, torch.nn.Linear) and name == "weight"
-            total += module.in_features * module.out_features if is_linear_weight else param.numel()
-    return total - embedding
+            size = module.in_features * module.out_features if is_linear_weight else param.numel()
+            sizes.append((f"{path}.{name}" if path else name, size))
+    return experts.active_parameter_count(sizes, experts.expert_routing(model.config)) - embedding
 
 
 def check_tokenizer_fits_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
-from fsdp_recipes.models.modeling import generation_options
+from fsdp_recipes.models.experts import generation_options
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
 from fsdp_recipes.train.metrics import MetricsLog

@@ -21,7 +21,7 @@ import torch
 
 from fsdp_recipes.methods.grpo.groups import ScoredSlots
 from fsdp_recipes.methods.grpo.policy_gradient import token_log_probs
-from fsdp_recipes.models.modeling import generation_options
+from fsdp_recipes.models.experts import generation_options
 from fsdp_recipes.train.evaluation import ReproducibleSampling
 
 

@@ -21,6 +21,9 @@ def estimate_report(est: Estimate, info: ModelInfo, recipe: TrainingConfig) -> d
         "model": est.model,
         "model_type": info.model_type,
         "parameters_total": est.num_params,
+        # a mixture of experts: what a token runs through (top-k of the routed experts), what FLOPs per token count
+        "parameters_active": info.active_params,
+        "experts": dataclasses.asdict(info.routing) if info.routing else None,
         "trainable_parameters": est.trainable_params,  # LoRA: the adapters; null: every parameter
         "topology": {**dataclasses.asdict(layout), "sharding": layout.sharding, "description": layout.describe()},
         "workload": {**dataclasses.asdict(est.workload), "tokens_per_micro_batch": est.workload.tokens},
@@ -45,8 +48,15 @@ def render_report(report: dict[str, Any]) -> str:
     to change when they do not."""
     g, topo, work = report["per_gpu_bytes"], report["topology"], report["workload"]
     ac = topo["activation_checkpointing"]
+    experts = report.get("experts")
+    routed = (
+        f"; mixture of {experts['num_experts']} experts, {experts['experts_per_token']} per token: "
+        f"{report['parameters_active'] / 1e9:.3f}B active"
+        if experts
+        else ""
+    )
     lines = [
-        f"model: {report['model']} ({report['model_type']}, {report['parameters_total'] / 1e9:.3f}B parameters)",
+        f"model: {report['model']} ({report['model_type']}, {report['parameters_total'] / 1e9:.3f}B parameters{routed})",
         f"launch: {topo['description']}",
         f"micro-batch: {work['micro_batch_rows']} x {work['row_length']} tokens, attention "
         f"{work['attn_implementation']}; {report['units']['count']} FSDP units, largest {report['units']['largest']} "

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.models.experts import ExpertRouting, active_parameter_count, expert_routing
 from fsdp_recipes.models.modeling import load_model_config
 
 
@@ -62,10 +63,16 @@ class ModelInfo:
     final_norm_path: str | None
     linear_shapes_in_layers: list[tuple[int, int]]  # (in, out) of every nn.Linear inside the layers (for LoRA)
     linear_names_in_layers: list[str] = field(default_factory=list)  # their module names (q_proj, ...), same order
+    routing: ExpertRouting | None = None  # mixture of experts: experts per layer, experts per token
 
     @property
     def num_params(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token runs through (a mixture of experts: the routed experts' top-k share)."""
+        return active_parameter_count(((p.name, p.numel) for p in self.params), self.routing)
 
 
 def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo:
@@ -163,4 +170,5 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
         final_norm_path=paths.get(id(final_norm)) if final_norm is not None else None,
         linear_shapes_in_layers=linears,
         linear_names_in_layers=[name for name, _ in layer_linears],
+        routing=expert_routing(config),
     )

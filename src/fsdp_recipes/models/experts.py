@@ -1,0 +1,56 @@
+"""Mixture-of-experts models: how many experts a layer has and how many each token uses, read from the config under
+the names the families transformers ships use (Qwen2/3-MoE, OLMoE: num_experts; Mixtral, gpt-oss: num_local_experts;
+DeepSeek-V3: n_routed_experts), and the parameters a token actually runs through (active), which is what FLOPs per
+token (MFU) count. Routed experts' weights are those under an `experts` module (held fused by transformers 5,
+`mlp.experts.gate_up_proj`, or per expert); shared experts (`shared_expert`, `shared_experts`) run for every token and
+count as dense. Also what `generate` needs told for such a model (`generation_options`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+_EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    num_experts: int
+    experts_per_token: int
+
+
+def expert_routing(config) -> ExpertRouting | None:
+    """The routing of a mixture-of-experts config (its text config for multimodal ones); None for a dense model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = next((getattr(text, name) for name in _EXPERT_COUNT_NAMES if getattr(text, name, None)), None)
+    per_token = getattr(text, "num_experts_per_tok", None)
+    if not count or not per_token:
+        return None
+    return ExpertRouting(int(count), int(per_token))
+
+
+def is_routed_expert_parameter(name: str) -> bool:
+    return ".experts." in f".{name}"
+
+
+def active_parameter_count(named_sizes: Iterable[tuple[str, int]], routing: ExpertRouting | None) -> int:
+    """Parameters a token runs through: every dense one, and of the routed experts' the share top-k / experts."""
+    dense = expert = 0
+    for name, size in named_sizes:
+        if routing is not None and is_routed_expert_parameter(name):
+            expert += size
+        else:
+            dense += size
+    if routing is None:
+        return dense
+    return dense + expert * routing.experts_per_token // routing.num_experts
+
+
+def generation_options(model: torch.nn.Module) -> dict:
+    """What `generate` must be told for this model beyond sampling: a mixture of experts configured to return router
+    logits (for its load-balancing loss) is asked not to while decoding, because transformers (5.24) computes that
+    loss on every cached step from the new token's router logits against the whole attention mask, and fails."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
