@@ -157,6 +157,13 @@ def _peft_model(model: torch.nn.Module, config, task: str):
             {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
         )
         message = str(error).strip().splitlines()[0]
+        if "ParamWrapper" in message and "dropout" in message:  # peft 0.21 on fused MoE expert weights
+            raise ConfigError(
+                f"LoRA on this {model.config.model_type} model's experts: peft wraps a mixture of experts' fused "
+                "expert weights (lora.ParamWrapper, what lora_target_modules null, all-linear, includes) only with "
+                "lora_dropout 0. Set lora_dropout: 0, or leave the experts out by naming the modules to adapt in "
+                "lora_target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+            ) from None
         raise ConfigError(
             f"LoRA cannot be applied to this {model.config.model_type} model: {message}. Its linear "
             f"modules are: {', '.join(names)}; set lora_target_modules to some of them (or null for "
