@@ -141,24 +141,26 @@ def test_flops_and_the_estimator_count_the_parameters_a_token_runs_through():
     )
 
 
-def test_lora_on_an_moe_adapts_the_experts_with_dropout_0_and_is_refused_before_loading_otherwise(tmp_path, capsys):
+def test_lora_on_an_moe_adapts_the_experts_with_dropout_0_and_is_refused_before_loading_otherwise(
+    tmp_path, capsys, small_chat_data
+):
     """peft's all-linear wraps the fused expert weights (and the router's gate) of a mixture of experts; its wrapper
-    takes no dropout: refused with the fix before any weights load. With lora_dropout 0 the experts get adapters."""
-    from fsdp_recipes.models import adapters
-    from fsdp_recipes.train.config import TrainingConfig
+    takes no dropout: refused with the fix before any weights load. With lora_dropout 0 the SFT recipe trains
+    adapters on the experts, exports them, and the estimate of the state a rank holds is exact to the byte."""
     from helpers.recipes import recipe_error_in_process
 
-    model = tiny_moe("qwen3_moe")
-    model.save_pretrained(tmp_path / "base")
-    (tmp_path / "data").mkdir()
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")
     values = base_recipe_values(
-        tmp_path / "unused.json", tmp_path / "data", tmp_path / "out", model_config=None,
+        tmp_path / "unused.json", small_chat_data, tmp_path / "out", model_config=None, max_steps=1,
         model_name_or_path=str(tmp_path / "base"), use_peft=True, lora_r=2, lora_dropout=0.05,
     )  # fmt: skip
     error = recipe_error_in_process("sft", tmp_path, values, capsys)
     assert "peft wraps a mixture of experts' fused expert weights" in error and "lora_dropout: 0" in error
     assert not (tmp_path / "out").exists()
-    adapted = adapters.apply(model, TrainingConfig(use_peft=True, lora_r=2, lora_dropout=0.0), task="causal-lm")
-    trained = [name for name, param in adapted.named_parameters() if param.requires_grad]
-    assert any(".experts." in name and "lora_A" in name for name in trained)
-    assert any(".mlp.gate.lora_A" in name for name in trained)  # the router's gate is a linear layer: adapted too
+    run_recipe_in_process("sft", tmp_path, "lora", {**values, "lora_dropout": 0.0})
+    with safe_open(tmp_path / "out" / "adapter_model.safetensors", framework="pt") as reader:
+        names = list(reader.keys())
+    assert any(".experts." in name and "lora_A" in name for name in names)
+    assert any(".mlp.gate.lora_A" in name for name in names)  # the router's gate is a linear layer: adapted too
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]

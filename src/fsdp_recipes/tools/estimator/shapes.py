@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -64,6 +65,7 @@ class ModelInfo:
     linear_shapes_in_layers: list[tuple[int, int]]  # (in, out) of every nn.Linear inside the layers (for LoRA)
     linear_names_in_layers: list[str] = field(default_factory=list)  # their module names (q_proj, ...), same order
     routing: ExpertRouting | None = None  # mixture of experts: experts per layer, experts per token
+    config: Any = None  # the model config it was read from
 
     @property
     def num_params(self) -> int:
@@ -171,4 +173,5 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
         linear_shapes_in_layers=linears,
         linear_names_in_layers=[name for name, _ in layer_linears],
         routing=expert_routing(config),
+        config=config,
     )

@@ -62,6 +62,8 @@ class Adapters:
     dora: bool = False
 
     def adapter_params(self, info: ModelInfo) -> list[Param]:
+        if self.target_modules is None and info.routing is not None and info.config is not None:
+            return self._adapters_peft_makes(info)
         shapes = info.linear_shapes_in_layers
         names = info.linear_names_in_layers or [""] * len(shapes)
         params = []
@@ -72,6 +74,18 @@ class Adapters:
             if self.dora:
                 params.append(Param(f"{index}.magnitude", (fan_out,)))
         return params
+
+    def _adapters_peft_makes(self, info: ModelInfo) -> list[Param]:
+        """What peft's all-linear adds to a mixture of experts, read off peft itself on a weightless copy: besides the
+        linear layers it wraps the fused expert weights, with shapes of its own choosing (gate_up_proj gets twice the
+        rank), so they are not re-derived here."""
+        from peft import LoraConfig, get_peft_model
+
+        from fsdp_recipes.models.modeling import meta_model
+
+        options = dict(r=self.rank, target_modules="all-linear", lora_dropout=0.0, use_dora=self.dora)
+        adapted = get_peft_model(meta_model(info.config), LoraConfig(**options))
+        return [Param(name, tuple(param.shape)) for name, param in adapted.named_parameters() if param.requires_grad]
 
 
 def adapters_for(config: TrainingConfig, compute_bytes: int) -> Adapters | None:
