@@ -104,6 +104,9 @@ def test_an_moe_sft_run_with_router_logits_exports_per_expert_and_fsdp_recipes_e
         tokenizer_name_or_path=str(TOKENIZER),
     )  # fmt: skip
     run_recipe_in_process("sft", tmp_path, "moe", values)
+    moe = json.loads((out / "run_summary.json").read_text())["mixture_of_experts"]
+    assert (moe["num_experts"], moe["experts_per_token"]) == (4, 2)
+    assert moe["router_aux_loss"].startswith("asked for by the model config") and "not added" in moe["router_aux_loss"]
     results = json.loads((out / "eval_results.json").read_text())
     assert {"exact_match_before", "exact_match_after"} <= results.keys()  # generation ran, before and after
     with safe_open(out / "model.safetensors", framework="pt") as reader:

@@ -54,3 +54,21 @@ def generation_options(model: torch.nn.Module) -> dict:
     loss on every cached step from the new token's router logits against the whole attention mask, and fails."""
     config = getattr(getattr(model, "module", model), "config", None)
     return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
+
+
+def describe_experts(config) -> dict | None:
+    """The run summary's `mixture_of_experts` entry (None for a dense model), saying what happens to the router's
+    load-balancing loss: the recipes compute their losses without the model's own `loss`, so it is not added."""
+    routing = expert_routing(config)
+    if routing is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    asked = bool(getattr(text, "output_router_logits", False)) and bool(getattr(text, "router_aux_loss_coef", 0))
+    return {
+        "num_experts": routing.num_experts,
+        "experts_per_token": routing.experts_per_token,
+        "router_aux_loss": "asked for by the model config (output_router_logits, router_aux_loss_coef) but not added "
+        "to the objective yet: docs/moe.md"
+        if asked
+        else "off (the model config's output_router_logits is false)",
+    }

@@ -19,7 +19,7 @@ from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
-from fsdp_recipes.models import adapter_export, adapters
+from fsdp_recipes.models import adapter_export, adapters, experts
 from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters, load_model
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
@@ -172,6 +172,9 @@ class Run(StartedRun):
 
         adapters.register_generate_as_forward(model)
         self.summary = describe_run(accelerator, model, self.wrap_classes)
+        moe = experts.describe_experts(accelerator.unwrap_model(model).config)
+        if moe is not None:
+            self.summary["mixture_of_experts"] = moe
         rows = None if per_rank_stream else len(getattr(train_loader, "dataset", None) or [])
         if rows is not None and rows < self.global_batch_rows:  # allowed by repeat_small_dataset (else refused)
             self.summary["repeated_data"] = (
