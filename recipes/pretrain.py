@@ -21,7 +21,7 @@ from fsdp_recipes.distributed import collectives
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import loop, losses
+from fsdp_recipes.train import loop, losses, router_balance
 
 
 @dataclasses.dataclass
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             packing_strategy=config.packing_strategy,
             eval_rows=len(eval_rows or []),
             loss=token_loss.description,
+            **router_balance.summary(model.config),
         ),
     )
 
@@ -183,14 +184,20 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
+        balance = router_balance.for_step(accelerator, model, micro_batches, token_loss.router_logits_of)  # MoE
         loss_sum = 0.0
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = token_loss.loss_sum(model, batch)
-            accelerator.backward(loss * scale)
+            objective = loss * scale
+            if balance is not None:  # the router's load-balancing loss, over the global batch
+                real = router_balance.real_token_mask(batch)
+                objective = objective + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+            accelerator.backward(objective)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
+        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, **aux)
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from helpers.paths import TOKENIZER
-from helpers.recipes import base_recipe_values, run_recipe_in_process
+from helpers.recipes import base_recipe_values, read_metrics, run_recipe_in_process
 
 COMMON = dict(
     vocab_size=103, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -104,9 +104,12 @@ def test_an_moe_sft_run_with_router_logits_exports_per_expert_and_fsdp_recipes_e
         tokenizer_name_or_path=str(TOKENIZER),
     )  # fmt: skip
     run_recipe_in_process("sft", tmp_path, "moe", values)
-    moe = json.loads((out / "run_summary.json").read_text())["mixture_of_experts"]
-    assert (moe["num_experts"], moe["experts_per_token"]) == (4, 2)
-    assert moe["router_aux_loss"].startswith("asked for by the model config") and "not added" in moe["router_aux_loss"]
+    summary = json.loads((out / "run_summary.json").read_text())
+    moe = summary["mixture_of_experts"]
+    assert (moe["num_experts"], moe["experts_per_token"]) == (4, 2) and "router_aux_loss" not in moe
+    assert summary["router_aux_loss"].startswith("added: 0.001 x aux")  # qwen3_moe's default coefficient
+    steps = [record for record in read_metrics(out) if "loss" in record and "eval_loss" not in record]
+    assert steps and all(record["aux_loss"] > 0 for record in steps)
     results = json.loads((out / "eval_results.json").read_text())
     assert {"exact_match_before", "exact_match_after"} <= results.keys()  # generation ran, before and after
     with safe_open(out / "model.safetensors", framework="pt") as reader:
@@ -167,3 +170,77 @@ def test_lora_on_an_moe_adapts_the_experts_with_dropout_0_and_is_refused_before_
     assert any(".mlp.gate.lora_A" in name for name in names)  # the router's gate is a linear layer: adapted too
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]
+
+
+def test_the_router_balance_is_transformers_aux_loss_over_the_global_batch_whatever_its_split():
+    """`train.router_balance`: over one batch without padding its aux is transformers' own load_balancing_loss_func;
+    split into micro-batches (padded differently), the summed loss shares give the same value and the same gradient
+    as the whole batch, so ranks and gradient accumulation do not change it."""
+    from accelerate import Accelerator
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from fsdp_recipes.train import router_balance
+
+    model = tiny_moe("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 103, (4, 6))
+
+    def router_logits_of(model, batch):
+        return model(input_ids=batch["input_ids"], use_cache=False).router_logits
+
+    def rows(index, width):  # right-padded to `width`, as collate_rows pads
+        padded = torch.zeros(len(index), width, dtype=torch.long)
+        padded[:, :6] = ids[index]
+        return {"input_ids": padded, "real_tokens": torch.full((len(index),), 6)}
+
+    whole, split = [rows([0, 1, 2, 3], 6)], [rows([0, 1], 9), rows([2, 3], 7)]
+    accelerator = Accelerator(cpu=True)
+    one = router_balance.for_step(accelerator, model, whole, router_logits_of)
+    two = router_balance.for_step(accelerator, model, split, router_logits_of)
+    expected = load_balancing_loss_func(router_logits_of(model, whole[0]), 4, 2)
+    assert one.aux_loss == pytest.approx(float(expected), rel=1e-5) and two.aux_loss == pytest.approx(one.aux_loss)
+
+    def gradient(balance, batches):
+        model.zero_grad()
+        for batch in batches:
+            real = router_balance.real_token_mask(batch)
+            balance.loss_share(router_logits_of(model, batch), real).backward()
+        return model.model.layers[0].mlp.gate.weight.grad.clone()
+
+    with torch.no_grad():
+        for balance, batches in ((one, whole), (two, split)):
+            shares = [
+                balance.loss_share(router_logits_of(model, b), router_balance.real_token_mask(b)) for b in batches
+            ]
+            assert float(sum(shares)) == pytest.approx(0.5 * one.aux_loss, rel=1e-5)  # coefficient x aux
+    torch.testing.assert_close(gradient(two, split), gradient(one, whole), rtol=1e-5, atol=1e-8)
+    assert gradient(one, whole).abs().sum() > 0
+    assert router_balance.for_step(accelerator, tiny_moe("qwen3_moe"), whole, router_logits_of) is None  # not asked
+    from fsdp_recipes.models.experts import describe_experts
+
+    assert "not added to this recipe's objective yet" in describe_experts(model.config)["router_aux_loss"]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_an_moe_with_its_router_balance_as_one_process(tmp_path, small_chat_data):
+    """FSDP2 on 2 processes against one process with the same global batch: losses and the router's aux loss
+    (taken over the global batch, so the split does not change it) agree to float tolerance."""
+    from helpers.launch import run_launched
+    from helpers.paths import SFT
+
+    config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
+    (tmp_path / "moe.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.1}))
+    common = dict(max_steps=3, logging_steps=1, exact_match_eval_samples=0, eval_steps=1000)
+    values = base_recipe_values(
+        tmp_path / "moe.json", small_chat_data, tmp_path / "two", per_device_train_batch_size=2, **common
+    )
+    run_launched(SFT, tmp_path, "two", values)
+    one = {**values, "output_dir": str(tmp_path / "one"), "per_device_train_batch_size": 4}
+    run_recipe_in_process("sft", tmp_path, "one", one)
+    twos, ones = (
+        [record for record in read_metrics(tmp_path / run) if "aux_loss" in record] for run in ("two", "one")
+    )  # fmt: skip
+    assert [r["step"] for r in twos] == [r["step"] for r in ones] == [1, 2, 3]
+    for two, single in zip(twos, ones):
+        assert two["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert two["aux_loss"] == pytest.approx(single["aux_loss"], rel=1e-5)

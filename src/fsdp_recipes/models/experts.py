@@ -58,7 +58,8 @@ def generation_options(model: torch.nn.Module) -> dict:
 
 def describe_experts(config) -> dict | None:
     """The run summary's `mixture_of_experts` entry (None for a dense model), saying what happens to the router's
-    load-balancing loss: the recipes compute their losses without the model's own `loss`, so it is not added."""
+    load-balancing loss: the recipes compute their losses without the model's own `loss`, so a recipe that does not
+    add it itself (`train.router_balance`) leaves it out."""
     routing = expert_routing(config)
     if routing is None:
         return None
@@ -68,7 +69,7 @@ def describe_experts(config) -> dict | None:
         "num_experts": routing.num_experts,
         "experts_per_token": routing.experts_per_token,
         "router_aux_loss": "asked for by the model config (output_router_logits, router_aux_loss_coef) but not added "
-        "to the objective yet: docs/moe.md"
+        "to this recipe's objective yet (sft and pretrain add it): docs/moe.md"
         if asked
         else "off (the model config's output_router_logits is false)",
     }

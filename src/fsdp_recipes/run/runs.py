@@ -174,6 +174,8 @@ class Run(StartedRun):
         self.summary = describe_run(accelerator, model, self.wrap_classes)
         moe = experts.describe_experts(accelerator.unwrap_model(model).config)
         if moe is not None:
+            if "router_aux_loss" in (summary or {}):  # the recipe adds it (train/router_balance.py) and says how
+                del moe["router_aux_loss"]
             self.summary["mixture_of_experts"] = moe
         rows = None if per_rank_stream else len(getattr(train_loader, "dataset", None) or [])
         if rows is not None and rows < self.global_batch_rows:  # allowed by repeat_small_dataset (else refused)

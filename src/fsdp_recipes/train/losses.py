@@ -186,6 +186,7 @@ class TokenLoss:
         self.model_type = type(model).__name__
         self.chunk_size = chunk_size
         self._targets = self._returned = None
+        self.router_logits = None  # a mixture of experts with output_router_logits: the last forward's, per layer
         reason = _logits_transform(model.config) if implementation != "full_logits" else None
         self.implementation = "full_logits" if reason else implementation
         if reason:
@@ -207,16 +208,23 @@ class TokenLoss:
         inputs = model_inputs(model, batch)
         targets = batch["targets"].reshape(inputs["input_ids"].shape)
         if self.implementation == "full_logits":
-            logits = model(**inputs).logits
+            output = model(**inputs)
+            logits, self.router_logits = output.logits, getattr(output, "router_logits", None)
             return F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
             ).reshape(batch["targets"].shape)
         self._targets = targets
         try:
-            losses = self._check_untouched(model(**inputs).logits)
+            output = model(**inputs)
+            losses, self.router_logits = self._check_untouched(output.logits), getattr(output, "router_logits", None)
         finally:
             self._targets = None
         return losses.reshape(batch["targets"].shape)
+
+    def router_logits_of(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The forward of `token_losses`, for its router logits (`train.router_balance`'s pass before the step)."""
+        self.token_losses(model, batch)
+        return self.router_logits
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of per-token cross-entropy over the batch's targets."""

@@ -1,0 +1,106 @@
+"""The router's load-balancing loss of a mixture of experts, over the GLOBAL batch.
+
+transformers adds `router_aux_loss_coef` x aux to a model's own loss when `output_router_logits` is on (Switch /
+Mixtral form): aux = E x sum_i f_i P_i, f_i the share of (layer, token, top-k slot) assignments routed to expert i,
+P_i the mean router probability of expert i, both over the tokens and layers of the batch, E the number of experts.
+The recipes compute their losses without the model's `loss`, so the term is added here, taken over the optimizer
+step's global batch rather than each micro-batch: a micro-batch's aux would change with the split into ranks and
+micro-batches. f carries no gradient, so with the global f known, aux is linear in each micro-batch's summed router
+probabilities; f comes from a forward pass without gradients over the step's micro-batches before the first backward
+(its cost: one more forward per step, only for models whose config asks for the loss). Same model config fields as
+transformers and TRL (`output_router_logits`, `router_aux_loss_coef`); logged as `aux_loss` (aux, before the
+coefficient)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_recipes.models.experts import expert_routing
+
+
+@dataclass
+class RouterBalance:
+    coefficient: float
+    shares: torch.Tensor  # [experts] f: the global batch's assignments per expert / (layers x real tokens)
+    assignments: float  # layers x real tokens of the global batch
+    aux_loss: float  # E x sum f P over the global batch (logged)
+
+    def loss_share(self, router_logits: tuple[torch.Tensor, ...], real: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's part of coefficient x aux (its router probabilities carry the gradient): summed over
+        micro-batches and ranks, it is coefficient x aux."""
+        experts = self.shares.numel()
+        summed = router_probability_sums(router_logits, real)
+        return self.coefficient * experts * (self.shares.to(summed.device) * summed).sum() / self.assignments
+
+
+def requested(config) -> float:
+    """The coefficient when the model config asks for the loss (a mixture of experts with `output_router_logits` and
+    `router_aux_loss_coef` > 0), else 0."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if expert_routing(config) is None or not getattr(text, "output_router_logits", False):
+        return 0.0
+    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def summary(config) -> dict[str, str]:
+    """The run summary's `router_aux_loss` line for a recipe that adds the loss (none when the model does not ask)."""
+    coefficient = requested(config)
+    if not coefficient:
+        return {}
+    return {
+        "router_aux_loss": f"added: {coefficient:g} x aux over each step's global batch (one more forward without "
+        "gradients per step), logged as aux_loss"
+    }
+
+
+def real_token_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[rows x width] True on the tokens that are not padding (rows are right-padded to `real_tokens`)."""
+    input_ids = batch["input_ids"]
+    if "real_tokens" not in batch:
+        return torch.ones(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
+    width = input_ids.shape[-1]
+    positions = torch.arange(width, device=input_ids.device)
+    return (positions.unsqueeze(0) < batch["real_tokens"].to(input_ids.device).unsqueeze(1)).flatten()
+
+
+def router_probability_sums(router_logits: tuple[torch.Tensor, ...], real: torch.Tensor) -> torch.Tensor:
+    """[experts] each expert's router probability summed over the real tokens of every layer (fp32)."""
+    return sum(torch.softmax(logits.float(), dim=-1)[real].sum(dim=0) for logits in router_logits)
+
+
+def router_assignment_counts(router_logits: tuple[torch.Tensor, ...], real: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[experts] how many (layer, real token, top-k slot) assignments each expert got."""
+    experts = router_logits[0].shape[-1]
+    counts = torch.zeros(experts, dtype=torch.float64, device=router_logits[0].device)
+    for logits in router_logits:
+        chosen = torch.topk(logits[real].float(), top_k, dim=-1).indices
+        counts += torch.bincount(chosen.flatten(), minlength=experts).double()
+    return counts
+
+
+def for_step(accelerator, model, micro_batches, forward) -> RouterBalance | None:
+    """Collective (every rank, every step): the step's RouterBalance, or None when the model does not ask for the
+    loss. `forward(model, batch)` runs the recipe's own forward and returns the router logits (one tensor [tokens,
+    experts] per layer); it runs here without gradients."""
+    config = accelerator.unwrap_model(model).config
+    coefficient = requested(config)
+    if not coefficient:
+        return None
+    routing = expert_routing(config)
+    totals = torch.zeros(2 * routing.num_experts + 1, dtype=torch.float64, device=accelerator.device)
+    with torch.no_grad():
+        for batch in micro_batches:
+            router_logits = forward(model, batch)
+            real = real_token_mask(batch)
+            totals[: routing.num_experts] += router_assignment_counts(router_logits, real, routing.experts_per_token)
+            totals[routing.num_experts : -1] += router_probability_sums(router_logits, real).double()
+            totals[-1] += float(real.sum()) * len(router_logits)
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals, reduction="sum")
+    assignments = max(float(totals[-1]), 1.0)
+    shares = (totals[: routing.num_experts] / assignments).float()
+    probabilities = totals[routing.num_experts : -1] / assignments
+    aux = float(routing.num_experts * (shares.double() * probabilities).sum())
+    return RouterBalance(coefficient, shares, assignments, aux)
