@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             packing_strategy=config.packing_strategy,
             eval_rows=len(eval_rows or []),
             loss=token_loss.description,
-            **router_balance.summary(model.config),
+            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
     )
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             eval_rows=len(eval_rows or []),
             data=data.train_stats,
             loss=token_loss.description,
-            **router_balance.summary(model.config),
+            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
     )
 
