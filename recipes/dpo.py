@@ -21,7 +21,7 @@ from fsdp_recipes.data import files, rows
 from fsdp_recipes.methods.preference import objectives, paired, reference
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, loop, losses
+from fsdp_recipes.train import evaluation, loop, losses, router_balance
 
 
 @dataclasses.dataclass
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             eval_pairs=len(eval_pairs or []),
             data=train_stats,
             loss=f"{objective.description}; token log-probs: {token_loss.description}",
+            **router_balance.summary(accelerator.unwrap_model(model).config),
             reference=f"{references['train'].description}, for {', '.join(needing)}"
             if (needing := objectives.needs_reference(config.loss_type))
             else f"none: loss_type {config.loss_type} needs no reference model and no precompute pass",
@@ -205,16 +206,24 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)
+        balance = router_balance.for_step(accelerator, model, micro_batches, token_loss.router_logits_of)  # MoE
         loss_sum, figures = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             result, policy_chosen, policy_rejected = pair_losses(model, batch, references["train"])
-            accelerator.backward(result.loss.sum() * scale)
+            scaled = result.loss.sum() * scale
+            if balance is not None:  # the router's load-balancing loss over the global batch (the policy's forward)
+                real = router_balance.real_token_mask(batch)
+                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+            accelerator.backward(scaled)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             for name, value in objectives.pair_figures(result, policy_chosen, policy_rejected).items():
                 figures[name] = figures.get(name, 0.0) + value.sum().detach()
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        training.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
+        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
+        training.metrics.log_step(
+            step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures, **aux
+        )
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> None:
         loss_sum = 0.0
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = token_loss.loss_sum(model, batch)
-            objective = loss * scale
+            scaled = loss * scale
             if balance is not None:  # the router's load-balancing loss, over the global batch
                 real = router_balance.real_token_mask(batch)
-                objective = objective + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
-            accelerator.backward(objective)
+                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+            accelerator.backward(scaled)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
