@@ -21,7 +21,7 @@ from fsdp_recipes.data import files, rows
 from fsdp_recipes.methods.preference import kto, reference, unpaired
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import loop, losses
+from fsdp_recipes.train import loop, losses, router_balance
 
 
 @dataclasses.dataclass
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             eval_examples=len(eval_examples or []),
             data=train_stats,
             loss=f"{objective.description}; token log-probs: {token_loss.description}",
+            **router_balance.summary(accelerator.unwrap_model(model).config),
             reference=references["train"].description,
         ),
         checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)} if tables else None,
@@ -161,20 +162,28 @@ def main(argv: list[str] | None = None) -> None:
                     policy_kl = losses.sequence_log_probs(token_loss.token_losses(model, kto.kl_rows(batch)))
                     kl_sum += (policy_kl - reference_kl).sum().item()
         kl = kto.kl_estimate(run.sum_over_ranks(kl_sum), examples) if objective.uses_kl else 0.0
+        examples_only = [kto.example_rows(batch) for batch in micro_batches]  # MoE: the router balance's rows
+        balance = router_balance.for_step(accelerator, model, examples_only, token_loss.router_logits_of)
         loss_sum, figures = 0.0, {}
         synced = loop.micro_batches_in_sync(accelerator, model, micro_batches)
         for batch, (reference_values_of_examples, _) in zip(synced, reference_values):
-            policy = losses.sequence_log_probs(token_loss.token_losses(model, kto.example_rows(batch)))
+            example_batch = kto.example_rows(batch)
+            policy = losses.sequence_log_probs(token_loss.token_losses(model, example_batch))
             result = objective(policy, reference_values_of_examples, batch["label"], kl)
-            accelerator.backward(result.loss.sum() * scale)
+            scaled = result.loss.sum() * scale
+            if balance is not None:  # the router's load-balancing loss over the global batch (the examples' rows)
+                real = router_balance.real_token_mask(example_batch)
+                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+            accelerator.backward(scaled)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             sums = kto.figure_sums(result, policy, batch["label"], examples=examples, desirable=desirable)
             for name, value in sums.items():
                 figures[name] = figures.get(name, 0.0) + value
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
+        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
         training.metrics.log_step(
-            step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, sums=figures, kl=kl
+            step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, sums=figures, kl=kl, **aux
         )
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)

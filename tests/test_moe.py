@@ -246,9 +246,10 @@ def test_two_ranks_train_an_moe_with_its_router_balance_as_one_process(tmp_path,
         assert two["aux_loss"] == pytest.approx(single["aux_loss"], rel=1e-5)
 
 
-def test_dpo_on_an_moe_adds_the_router_balance_and_logs_it(tmp_path, preference_data):
-    """DPO's policy forward feeds the router's load-balancing loss (the reference's forward does not), logged as
-    aux_loss, with the run summary saying so."""
+@pytest.mark.parametrize("recipe", ["dpo", "kto"])
+def test_preference_tuning_an_moe_adds_the_router_balance_and_logs_it(tmp_path, preference_data, recipe):
+    """The policy's forward feeds the router's load-balancing loss (the reference's does not; KTO: the examples' rows,
+    not the KL estimate's), logged as aux_loss, with the run summary saying so."""
     from transformers import AutoTokenizer
 
     tiny_moe("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1).save_pretrained(tmp_path / "base")
@@ -257,7 +258,7 @@ def test_dpo_on_an_moe_adds_the_router_balance_and_logs_it(tmp_path, preference_
         tmp_path / "unused.json", preference_data, tmp_path / "out", model_config=None, max_steps=2,
         model_name_or_path=str(tmp_path / "base"), per_device_train_batch_size=4, eval_steps=1000, beta=0.1,
     )  # fmt: skip
-    run_recipe_in_process("dpo", tmp_path, "dpo", values)
+    run_recipe_in_process(recipe, tmp_path, recipe, values)
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["router_aux_loss"].startswith("added: 0.1 x aux")
     steps = [record for record in read_metrics(tmp_path / "out") if "aux_loss" in record]

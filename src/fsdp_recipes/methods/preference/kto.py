@@ -44,13 +44,17 @@ def configuration_problems(loss_type: str, beta: float, desirable_weight: float,
 def example_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The first half of a KTO batch's rows: each example's prompt with its own completion."""
     count = batch["pair_index"].numel()
-    return {name: batch[name][:count] for name in ("input_ids", "position_ids", "targets")}
+    return {
+        name: batch[name][:count] for name in ("input_ids", "position_ids", "targets", "real_tokens") if name in batch
+    }
 
 
 def kl_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The second half: each example's prompt with its partner's completion (the KL estimate's rows)."""
     count = batch["pair_index"].numel()
-    return {name: batch[name][count:] for name in ("input_ids", "position_ids", "targets")}
+    return {
+        name: batch[name][count:] for name in ("input_ids", "position_ids", "targets", "real_tokens") if name in batch
+    }
 
 
 def kl_estimate(kl_sum: float, count: float) -> float:
