@@ -56,6 +56,15 @@ def generation_options(model: torch.nn.Module) -> dict:
     return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
 
 
+def router_aux_loss_coefficient(config) -> float:
+    """The load-balancing loss's coefficient when the model config asks for the loss (a mixture of experts with
+    `output_router_logits` and `router_aux_loss_coef` > 0, transformers' and TRL's switches), else 0."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if expert_routing(config) is None or not getattr(text, "output_router_logits", False):
+        return 0.0
+    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def describe_experts(config) -> dict | None:
     """The run summary's `mixture_of_experts` entry (None for a dense model), saying what happens to the router's
     load-balancing loss: the recipes compute their losses without the model's own `loss`, so a recipe that does not
@@ -63,8 +72,7 @@ def describe_experts(config) -> dict | None:
     routing = expert_routing(config)
     if routing is None:
         return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    asked = bool(getattr(text, "output_router_logits", False)) and bool(getattr(text, "router_aux_loss_coef", 0))
+    asked = router_aux_loss_coefficient(config) > 0
     return {
         "num_experts": routing.num_experts,
         "experts_per_token": routing.experts_per_token,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_recipes.models.experts import expert_routing
+from fsdp_recipes.models.experts import expert_routing, router_aux_loss_coefficient
 
 
 @dataclass
@@ -35,18 +35,9 @@ class RouterBalance:
         return self.coefficient * experts * (self.shares.to(summed.device) * summed).sum() / self.assignments
 
 
-def requested(config) -> float:
-    """The coefficient when the model config asks for the loss (a mixture of experts with `output_router_logits` and
-    `router_aux_loss_coef` > 0), else 0."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if expert_routing(config) is None or not getattr(text, "output_router_logits", False):
-        return 0.0
-    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
-
-
 def summary(config) -> dict[str, str]:
     """The run summary's `router_aux_loss` line for a recipe that adds the loss (none when the model does not ask)."""
-    coefficient = requested(config)
+    coefficient = router_aux_loss_coefficient(config)
     if not coefficient:
         return {}
     return {
@@ -85,7 +76,7 @@ def for_step(accelerator, model, micro_batches, forward) -> RouterBalance | None
     loss. `forward(model, batch)` runs the recipe's own forward and returns the router logits (one tensor [tokens,
     experts] per layer); it runs here without gradients."""
     config = accelerator.unwrap_model(model).config
-    coefficient = requested(config)
+    coefficient = router_aux_loss_coefficient(config)
     if not coefficient:
         return None
     routing = expert_routing(config)

@@ -19,8 +19,14 @@ from collections.abc import Iterator
 
 import torch
 
+from fsdp_recipes.methods.grpo import padding_free
 from fsdp_recipes.methods.grpo.groups import ScoredSlots
-from fsdp_recipes.methods.grpo.policy_gradient import token_log_probs
+from fsdp_recipes.methods.grpo.policy_gradient import (
+    advantages_of,
+    entropy_threshold,
+    token_log_probs,
+    zero_std_fraction,
+)
 from fsdp_recipes.models.experts import generation_options
 from fsdp_recipes.train.evaluation import ReproducibleSampling
 
@@ -257,8 +263,6 @@ def completion_log_probs(
     [rows, completion width] (fp32; values at padding are meaningless: weight them by the mask). From the packed
     layout when the batch has one (`padding_free`)."""
     if "packed_input_ids" in batch:
-        from fsdp_recipes.methods.grpo import padding_free
-
         return padding_free.completion_log_probs(model, batch, temperature)
     completion_width = batch["completion_ids"].shape[1]
     logits = model(
@@ -290,8 +294,6 @@ def values_before_step(
     step, when `top_entropy_quantile` < 1, `entropy_mask`: the completion tokens whose entropy under the current
     policy is in that top share of the step's GLOBAL batch (every rank and micro-batch: one threshold, whatever the
     split; it costs this forward pass without gradients)."""
-    from fsdp_recipes.methods.grpo.policy_gradient import entropy_threshold
-
     entropies = []
     for part in micro_batches:
         if (first_of_round and keep_old_log_probs) or top_entropy_quantile < 1:
@@ -353,9 +355,6 @@ def assemble_round(
     completion of the whole batch, so a row does not depend on the split; `padding_free` adds their packed layout),
     the global count of loss tokens, the round's figures under TRL's names (over every generated completion), and
     this rank's slots with their advantages. No collective: the inputs are global."""
-    from fsdp_recipes.methods.grpo import padding_free as packing
-    from fsdp_recipes.methods.grpo.policy_gradient import advantages_of, zero_std_fraction
-
     advantages = advantages_of(chosen.rewards, num_generations, scale_rewards, advantage_estimator)
     masks = [0 if t and mask_truncated_completions else 1 for t in chosen.truncated]
     global_tokens = float(sum(len(c) * m for c, m in zip(chosen.completion_ids, masks)))
@@ -378,7 +377,9 @@ def assemble_round(
     for start in range(0, per_rank, rows_per_micro_batch):
         part = {key: value[start : start + rows_per_micro_batch] for key, value in batch.items()}
         if padding_free:
-            part.update(packing.packed_rows(part, row_width=prompt_width + completion_width, pad_token_id=pad_token_id))
+            part.update(
+                padding_free.packed_rows(part, row_width=prompt_width + completion_width, pad_token_id=pad_token_id)
+            )
         micro_batches.append({key: value.to(device) for key, value in part.items()})
     lengths = torch.tensor([len(c) for c in generated.completion_ids], dtype=torch.float)
     scored = (~generated.per_function.isnan()).sum(dim=0).clamp(min=1)
