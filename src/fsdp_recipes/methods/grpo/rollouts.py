@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fsdp_recipes.methods.grpo import padding_free
+from fsdp_recipes.methods.grpo import padding_free as packing
 from fsdp_recipes.methods.grpo.groups import ScoredSlots
 from fsdp_recipes.methods.grpo.policy_gradient import (
     advantages_of,
@@ -263,7 +263,7 @@ def completion_log_probs(
     [rows, completion width] (fp32; values at padding are meaningless: weight them by the mask). From the packed
     layout when the batch has one (`padding_free`)."""
     if "packed_input_ids" in batch:
-        return padding_free.completion_log_probs(model, batch, temperature)
+        return packing.completion_log_probs(model, batch, temperature)
     completion_width = batch["completion_ids"].shape[1]
     logits = model(
         input_ids=batch["input_ids"],
@@ -377,9 +377,7 @@ def assemble_round(
     for start in range(0, per_rank, rows_per_micro_batch):
         part = {key: value[start : start + rows_per_micro_batch] for key, value in batch.items()}
         if padding_free:
-            part.update(
-                padding_free.packed_rows(part, row_width=prompt_width + completion_width, pad_token_id=pad_token_id)
-            )
+            part.update(packing.packed_rows(part, row_width=prompt_width + completion_width, pad_token_id=pad_token_id))
         micro_batches.append({key: value.to(device) for key, value in part.items()})
     lengths = torch.tensor([len(c) for c in generated.completion_ids], dtype=torch.float)
     scored = (~generated.per_function.isnan()).sum(dim=0).clamp(min=1)
