@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     train_loader = rows.train_dataloader(
         train_rows,
         config,
-        num_processes=accelerator.num_processes,
+        num_processes=run.data_parallel_size,
         pad_token_id=tokenizer.pad_token_id,
         collate_fn=collator,
     )

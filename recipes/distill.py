@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer), main_process_first=True)
     train_rows, eval_rows = data.train_rows, data.eval_rows
     train_loader = rows.train_dataloader(
-        train_rows, config, num_processes=accelerator.num_processes, pad_token_id=tokenizer.pad_token_id
+        train_rows, config, num_processes=run.data_parallel_size, pad_token_id=tokenizer.pad_token_id
     )
 
     # --- the student, the frozen teacher, optimizer, schedule --------------------------------------------------------
@@ -111,13 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    teacher_model = modeling.load_model(
-        teacher_config,
-        model_name_or_path=config.teacher_model_name_or_path,
-        attn_implementation=run.attn_implementation,
-        trust_remote_code=config.trust_remote_code,
-        dtype=compute_dtype,
-    )
+    teacher_model = run.load_model_from(teacher_config, config.teacher_model_name_or_path, dtype=compute_dtype)
     teacher = distillation.TeacherHidden(teacher_model)
     distill_loss = distillation.DistillationLoss(
         model,

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     train_loader = rows.train_dataloader(
         train_pairs,
         config,
-        num_processes=accelerator.num_processes,
+        num_processes=run.data_parallel_size,
         pad_token_id=tokenizer.pad_token_id,
         collate_fn=collate,
         unit="pairs",
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             scaled = result.loss.sum() * scale
             if balance is not None:  # the router's load-balancing loss over the global batch (the policy's forward)
                 real = router_balance.real_token_mask(batch)
-                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
             accelerator.backward(scaled)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             for name, value in objectives.pair_figures(result, policy_chosen, policy_rejected).items():

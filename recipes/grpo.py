@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     config = arguments.parse_config(GRPOConfig, argv)
     run = run_lib.start(config, name="grpo")
     accelerator, tokenizer = run.accelerator, run.tokenizer
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = run.data_parallel_size, run.data_parallel_rank  # the ranks of a TP group share their slots
     completions_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * world
 
     # --- rewards and prompts, before any weights ---------------------------------------------------------------------

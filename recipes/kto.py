@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     train_loader = rows.train_dataloader(
         train_examples,
         config,
-        num_processes=accelerator.num_processes,
+        num_processes=run.data_parallel_size,
         pad_token_id=tokenizer.pad_token_id,
         collate_fn=collate,
         unit="examples",
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             scaled = result.loss.sum() * scale
             if balance is not None:  # the router's load-balancing loss over the global batch (the examples' rows)
                 real = router_balance.real_token_mask(example_batch)
-                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
             accelerator.backward(scaled)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             sums = kto.figure_sums(result, policy, batch["label"], examples=examples, desirable=desirable)

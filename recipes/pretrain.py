@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             scaled = loss * scale
             if balance is not None:  # the router's load-balancing loss, over the global batch
                 real = router_balance.real_token_mask(batch)
-                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
             accelerator.backward(scaled)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer), main_process_first=True)
     train_rows, eval_rows = data.train_rows, data.eval_rows
     train_loader = rows.train_dataloader(
-        train_rows, config, num_processes=accelerator.num_processes, pad_token_id=tokenizer.pad_token_id
+        train_rows, config, num_processes=run.data_parallel_size, pad_token_id=tokenizer.pad_token_id
     )
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             scaled = loss * scale
             if balance is not None:  # the router's load-balancing loss, over the global batch
                 real = router_balance.real_token_mask(batch)
-                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * accelerator.num_processes
+                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
             accelerator.backward(scaled)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, GPT2Config, LlamaConfig, Qwen2Config
 
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.models.modeling import resolve_attn_implementation
+from fsdp_recipes.models.attention import resolve_attn_implementation
 
 VOCAB = 96
 SHAPE = dict(

@@ -1,9 +1,10 @@
-"""Tensor and context parallelism in an Accelerate config's parallelism_config: refused with the reason, by
-`fsdp-recipes validate-config` and by a recipe at start-up (every rank, before any weights load), because they do not
-run on the pinned versions (docs/parallelism.md). All in this process: no launch.
+"""Tensor and context parallelism in an Accelerate config's parallelism_config, checked by `fsdp-recipes
+validate-config` and by a recipe at start-up (every rank, before any weights load): TP layouts are read (sizes named,
+what the transformers route cannot honour refused with the reason, the model's sizes checked), CP is refused
+(docs/parallelism.md). All in this process: the TP runs themselves are in tests/test_tensor_parallel.py.
 
-The last test checks that the reason still holds: when accelerate or transformers change so that it no longer does, it
-fails and says to revisit fsdp_recipes.distributed.parallel_dims."""
+The last test checks why accelerate's own TP preparation is bypassed: when it stops importing the class transformers
+removed, it fails and says to revisit fsdp_recipes.distributed.tensor_parallel."""
 
 from __future__ import annotations
 
@@ -44,30 +45,71 @@ def errors_of(findings) -> dict[str, str]:
     return {f.key: f.message for f in findings if f.severity == ERROR}
 
 
-def test_fsdp_times_tp_is_refused_with_the_reason_and_nothing_else(tmp_path, capsys):
+def test_fsdp_times_tp_is_a_layout_that_runs_and_the_shipped_tp_configs_lint_clean(tmp_path, capsys):
     path = config_with(tmp_path, "fsdp2_tp2.yaml", 4, dp_replicate=1, dp_shard=2, tp=2, cp=1)
+    assert errors_of(lint_config_file(path)) == {}
+    for name in ("tp_2proc_cpu.yaml", "fsdp2_tp2_4proc_cpu.yaml", "tp8_fsdp_2x8gpu.yaml", "tp8_hsdp_4x8gpu.yaml"):
+        assert cli.main(["validate-config", str(CONFIG_DIR / name)]) == 0, capsys.readouterr().out
+        assert check_launch_environment(exported_environment(CONFIG_DIR / name)) == []
+
+
+@pytest.mark.parametrize(
+    "fsdp_change, named",
+    [
+        ({"fsdp_offload_params": True}, "fsdp_offload_params"),
+        ({"fsdp_activation_checkpointing": True}, "gradient_checkpointing: true"),
+        ({"fsdp_reshard_after_forward": False}, "SHARD_GRAD_OP"),
+        ({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}, "fsdp_plan"),
+        ({"fsdp_version": 1}, "fsdp_version: 2"),
+    ],
+)
+def test_what_the_tp_route_cannot_honour_is_refused_with_its_fix(tmp_path, fsdp_change, named):
+    raw = yaml.safe_load((CONFIG_DIR / "fsdp2_tp2_4proc_cpu.yaml").read_text())
+    raw["fsdp_config"].update(fsdp_change)
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(raw))
     errors = errors_of(lint_config_file(path))
-    assert list(errors) == [TP_KEY]  # the sizes multiply to the 4 processes: only TP itself is refused
-    assert "ReplicateParallel" in errors[TP_KEY] and "parallelism_config_tp_size: 1" in errors[TP_KEY]
-    assert cli.main(["validate-config", str(path)]) == 1
-    assert "tensor parallelism does not run" in capsys.readouterr().out
+    assert named in errors.get(TP_KEY, "") + errors.get("fsdp_config.fsdp_version", "") + str(errors), errors
 
 
-def test_the_estimator_and_the_catalog_refuse_tp_and_cp_layouts_with_the_same_reason(tmp_path):
-    hsdp_tp = config_with(tmp_path, "hsdp_tp.yaml", 8, dp_replicate=2, dp_shard=2, tp=2, cp=1)
-    with pytest.raises(ConfigError, match="tp_size 2: tensor parallelism does not run"):
-        LaunchLayout.from_file(hsdp_tp)  # not "dp_replicate_size 2 x dp_shard_size 2 != num_processes 8"
+def test_fp16_under_tp_is_refused():
+    environment = exported_environment(CONFIG_DIR / "fsdp2_tp2_4proc_cpu.yaml") | {"ACCELERATE_MIXED_PRECISION": "fp16"}
+    assert "use bf16" in errors_of(lint_launch_environment(environment))[TP_KEY]
+
+
+def test_the_estimator_and_the_catalog_read_tp_layouts_and_refuse_cp(tmp_path):
+    hsdp_tp = LaunchLayout.from_file(config_with(tmp_path, "hsdp_tp.yaml", 8, dp_replicate=2, dp_shard=2, tp=2, cp=1))
+    assert (hsdp_tp.tp_size, hsdp_tp.shard_size, hsdp_tp.data_parallel_size, hsdp_tp.hsdp_replicate) == (2, 2, 4, 2)
+    assert "2 replicas x 2 shards) x TP 2" in hsdp_tp.describe()
+    with pytest.raises(ConfigError, match=r"dp_replicate_size 2 x dp_shard_size 2 x tp_size 2 != num_processes 16"):
+        LaunchLayout.from_file(config_with(tmp_path, "bad.yaml", 16, dp_replicate=2, dp_shard=2, tp=2, cp=1))
     with pytest.raises(ConfigError, match=r"context parallelism \(cp_size 8\) is not supported"):
         LaunchLayout.from_file(config_with(tmp_path, "cp8.yaml", 8, dp_shard=1, cp=8))
-    assert (
-        LaunchLayout.from_file(config_with(tmp_path, "hsdp.yaml", 4, dp_replicate=2, dp_shard=2, tp=1)).shard_size == 2
-    )
+    assert LaunchLayout.from_file(CONFIG_DIR / "tp8_fsdp_2x8gpu.yaml").shard_size == 2
 
 
 def test_sizes_that_do_not_multiply_to_the_processes_name_every_dimension(tmp_path):
     path = config_with(tmp_path, "tp_wrong.yaml", 8, dp_replicate=1, dp_shard=2, tp=2, cp=1)
     message = errors_of(lint_config_file(path))["parallelism_config"]
     assert "dp_shard 2 x tp 2 = 4 processes, but the launch has 8" in message
+    assert "parallelism_config_tp_size = 8" in message
+
+
+def test_a_model_tp_cannot_split_is_named_with_its_numbers(tmp_path, tokenizer):
+    from transformers import AutoConfig, GPT2Config, LlamaForCausalLM
+
+    from fsdp_recipes.distributed.tensor_parallel import TensorParallelLayout, model_problems
+    from fsdp_recipes.models.modeling import model_class_for
+    from helpers.data import write_tiny_model_config
+
+    config = AutoConfig.from_pretrained(write_tiny_model_config(tmp_path / "c.json", tokenizer, vocab_size=104))
+    assert model_class_for(config, "causal-lm") is LlamaForCausalLM
+    assert model_problems(TensorParallelLayout(1, 1, 2), config, LlamaForCausalLM) == []
+    (problem,) = model_problems(TensorParallelLayout(1, 1, 3), config, LlamaForCausalLM)
+    assert "tp_size 3 does not divide Llama's num_attention_heads 4, num_key_value_heads 2" in problem
+    assert "intermediate_size 128, vocab_size 104:" in problem
+    no_plan = model_problems(TensorParallelLayout(1, 1, 2), GPT2Config(), model_class_for(GPT2Config(), "causal-lm"))
+    assert len(no_plan) == 1 and "has no tensor-parallel plan" in no_plan[0], no_plan
 
 
 def test_context_parallelism_needs_cuda_on_this_machine_and_is_not_wired_anywhere(tmp_path):
@@ -87,7 +129,11 @@ def test_context_parallelism_needs_cuda_on_this_machine_and_is_not_wired_anywher
 @pytest.mark.parametrize(
     "sizes, expected",
     [
-        ({"TP": "2"}, "error: the Accelerate config: parallelism_config.parallelism_config_tp_size: tp_size 2"),
+        (
+            {"TP": "2", "DP_SHARD": "1"},
+            "error: the Accelerate config: parallelism_config.parallelism_config_tp_size: tensor parallelism runs with "
+            "FSDP2 around it",
+        ),
         (
             {"CP": "2"},
             "error: the Accelerate config: parallelism_config.parallelism_config_cp_size: context "
@@ -95,7 +141,7 @@ def test_context_parallelism_needs_cuda_on_this_machine_and_is_not_wired_anywher
         ),
     ],
 )
-def test_sft_refuses_tp_and_cp_before_loading(
+def test_sft_refuses_tp_without_fsdp2_and_cp_before_loading(
     sizes, expected, tmp_path, tiny_model_config, chat_data, capsys, monkeypatch
 ):
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -108,9 +154,10 @@ def test_sft_refuses_tp_and_cp_before_loading(
     assert not (tmp_path / "out").exists()
 
 
-def test_the_reason_for_refusing_tensor_parallelism_still_holds():
-    """accelerate's FSDP2 + TP preparation imports a class transformers no longer has. If this fails, the pinned
-    versions changed: rerun benchmarks/tensor_parallel_probe.py and revisit fsdp_recipes.distributed.parallel_dims."""
+def test_the_reason_for_bypassing_accelerates_tensor_parallelism_still_holds():
+    """accelerate's FSDP2 + TP preparation imports a class transformers no longer has, so TP goes through
+    transformers' DistributedConfig and accelerate wraps nothing. If this fails, the pinned versions changed: revisit
+    fsdp_recipes.distributed.tensor_parallel (docs/parallelism.md)."""
     from accelerate import Accelerator
 
     assert "from transformers.integrations.tensor_parallel import ReplicateParallel" in inspect.getsource(

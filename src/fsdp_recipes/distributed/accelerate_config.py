@@ -100,6 +100,7 @@ class LaunchLayout:
     min_num_params: int = DEFAULT_MIN_NUM_PARAMS
     prefetch: bool = True  # FSDP1's backward prefetch (FSDP2 always prefetches)
     state_dict_type: str = "SHARDED_STATE_DICT"
+    tp_size: int = 1  # tensor parallelism: ranks splitting each layer (transformers' DistributedConfig route)
 
     @classmethod
     def data_parallel(cls, world_size: int, num_machines: int = 1, mixed_precision: str = "no") -> LaunchLayout:
@@ -124,25 +125,34 @@ class LaunchLayout:
         return max(1, self.world_size // max(1, self.num_machines))
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each see a distinct batch: the world size over the tensor-parallel size."""
+        return self.world_size // self.tp_size
+
+    @property
     def hsdp_replicate(self) -> int | None:
         """Copies of the model under HSDP (world size / shard size); None when every rank shares one copy."""
-        return self.world_size // self.shard_size if self.is_fsdp and 1 < self.shard_size < self.world_size else None
+        return (
+            self.data_parallel_size // self.shard_size
+            if self.is_fsdp and 1 < self.shard_size < self.data_parallel_size
+            else None
+        )
 
     @property
     def sharding(self) -> str:
-        if not self.is_fsdp or self.shard_size == 1 and self.world_size > 1:
+        if not self.is_fsdp or self.shard_size == 1 and self.data_parallel_size > 1:
             return "NO_SHARD"
         kind = "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
-        if self.shard_size < self.world_size:
+        if self.shard_size < self.data_parallel_size:
             return "HSDP" if self.reshard_after_forward else "HSDP_SHARD_GRAD_OP"
         return kind
 
     @property
     def fsdp1_strategy(self) -> str:
         """The layout as FSDP1's fsdp_sharding_strategy."""
-        if self.shard_size == 1 and self.world_size > 1:
+        if self.shard_size == 1 and self.data_parallel_size > 1:
             return "NO_SHARD"
-        if self.shard_size < self.world_size:
+        if self.shard_size < self.data_parallel_size:
             return "HYBRID_SHARD" if self.reshard_after_forward else "_HYBRID_SHARD_ZERO2"
         return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
 
@@ -156,8 +166,10 @@ class LaunchLayout:
         if self.distributed_type == "MULTI_GPU":
             return f"{self.world_size} processes, DDP (NO_SHARD), {self.mixed_precision}"
         parts = [f"{self.world_size} processes", f"FSDP{self.fsdp_version} {self.sharding}"]
-        if self.shard_size < self.world_size:
-            parts[-1] += f" ({self.world_size // self.shard_size} replicas x {self.shard_size} shards)"
+        if self.shard_size < self.data_parallel_size:
+            parts[-1] += f" ({self.data_parallel_size // self.shard_size} replicas x {self.shard_size} shards)"
+        if self.tp_size > 1:
+            parts[-1] += f" x TP {self.tp_size}"
         parts.append(self.mixed_precision if self.mixed_precision != "no" else "fp32")
         if self.cpu_offload:
             parts.append("CPU offload")
@@ -214,20 +226,18 @@ class LaunchLayout:
         parallelism = {
             k.removeprefix("parallelism_config_"): v for k, v in (raw.get("parallelism_config") or {}).items()
         }
-        for problem in (
-            parallel_dims.tensor_parallel_problem(int(parallelism.get("tp_size", 1) or 1)),
-            parallel_dims.context_parallel_problem(int(parallelism.get("cp_size", 1) or 1), has_cuda=None),
-        ):
-            if problem:  # a layout that cannot run here is not one to estimate or list
-                raise ConfigError(f"parallelism_config in {where}: {problem}")
+        problem = parallel_dims.context_parallel_problem(int(parallelism.get("cp_size", 1) or 1), has_cuda=None)
+        if problem:  # a layout that cannot run here is not one to estimate or list
+            raise ConfigError(f"parallelism_config in {where}: {problem}")
         replicate = int(parallelism.get("dp_replicate_size", 1) or 1)
-        if replicate > 1:
+        tp = int(parallelism.get("tp_size", 1) or 1)
+        if replicate > 1 or tp > 1:
             shard = int(parallelism.get("dp_shard_size", -1) or -1)
-            shard = world // replicate if shard in (-1, 0) else shard
-            if shard * replicate != world:
+            shard = world // (replicate * tp) if shard in (-1, 0) else shard
+            if shard * replicate * tp != world:
                 raise ConfigError(
-                    f"parallelism_config in {where}: dp_replicate_size {replicate} x dp_shard_size {shard} != "
-                    f"num_processes {world}"
+                    f"parallelism_config in {where}: dp_replicate_size {replicate} x dp_shard_size {shard} x "
+                    f"tp_size {tp} != num_processes {world}"
                 )
             shard_size = shard
         # FSDP1 saves full state dicts unless told otherwise, FSDP2 sharded ones (the plugin's defaults).
@@ -253,6 +263,7 @@ class LaunchLayout:
             min_num_params=int(float(fsdp.get("fsdp_min_num_params", DEFAULT_MIN_NUM_PARAMS))),
             prefetch=version == 2 or str(fsdp.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper() != "NO_PREFETCH",
             state_dict_type=str(state_dict_type).upper(),
+            tp_size=tp,
         )
 
     @classmethod

@@ -24,6 +24,7 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, gather_object
 
 from fsdp_recipes.common.errors import DistributedSetupError
+from fsdp_recipes.distributed import tensor_parallel
 
 T = TypeVar("T")
 
@@ -47,7 +48,17 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
     Keyword arguments go to `Accelerator` (mixed precision, FSDP settings and the like come from the launcher's
     environment, i.e. from the Accelerate YAML, and should not be passed here).
     """
-    if fsdp_requested() and not has_accelerator_device():
+    layout = tensor_parallel.requested()
+    if layout is not None:
+        # transformers shards the model itself; accelerate must not build its own TP ParallelismConfig (whose
+        # preparation is broken on the pinned versions): the variable is hidden and a data-parallel mesh attached.
+        with _environment_without("ACCELERATE_USE_PARALLELISM_CONFIG"):
+            if has_accelerator_device():
+                accelerator = Accelerator(**accelerator_kwargs)
+            else:
+                accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
+        tensor_parallel.attach_data_parallel_mesh(accelerator, layout)
+    elif fsdp_requested() and not has_accelerator_device():
         accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
     elif launched_world_size() > 1 and not has_accelerator_device():
         # A DDP (MULTI_GPU, i.e. NO_SHARD) launch rehearsed on CPU: accelerate's MULTI_CPU joins the processes over

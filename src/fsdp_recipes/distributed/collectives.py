@@ -13,10 +13,19 @@ from accelerate.utils import gather_object
 
 from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import PeerRankFailed, UserError
+from fsdp_recipes.distributed import tensor_parallel
 
 T = TypeVar("T")
 
-__all__ = ["PeerRankFailed", "on_every_rank_together", "sum_over_ranks", "values_of_all_ranks"]
+__all__ = [
+    "PeerRankFailed",
+    "gather_for_metrics",
+    "gather_lists",
+    "gather_tensors",
+    "on_every_rank_together",
+    "sum_over_ranks",
+    "values_of_all_ranks",
+]
 
 
 def on_every_rank_together(
@@ -61,9 +70,13 @@ def _report(failure: Exception) -> tuple[str, str]:
 
 
 def sum_over_ranks(accelerator: Accelerator, value: float | int) -> float:
-    """Collective: the sum of `value` over all ranks (float64, so token counts stay exact)."""
+    """Collective: the sum of `value` over the data-parallel ranks (float64, so token counts stay exact). Under
+    tensor parallelism every rank of a TP group holds the same batch and so the same value: the sum over all ranks
+    divided by the TP size counts each token once."""
     tensor = torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
-    return float(accelerator.reduce(tensor, reduction="sum")) if accelerator.num_processes > 1 else float(tensor)
+    if accelerator.num_processes == 1:
+        return float(tensor)
+    return float(accelerator.reduce(tensor, reduction="sum")) / tensor_parallel.tensor_parallel_size(accelerator)
 
 
 def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
@@ -72,3 +85,39 @@ def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
         return [float(value)]
     gathered = accelerator.gather(torch.tensor([float(value)], dtype=torch.float64, device=accelerator.device))
     return [float(v) for v in gathered]
+
+
+# Under tensor parallelism every rank of a TP group holds the same batch and so the same values: the gathers below
+# keep one copy per data-parallel rank (the first rank of each group), in data-parallel rank order.
+def gather_lists(accelerator: Accelerator, values: list) -> list:
+    """Collective: every data-parallel rank's `values`, concatenated in rank order, on every rank."""
+    if accelerator.num_processes == 1:
+        return list(values)
+    tp = tensor_parallel.tensor_parallel_size(accelerator)
+    if tp == 1:
+        return gather_object(list(values))
+    per_rank = gather_object([list(values)])
+    return [value for rank, part in enumerate(per_rank) if rank % tp == 0 for value in part]
+
+
+def gather_tensors(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """Collective: every data-parallel rank's `tensor` (the same shape on every rank), concatenated along dim 0."""
+    if accelerator.num_processes == 1:
+        return tensor
+    gathered = accelerator.gather(tensor)
+    tp = tensor_parallel.tensor_parallel_size(accelerator)
+    if tp == 1:
+        return gathered
+    return gathered.reshape(accelerator.num_processes, *tensor.shape)[::tp].flatten(0, 1)
+
+
+def gather_for_metrics(accelerator: Accelerator, value, *, use_gather_object: bool = False):
+    """`accelerator.gather_for_metrics` (one copy of every example of a prepared loader's batch, the copies padding
+    an uneven last batch dropped) that also counts a TP group's shared batch once."""
+    if tensor_parallel.tensor_parallel_size(accelerator) == 1:
+        return accelerator.gather_for_metrics(value, use_gather_object=use_gather_object)
+    data = gather_lists(accelerator, list(value)) if use_gather_object else gather_tensors(accelerator, value)
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:
+        data = data[: state.remainder]
+    return data

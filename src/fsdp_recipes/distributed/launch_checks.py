@@ -21,7 +21,7 @@ from pathlib import Path
 from unittest import mock
 
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.distributed import parallel_dims
+from fsdp_recipes.distributed import parallel_dims, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
 ERROR, WARNING = "error", "warning"
@@ -252,7 +252,8 @@ def lint_launch_environment(
 ) -> list[Finding]:
     """Checks on what the launcher exported. `local_device_count`: accelerators on this node, if any; `has_cuda`:
     whether this machine has CUDA (None: not known, the file checked offline)."""
-    findings = [Finding(ERROR, key, problem) for key, problem in parallel_dims.problems(environ, has_cuda).items()]
+    refused = parallel_dims.problems(environ, has_cuda) | tensor_parallel.problems(environ)
+    findings = [Finding(ERROR, key, problem) for key, problem in refused.items()]
     world_size = int(environ.get("WORLD_SIZE", "1"))
     if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         findings += _lint_fsdp_environment(environ)
@@ -271,11 +272,14 @@ def lint_launch_environment(
                     ERROR,
                     "parallelism_config",
                     f"{shown} = {product} processes, but the launch has {world_size}: make "
-                    f"parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size = {world_size} "
-                    "(num_processes is the global count over all nodes)",
+                    f"parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size x "
+                    f"parallelism_config_tp_size = {world_size} (num_processes is the global count over all nodes)",
                 )
             )
-        elif sizes["dp_shard"] * sizes["cp"] == 1 and environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        elif (
+            sizes["dp_shard"] * sizes["cp"] * sizes["tp"] == 1
+            and environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        ):
             findings.append(
                 Finding(
                     ERROR,

@@ -1,17 +1,10 @@
 """Dimensions past data parallelism in an Accelerate config's `parallelism_config` (tensor parallelism `tp_size`,
-context parallelism `cp_size`), and why a launch that asks for them is refused on the pinned versions.
+context parallelism `cp_size`): what a launch that asks for them may do, checked at start-up on every rank before any
+weights load and by `fsdp-recipes validate-config`.
 
-Accelerate describes an N-D mesh with `ParallelismConfig(dp_replicate_size, dp_shard_size, tp_size, cp_size)`.
-The data-parallel dimensions (FSDP, HSDP) run here. Tensor and context parallelism do not, for reasons found by
-running them (docs/parallelism.md, benchmarks/tensor_parallel_probe.py) rather than assumed, so a launch asking for
-either stops at start-up, on every rank, before any weights load, instead of training something other than what the
-config says:
-
-- TP with FSDP2 (accelerate 1.15, transformers 5.24 here and 5.17 on the GPU machine): `Accelerator.prepare` imports
-  `transformers.integrations.tensor_parallel.ReplicateParallel`, which transformers 5.x no longer has, as soon as the
-  model holds a DTensor parameter; and transformers 5.24's `from_pretrained(tp_plan="auto", device_mesh=mesh["tp"])`
-  ignores the mesh and shards over every process (tp_size defaults to WORLD_SIZE), so on a 2 x 2 mesh the model comes
-  up TP 4. TP without FSDP on CPU: accelerate refuses a ParallelismConfig under MULTI_CPU.
+- TP runs through transformers' own N-D engine (fsdp_recipes.distributed.tensor_parallel), not accelerate's TP
+  preparation, which on the pinned accelerate 1.15 imports a class transformers 5 removed (docs/parallelism.md); the
+  Accelerate settings that route cannot honour are refused with the reason.
 - CP: torch's `context_parallel` has no sharding rule for the CPU attention kernel, so it needs CUDA; and the recipes
   do not yet shard batches along the sequence (the seam is `context_parallel_problem`).
 """
@@ -22,14 +15,6 @@ from collections.abc import Mapping
 
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 DOCS = "docs/parallelism.md"
-
-TENSOR_PARALLEL_BLOCKED = (
-    "tensor parallelism does not run with the pinned accelerate 1.15 and transformers 5.x: accelerate's prepare under "
-    "FSDP2 imports transformers.integrations.tensor_parallel.ReplicateParallel, which transformers 5.x removed, and "
-    "transformers 5.24's from_pretrained(tp_plan='auto') shards over all processes instead of the mesh's tp dimension "
-    f"({DOCS}). Set parallelism_config_tp_size: 1 and shard with FSDP alone (HSDP across nodes: "
-    "accelerate_configs/hsdp_2x8gpu.yaml)"
-)
 
 
 def sizes_from_environment(environ: Mapping[str, str]) -> dict[str, int]:
@@ -60,13 +45,8 @@ def context_parallel_problem(cp_size: int, *, has_cuda: bool | None) -> str | No
     return f"context parallelism (cp_size {cp_size}) is not supported: {not_wired}. Set parallelism_config_cp_size: 1"
 
 
-def tensor_parallel_problem(tp_size: int) -> str | None:
-    """Why tp_size cannot run with the pinned versions; None for tp_size 1."""
-    return None if tp_size <= 1 else f"tp_size {tp_size}: {TENSOR_PARALLEL_BLOCKED}"
-
-
 def problems(environ: Mapping[str, str], has_cuda: bool | None = None) -> dict[str, str]:
-    """{Accelerate config key: why it cannot run} for the dimensions the launch environment asks for."""
-    sizes = sizes_from_environment(environ)
-    found = {"tp": tensor_parallel_problem(sizes["tp"]), "cp": context_parallel_problem(sizes["cp"], has_cuda=has_cuda)}
-    return {f"parallelism_config.parallelism_config_{name}_size": problem for name, problem in found.items() if problem}
+    """{Accelerate config key: why it cannot run} for context parallelism (the TP route's own refusals:
+    fsdp_recipes.distributed.tensor_parallel.problems)."""
+    cp = context_parallel_problem(sizes_from_environment(environ)["cp"], has_cuda=has_cuda)
+    return {"parallelism_config.parallelism_config_cp_size": cp} if cp else {}

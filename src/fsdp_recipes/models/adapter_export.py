@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.models import adapters
 
 MERGED_FOLDER = "merged"
@@ -111,7 +112,8 @@ def write_adapter_folder(unwrapped, state: dict[str, torch.Tensor], folder: Path
     from safetensors.torch import load_file
 
     expected = get_peft_model_state_dict(unwrapped, state_dict=dict(state))
-    unwrapped.save_pretrained(folder, state_dict=dict(state), safe_serialization=True)
+    with tensor_parallel.saved_as_one_model(unwrapped):
+        unwrapped.save_pretrained(folder, state_dict=dict(state), safe_serialization=True)
     on_disk = load_file(folder / "adapter_model.safetensors")
     problems = [f"{key}: missing from the file" for key in sorted(expected.keys() - on_disk.keys())]
     problems += [f"{key}: not in the trained adapter" for key in sorted(on_disk.keys() - expected.keys())]

@@ -4,7 +4,6 @@ resolved against the real model before any weights are read."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -18,7 +17,6 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
-from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import ConfigError, InputError
@@ -35,6 +33,22 @@ def auto_model_class(task: str):
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; one of {sorted(TASKS)}")
     return TASKS[task][0]
+
+
+def model_class_for(config: PretrainedConfig, task: str):
+    """The transformers class `task`'s auto class builds for `config`; None for a type it does not map (remote
+    code)."""
+    try:
+        return auto_model_class(task)._model_mapping[type(config)]
+    except KeyError:
+        return None
+
+
+def checkpoint_lacks_task_weights(config: PretrainedConfig, task: str) -> bool:
+    """Whether a checkpoint of `config` lacks weights the task's model has: a classification head on a checkpoint
+    saved by another architecture (a causal LM), which loading initialises anew."""
+    architectures = getattr(config, "architectures", None) or []
+    return task == "sequence-classification" and not any(a.endswith("ForSequenceClassification") for a in architectures)
 
 
 def pipeline_tag(task: str) -> str:
@@ -258,13 +272,17 @@ def load_model(
     quantization_config=None,
     device=None,
     ignore_mismatched_sizes: bool = False,
+    distributed_config=None,
 ) -> torch.nn.Module:
     """Weights in fp32 by default: FSDP's mixed-precision policy (from the Accelerate YAML) casts for compute and keeps
     fp32 master weights (a frozen LoRA base is loaded in its compute dtype instead: fsdp_recipes.models.adapters). Create the
     Accelerator first, so that low-RAM loading under FSDP can see the process group. `quantization_config` (QLoRA)
     quantises while loading, on `device`. `ignore_mismatched_sizes`: weights of another shape than `config` gives them
-    (a classifier's head for other classes) are initialised anew instead of refused."""
+    (a classifier's head for other classes) are initialised anew instead of refused. `distributed_config`
+    (tensor parallelism: fsdp_recipes.distributed.tensor_parallel) has transformers shard the model while loading."""
     model_class = auto_model_class(task)
+    if model_name_or_path is None and distributed_config is not None:
+        raise ValueError("a model sharded while loading needs weights to load: save the initialised model first")
     if model_name_or_path is None:
         return model_class.from_config(
             config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, dtype=dtype
@@ -283,101 +301,10 @@ def load_model(
         dtype=dtype,
         **quantized,
         **({"ignore_mismatched_sizes": True} if ignore_mismatched_sizes else {}),
+        **({"distributed_config": distributed_config} if distributed_config is not None else {}),
     )
 
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-# name -> (module, transformers' usability check, what it needs, how to install it)
-_FLASH = {
-    "flash_attention_2": (
-        "flash_attn",
-        is_flash_attn_2_available,
-        "flash-attn 2.3.3 or newer",
-        "pip install flash-attn --no-build-isolation",
-    ),
-    "flash_attention_3": (
-        "flash_attn_interface",
-        is_flash_attn_3_available,
-        "the flash-attn-3 build",
-        "build it from flash-attention's hopper/ folder",
-    ),
-}
-
-
-def resolve_attn_implementation(
-    model_config: PretrainedConfig, requested: str | None, *, task: str = "causal-lm", trust_remote_code: bool = False
-) -> tuple[str, str]:
-    """(the attention implementation to pass to from_pretrained / from_config, a line for the run summary).
-
-    None means auto: sdpa where the model class supports it, else eager, as transformers itself falls back. An
-    explicit implementation that cannot run here is a ConfigError, raised before any weights load. The check is
-    transformers' own, made by building the model on the meta device (no memory, a fraction of a second)."""
-    if requested is not None and requested not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(
-            f"attn_implementation {requested!r} is not one this recipe can use: choose one of "
-            f"{', '.join(ATTN_IMPLEMENTATIONS)}, or leave it unset to choose automatically."
-        )
-    if requested in _FLASH:
-        _check_flash_attention(requested)
-    try:
-        model = meta_model(model_config, task=task, attn_implementation=requested, trust_remote_code=trust_remote_code)
-    except (ValueError, ImportError) as error:  # what transformers raises for an implementation it cannot use
-        if requested is None:
-            raise
-        model = meta_model(model_config, task=task, trust_remote_code=trust_remote_code)
-        supported = _supported_attn_implementations(model)
-        if requested in supported:  # supported by the class, refused for another reason: transformers says which
-            raise ConfigError(
-                f"attn_implementation {requested!r} cannot be used here: {' '.join(str(error).split())}. Choose "
-                "another, or leave attn_implementation unset to choose automatically."
-            ) from None
-        raise ConfigError(
-            f"attn_implementation {requested!r}: {type(model).__name__} does not support it (it supports "
-            f"{', '.join(supported)}). Choose one of those, or leave attn_implementation unset to choose "
-            "automatically."
-        ) from None
-    chosen = model.config._attn_implementation
-    name = type(model).__name__
-    if requested is not None:
-        return chosen, f"{chosen} (requested)"
-    if chosen == "sdpa":
-        return chosen, f"sdpa (auto: {name} supports it)"
-    return chosen, f"{chosen} (auto: {name} does not support sdpa)"
-
-
-def _supported_attn_implementations(model: torch.nn.Module) -> list[str]:
-    flags = {
-        "sdpa": "_supports_sdpa",
-        "flex_attention": "_supports_flex_attn",
-        "flash_attention_2": "_supports_flash_attn",
-        "flash_attention_3": "_supports_flash_attn",
-    }
-    return ["eager"] + [name for name, flag in flags.items() if getattr(model, flag, False)]
-
-
-def _check_flash_attention(name: str) -> None:
-    """Checked here rather than left to transformers, which without the package may fetch a kernel from the Hub
-    instead, and which only finds a missing GPU once the weights have loaded."""
-    package, available, requirement, install = _FLASH[name]
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"attn_implementation {name} needs a CUDA GPU, and this machine has none visible. Use sdpa here (or "
-            "leave attn_implementation unset to choose automatically)."
-        )
-    if importlib.util.find_spec(package) is None:
-        raise ConfigError(
-            f"attn_implementation {name} needs the {package} package, which is not installed: {install}, or use "
-            "sdpa (or leave attn_implementation unset to choose automatically)."
-        )
-    if not available():
-        raise ConfigError(
-            f"attn_implementation {name} needs {requirement}, and transformers cannot use the installed {package}: "
-            f"reinstall it ({install}), or use sdpa."
-        )
-
-
-# Architectures whose attention ignores position_ids, so packed examples would attend to each other whatever the
-# implementation: OPT builds its causal mask without them, Bloom's ALiBi bias is computed from the row.
 _PACKING_NOT_ISOLATED = {
     "opt": "OPT builds its causal mask without position_ids",
     "bloom": "Bloom's ALiBi bias ignores position_ids",

@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
+from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.models.export_dtype import cast_floating, write_config_dtype
 from fsdp_recipes.models.modeling import auto_model_class, pipeline_tag, tied_duplicate_names
 
@@ -48,7 +49,8 @@ def export_model_folder(
         if dtype is not None:
             state_dict = cast_floating(state_dict, dtype)
         # A shallow copy: save_pretrained pops entries as it writes them, and verification needs them all.
-        unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)
+        with tensor_parallel.saved_as_one_model(unwrapped):
+            unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)
         if dtype is not None:
             write_config_dtype(output_dir, dtype)
         tokenizer.save_pretrained(output_dir)

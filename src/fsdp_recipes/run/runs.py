@@ -16,12 +16,17 @@ from torch.utils.data import DataLoader
 from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
-from fsdp_recipes.distributed import logs
+from fsdp_recipes.distributed import logs, tensor_parallel
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
 from fsdp_recipes.models import adapter_export, adapters, experts
 from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
-from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters, load_model
+from fsdp_recipes.models.modeling import (
+    activation_checkpointing_mechanism,
+    checkpoint_lacks_task_weights,
+    count_non_embedding_parameters,
+    load_model,
+)
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
@@ -67,8 +72,18 @@ class StartedRun:
         return on_every_rank_together(self.accelerator, step, main_process_first=main_process_first, what=what)
 
     def sum_over_ranks(self, value: float) -> float:
-        """Collective: the sum of `value` over all ranks (e.g. the target tokens of a global batch)."""
+        """Collective: the sum of `value` over the data-parallel ranks (e.g. the target tokens of a global batch)."""
         return sum_over_ranks(self.accelerator, value)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each see a distinct batch: the world size, or the world size over the TP size."""
+        return tensor_parallel.data_parallel_size(self.accelerator)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among them (the ranks of a TP group share one)."""
+        return tensor_parallel.data_parallel_rank(self.accelerator)
 
 
 @dataclasses.dataclass
@@ -104,15 +119,50 @@ class Run(StartedRun):
         config of `model_config`, with the attention implementation the checks chose; `options` go to
         `modeling.load_model` (adapters.loading_options: dtype, quantisation, device)."""
         config = self.config
-        return load_model(
-            self.model_config,
-            model_name_or_path=config.model_name_or_path,
-            task=self.task,
-            revision=config.model_revision,
-            attn_implementation=self.attn_implementation,
-            trust_remote_code=config.trust_remote_code,
-            **options,
+        return self.load_model_from(
+            self.model_config, config.model_name_or_path, task=self.task, revision=config.model_revision, **options
         )
+
+    def load_model_from(
+        self,
+        model_config,
+        model_name_or_path: str | None,
+        *,
+        task: str = "causal-lm",
+        revision: str = "main",
+        **options,
+    ) -> torch.nn.Module:
+        """A model of `model_config` (weights from `model_name_or_path`, or initialised), with this run's attention
+        implementation; under tensor parallelism sharded by transformers while it loads. A model initialised from a
+        config, or a classification head the checkpoint lacks, is completed once on rank 0 (the weights one process
+        would have: transformers' sharded loading leaves missing weights uninitialised) and loaded from there."""
+        common = dict(
+            task=task, attn_implementation=self.attn_implementation, trust_remote_code=self.config.trust_remote_code
+        )
+        layout = tensor_parallel.layout_of(self.accelerator)
+        if layout is None:
+            return load_model(
+                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
+            )
+
+        def complete() -> torch.nn.Module:
+            return load_model(
+                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
+            )
+
+        incomplete = model_name_or_path is None or checkpoint_lacks_task_weights(model_config, task)
+        with tensor_parallel.weights_to_load(
+            self.accelerator, model_name_or_path, self.config.output_dir, complete if incomplete else None
+        ) as source:
+            model = load_model(
+                model_config,
+                model_name_or_path=source,
+                revision=revision if source == model_name_or_path else "main",
+                distributed_config=layout.distributed_config(mixed_precision=self.accelerator.mixed_precision),
+                **common,
+                **options,
+            )
+        return tensor_parallel.sharded_root(self.accelerator, model)
 
     def loss_evaluator(self, model, rows, loss_sum: LossSum) -> LossEvaluator:
         """Held-out loss on `rows` (None: no held-out data) every `eval_steps` and at the end, for `begin`."""
@@ -164,7 +214,7 @@ class Run(StartedRun):
                     train_loader,
                     epoch=progress.epoch,
                     batches_into_epoch=progress.batches_into_epoch_for(
-                        accelerator.num_processes, config.per_device_train_batch_size
+                        self.data_parallel_size, config.per_device_train_batch_size
                     ),
                 )
             first_step = progress.step + 1
@@ -256,7 +306,7 @@ class Run(StartedRun):
                 step=step,
                 epoch=batches.epoch,
                 batches_into_epoch=batches.batches_into_epoch,
-                world_size=accelerator.num_processes,
+                world_size=self.data_parallel_size,  # the ranks reading distinct data
                 per_device_train_batch_size=config.per_device_train_batch_size,
                 gradient_accumulation_steps=config.gradient_accumulation_steps,
                 data_state_per_rank=per_rank_stream,
@@ -308,7 +358,7 @@ class Run(StartedRun):
     @property
     def global_batch_rows(self) -> int:
         config = self.config
-        return config.per_device_train_batch_size * self.accelerator.num_processes * config.gradient_accumulation_steps
+        return config.per_device_train_batch_size * self.data_parallel_size * config.gradient_accumulation_steps
 
     @property
     def accelerate_settings(self) -> dict[str, Any]:

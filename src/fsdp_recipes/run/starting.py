@@ -14,11 +14,12 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, To
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
-from fsdp_recipes.distributed import logs
+from fsdp_recipes.distributed import logs, tensor_parallel
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
 from fsdp_recipes.models import adapters
+from fsdp_recipes.models.attention import resolve_attn_implementation
 from fsdp_recipes.models.modeling import (
     check_one_activation_checkpointing,
     check_packing_is_isolated,
@@ -26,7 +27,7 @@ from fsdp_recipes.models.modeling import (
     check_tokenizer_fits_model,
     load_model_config,
     load_tokenizer,
-    resolve_attn_implementation,
+    model_class_for,
     resolve_wrap_classes,
 )
 from fsdp_recipes.publish.hub import require_hub_token
@@ -168,12 +169,27 @@ def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task
     return dict(wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
 
 
+def check_tensor_parallel(accelerator: Accelerator, config: RunConfig, model_config, task: str) -> None:
+    """Under a TP launch: the model can be split `tp` ways, and nothing the route cannot do is asked for."""
+    layout = tensor_parallel.layout_of(accelerator)
+    if layout is None:
+        return
+    problems = tensor_parallel.model_problems(layout, model_config, model_class_for(model_config, task))
+    if getattr(config, "use_peft", False):
+        problems.append(
+            "use_peft under tensor parallelism: peft's LoRA layers add a whole-width update to the sharded output of "
+            "a TP linear layer, which does not fit; train LoRA with FSDP alone (parallelism_config_tp_size: 1)"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
 def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, task: str) -> dict[str, Any]:
     checkpoint = None
     if config.resume_from_checkpoint:
         checkpoint = checkpoints_lib.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
         checkpoints_lib.read_progress(checkpoint).check_resumable(
-            world_size=accelerator.num_processes,
+            world_size=tensor_parallel.data_parallel_size(accelerator),
             per_device_train_batch_size=config.per_device_train_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
         )
@@ -207,6 +223,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     problem = loss_implementation_problem(config.loss_implementation, accelerator.device.type)
     if problem:
         raise ConfigError(problem)
+    check_tensor_parallel(accelerator, config, model_config, task)
     return dict(
         checkpoint=checkpoint,
         hub_token=hub_token,

@@ -68,7 +68,8 @@ class TopologyEntry:
     device: str = "gpu"
     sharding: str = "FULL_SHARD"
     fsdp_version: int = 2
-    hsdp_replicate: int | None = None  # HYBRID_SHARD: copies of the model (usually nodes); shard = world / this
+    hsdp_replicate: int | None = None  # HYBRID_SHARD: copies of the model (usually nodes); shard = world / (this x tp)
+    tp: int = 1  # tensor parallelism: ranks splitting each layer (within a node); FSDP shards over world / tp
     mixed_precision: str = "bf16"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
@@ -86,7 +87,8 @@ class TopologyEntry:
         """What the generated file asks `accelerate launch` for (LaunchLayout.from_file reads the same back)."""
         if self.sharding == "NO_SHARD":
             return LaunchLayout.data_parallel(self.world_size, self.nodes, self.mixed_precision)
-        shard_size = self.world_size // self.hsdp_replicate if self.sharding == "HYBRID_SHARD" else self.world_size
+        data_parallel = self.world_size // self.tp
+        shard_size = data_parallel // self.hsdp_replicate if self.sharding == "HYBRID_SHARD" else data_parallel
         size_based = self.wrap_policy == "SIZE_BASED_WRAP" and self.min_num_params
         return LaunchLayout(
             world_size=self.world_size,
@@ -102,6 +104,7 @@ class TopologyEntry:
             wrap_classes=tuple(self.wrap_classes) if self.wrap_classes else None,
             min_num_params=self.min_num_params if size_based else DEFAULT_MIN_NUM_PARAMS,
             state_dict_type=self.state_dict_type,
+            tp_size=self.tp,
         )
 
     def describe(self) -> str:
@@ -123,8 +126,12 @@ def describe_hardware(layout: LaunchLayout, device: str = "gpu") -> str:
         parts.append("NO_SHARD: plain DDP (distributed_type MULTI_GPU)")
     elif layout.hsdp_replicate:
         parts.append(f"FSDP{layout.fsdp_version} HSDP: {layout.hsdp_replicate} replicas x {layout.shard_size} shards")
+    elif layout.tp_size > 1 and layout.shard_size == 1:
+        parts.append(f"TP {layout.tp_size} alone (transformers' DistributedConfig)")
     else:
         parts.append(f"FSDP{layout.fsdp_version} {layout.fsdp1_strategy}")
+    if layout.tp_size > 1 and layout.shard_size > 1:
+        parts[-1] += f" x TP {layout.tp_size} (transformers' DistributedConfig)"
     parts.append("fp32" if layout.mixed_precision == "no" else layout.mixed_precision)
     if layout.cpu_offload:
         parts.append("CPU offload")
@@ -185,13 +192,24 @@ def _semantic_problems(topology: TopologyEntry) -> list[str]:
         replicate = topology.hsdp_replicate
         if topology.fsdp_version != 2:
             problems.append(f"{where}: HYBRID_SHARD is generated as FSDP2 HSDP; set fsdp_version: 2")
-        if not replicate or replicate < 2 or topology.world_size % replicate or topology.world_size == replicate:
+        data_parallel = topology.world_size // max(1, topology.tp)
+        if not replicate or replicate < 2 or data_parallel % replicate or data_parallel == replicate:
             problems.append(
-                f"{where}: HYBRID_SHARD needs hsdp_replicate >= 2 dividing the world size {topology.world_size} "
+                f"{where}: HYBRID_SHARD needs hsdp_replicate >= 2 dividing the data-parallel size {data_parallel} "
                 "(with at least 2 shards per replica)"
             )
     elif topology.hsdp_replicate is not None:
         problems.append(f"{where}: hsdp_replicate only applies to sharding: HYBRID_SHARD; remove it")
+    if topology.tp > 1:
+        if topology.world_size % topology.tp or topology.processes_per_node % topology.tp:
+            problems.append(f"{where}: tp {topology.tp} must divide the processes per node (TP stays within a node)")
+        if topology.fsdp_version != 2 or topology.sharding not in ("FULL_SHARD", "HYBRID_SHARD"):
+            problems.append(f"{where}: tp runs with FSDP2 FULL_SHARD or HYBRID_SHARD around it")
+        if topology.cpu_offload or topology.activation_checkpointing or topology.wrap_classes:
+            problems.append(
+                f"{where}: tp does not take cpu_offload, activation_checkpointing or wrap_classes "
+                "(fsdp_recipes.distributed.tensor_parallel says why)"
+            )
     if topology.wrap_policy == "SIZE_BASED_WRAP" and not topology.min_num_params:
         problems.append(f"{where}: SIZE_BASED_WRAP needs min_num_params")
     if topology.fsdp_version == 1 and topology.device == "cpu" and topology.sharding != "NO_SHARD":
@@ -256,11 +274,11 @@ def cluster_config(layout: LaunchLayout) -> ClusterConfig:
     """The layout as accelerate's own config object (what `accelerate config` would have written)."""
     multi_node = layout.num_machines > 1
     parallelism = {}
-    if layout.hsdp_replicate and layout.fsdp_version == 2:
+    if (layout.hsdp_replicate or layout.tp_size > 1) and layout.fsdp_version == 2:
         parallelism = {
-            "parallelism_config_dp_replicate_size": layout.hsdp_replicate,
+            "parallelism_config_dp_replicate_size": layout.hsdp_replicate or 1,
             "parallelism_config_dp_shard_size": layout.shard_size,
-            "parallelism_config_tp_size": 1,
+            "parallelism_config_tp_size": layout.tp_size,
             "parallelism_config_cp_size": 1,
         }
     return ClusterConfig(
@@ -298,7 +316,12 @@ def _header(topology: TopologyEntry) -> list[str]:
             "# The launcher ignores rdzv_backend and same_network below: pass --rdzv_backend c10d and --machine_rank on "
             "the command line (accelerate_configs/slurm_multinode.sbatch does)."
         )
-    if (
+    if topology.tp > 1:
+        lines.append(
+            "# TP: transformers loads the model with DistributedConfig from parallelism_config, splitting layers by the "
+            "model's tp_plan and wrapping FSDP units by its fsdp_plan (docs/parallelism.md)."
+        )
+    elif (
         topology.sharding != "NO_SHARD"
         and topology.wrap_policy == "TRANSFORMER_BASED_WRAP"
         and not topology.wrap_classes

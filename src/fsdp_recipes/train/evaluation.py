@@ -21,6 +21,8 @@ from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
+from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed.collectives import gather_for_metrics
 from fsdp_recipes.models.experts import generation_options
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
@@ -121,7 +123,8 @@ def evaluate_loss(
     Every rank runs the same number of forward passes (FSDP needs all ranks in every all-gather); a rank out of rows
     runs a masked copy of a row."""
     model.eval()
-    rank, world = accelerator.process_index, accelerator.num_processes
+    # the ranks of a tensor-parallel group run the same rows (their forward is one collective computation)
+    rank, world = tensor_parallel.data_parallel_rank(accelerator), tensor_parallel.data_parallel_size(accelerator)
     mine = list(range(rank, len(rows), world))
     batches = math.ceil(math.ceil(len(rows) / world) / batch_size)
     total = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -134,7 +137,7 @@ def evaluate_loss(
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         total += loss_sum(model, batch).double()
         count += count_targets(batch)
-    if world > 1:
+    if accelerator.num_processes > 1:  # TP groups count their rows tp times in both sums: the mean is unchanged
         total, count = accelerator.reduce(total, "sum"), accelerator.reduce(count, "sum")
     model.train()
     return float(total / count.clamp(min=1))
@@ -155,7 +158,7 @@ def exact_match_accuracy(
     Examples are `{"prompt_ids": [...], "reference": str}`. Ranks split the examples and generate in lockstep
     (`synced_gpus`), since under FSDP every forward pass is a collective."""
     model.eval()
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank, world = tensor_parallel.data_parallel_rank(accelerator), tensor_parallel.data_parallel_size(accelerator)
     mine = list(range(rank, len(examples), world))
     batches = math.ceil(math.ceil(len(examples) / world) / batch_size)
     correct = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -173,7 +176,7 @@ def exact_match_accuracy(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=world > 1,
+                synced_gpus=accelerator.num_processes > 1,
                 **generation_options(model),
             )
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -187,8 +190,8 @@ def exact_match_accuracy(
     finally:
         tokenizer.padding_side = padding_side
         model.train()
-    if world > 1:
-        correct = accelerator.reduce(correct, "sum")
+    if accelerator.num_processes > 1:  # each TP group's ranks counted the same examples
+        correct = accelerator.reduce(correct, "sum") / tensor_parallel.tensor_parallel_size(accelerator)
     return {"exact_match": float(correct) / max(len(examples), 1), "num_examples": len(examples), "samples": samples}
 
 
@@ -285,9 +288,9 @@ def gather_predictions(accelerator: Accelerator, model: torch.nn.Module, loader,
         for batch in loader:
             for key, value in predict(model, batch).items():
                 if torch.is_tensor(value):
-                    value = accelerator.gather_for_metrics(value.contiguous()).cpu().tolist()
+                    value = gather_for_metrics(accelerator, value.contiguous()).cpu().tolist()
                 else:
-                    value = accelerator.gather_for_metrics(list(value), use_gather_object=True)
+                    value = gather_for_metrics(accelerator, list(value), use_gather_object=True)
                 gathered.setdefault(key, []).extend(value)
     finally:
         model.train(was_training)

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.distributed import tensor_parallel
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
@@ -41,11 +42,12 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
 
 def global_mean_scale(accelerator: Accelerator, global_total: float) -> float:
     """Factor turning a rank's summed loss into its share of the global mean: FSDP/DDP average gradients over
-    ranks, so each rank scales by world_size / (what the mean divides by in the whole optimizer step, all ranks and
+    ranks, so each rank scales by the data-parallel size / (what the mean divides by in the whole optimizer step, all ranks and
     micro-batches: targets, pairs, examples, or a sum of class weights, which may be under 1). The result is the same
     gradient whatever the split of the global batch into ranks and micro-batches. A step with nothing to average
     (all prompt, every class weighted 0) has a zero loss sum: its scale is 0."""
-    return accelerator.num_processes / global_total if global_total > 0 else 0.0
+    ranks = tensor_parallel.data_parallel_size(accelerator)  # the ranks of a TP group share one batch
+    return ranks / global_total if global_total > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- chunked cross-entropy
@@ -241,7 +243,8 @@ class TokenLoss:
         return self._losses(hidden)
 
     def _losses(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.head.weight, getattr(self.head, "bias", None)
+        # a vocabulary-sharded output layer (tensor parallelism) is gathered whole for the loss
+        weight, bias = tensor_parallel.full_weight(self.head.weight), getattr(self.head, "bias", None)
         if self.implementation == "liger":
             return _liger_token_losses(hidden, weight, bias, self._targets)
         chunked = torch_kernel_token_losses if self.implementation == "linear_cross_entropy" else chunked_token_losses

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.train.losses import _logits_transform, chunked_token_losses, model_inputs
 
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
@@ -225,7 +226,8 @@ class DistillationLoss:
 
     def _losses(self, hidden: torch.Tensor) -> torch.Tensor:
         targets, teacher_hidden = self._active["targets"], self._active["teacher"]
-        weight, bias = self.head.weight, getattr(self.head, "bias", None)
+        # a vocabulary-sharded output layer (tensor parallelism) is gathered whole for the loss
+        weight, bias = tensor_parallel.full_weight(self.head.weight), getattr(self.head, "bias", None)
         parts = {}
         total = None
         if self.kd_ratio < 1:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from accelerate.utils import gather_object
 
+from fsdp_recipes.distributed.collectives import gather_lists, gather_tensors
 from fsdp_recipes.methods.grpo.policy_gradient import ZERO_STD
 
 
@@ -70,11 +70,11 @@ def gather_scored(
         return ScoredSlots(list(prompt_indices), list(completion_ids), list(truncated), rewards.cpu(), per_slot.cpu())
     device = accelerator.device
     return ScoredSlots(
-        gather_object(list(prompt_indices)),
-        gather_object(list(completion_ids)),
-        gather_object(list(truncated)),
-        accelerator.gather(rewards.to(device)).cpu(),
-        accelerator.gather(per_slot.to(device)).cpu(),
+        gather_lists(accelerator, list(prompt_indices)),
+        gather_lists(accelerator, list(completion_ids)),
+        gather_lists(accelerator, list(truncated)),
+        gather_tensors(accelerator, rewards.to(device)).cpu(),
+        gather_tensors(accelerator, per_slot.to(device)).cpu(),
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from fsdp_recipes.distributed.collectives import gather_tensors
 from fsdp_recipes.methods.grpo import padding_free as packing
 from fsdp_recipes.methods.grpo.groups import ScoredSlots
 from fsdp_recipes.methods.grpo.policy_gradient import (
@@ -306,7 +307,7 @@ def values_before_step(
     if top_entropy_quantile < 1:
         masks = torch.cat([part["completion_mask"] for part in micro_batches])
         threshold = entropy_threshold(
-            accelerator.gather(torch.cat(entropies)), accelerator.gather(masks), top_entropy_quantile
+            gather_tensors(accelerator, torch.cat(entropies)), gather_tensors(accelerator, masks), top_entropy_quantile
         )
         for part, entropy in zip(micro_batches, entropies):
             part["entropy_mask"] = ((entropy >= threshold) & part["completion_mask"].bool()).float()

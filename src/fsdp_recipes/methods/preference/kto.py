@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from fsdp_recipes.distributed.collectives import gather_for_metrics
 from fsdp_recipes.train.evaluation import Evaluation
 from fsdp_recipes.train.losses import TokenLoss, sequence_log_probs
 
@@ -139,7 +140,7 @@ class KTOEvaluator(Evaluation):
                 values = torch.stack(
                     [policy[:count], policy[count:], reference[:count], reference[count:], batch["label"].float()], 1
                 )
-                parts.append(self.accelerator.gather_for_metrics(values))
+                parts.append(gather_for_metrics(self.accelerator, values))
         finally:
             self.model.train(was_training)
         policy, policy_kl, reference, reference_kl, labels = torch.cat(parts).double().unbind(1)

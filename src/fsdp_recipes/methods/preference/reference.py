@@ -26,6 +26,7 @@ from accelerate import Accelerator
 
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.distributed.collectives import gather_for_metrics
 from fsdp_recipes.train import frozen_copy
 from fsdp_recipes.train.losses import TokenLoss, sequence_log_probs
 
@@ -181,8 +182,8 @@ def precompute(accelerator: Accelerator, policy: torch.nn.Module, token_loss: To
     try:
         for batch in loader:
             chosen, rejected = sequence_log_probs(token_loss.token_losses(policy, batch)).chunk(2)
-            keys = accelerator.gather_for_metrics(batch["pair_key"])
-            values = accelerator.gather_for_metrics(torch.stack([chosen.double(), rejected.double()], dim=1))
+            keys = gather_for_metrics(accelerator, batch["pair_key"])
+            values = gather_for_metrics(accelerator, torch.stack([chosen.double(), rejected.double()], dim=1))
             for key, (chosen_value, rejected_value) in zip(keys.cpu().tolist(), values.cpu().tolist()):
                 table[int(key)] = (chosen_value, rejected_value)
     finally:

@@ -1,0 +1,32 @@
+"""Several recipes, one after another, in the processes of one `accelerate launch`: what a launch per recipe would
+run, with the processes' start-up (most of a CPU launch's cost) paid once. Arguments: RECIPE CONFIG pairs. Between
+recipes accelerate's shared state is reset, so each recipe builds its accelerator as in a fresh launch; the process
+group stays (gloo cannot rendezvous twice on the launcher's store). A recipe that fails stops the script (its
+traceback, a nonzero exit)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, GradientState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+
+from helpers.recipes import load_recipe  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) % 2:
+        raise SystemExit("usage: recipes_in_sequence.py RECIPE CONFIG [RECIPE CONFIG ...]")
+    for recipe, config in zip(argv[::2], argv[1::2]):
+        load_recipe(recipe).main(["--config", config])
+        if dist.is_initialized():
+            dist.barrier()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
