@@ -162,14 +162,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- model, sharded as the Accelerate config says -------------------------------------------------------------------
     with model_source.weights_folder(accelerator, run.source) as weights:
-        model = modeling.load_model(
-            model_config,
-            model_name_or_path=run.source.base or weights,
-            task=task,
-            revision=config.model_revision,
-            attn_implementation=run.attn_implementation,
-            trust_remote_code=config.trust_remote_code,
-        )
+        model = run.load_model_from(model_config, run.source.base or weights, task=task, revision=config.model_revision)
         if run.source.base:  # a LoRA adapter (folder or checkpoint): merged into its base, then sharded
             model = adapters.merge_into(model, weights)
         token_loss = losses.TokenLoss(model) if task == "causal-lm" else None  # chunked: no whole-batch logits

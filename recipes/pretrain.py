@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         source, split = text.rank_documents(
             text.tokenize(train_raw, tokenizer, config.dataset_text_field, num_proc=config.dataset_num_proc),
-            rank=accelerator.process_index,
-            world_size=accelerator.num_processes,
+            rank=run.data_parallel_rank,  # the ranks of a TP group read the same documents
+            world_size=run.data_parallel_size,
             seed=config.seed,
             max_length=config.max_length,
             dataset_name=config.dataset_name,
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             batch_size=config.per_device_train_batch_size,
             pad_token_id=tokenizer.pad_token_id,
             device=accelerator.device,
-            settings=data_settings(config, rank=accelerator.process_index),
+            settings=data_settings(config, rank=run.data_parallel_rank),
         )
         if run.checkpoint is not None:
             stream.load_state_dict(checkpoint_lib.read_rank_state(run.checkpoint, accelerator.process_index))

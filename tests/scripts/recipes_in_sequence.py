@@ -1,8 +1,9 @@
 """Several recipes, one after another, in the processes of one `accelerate launch`: what a launch per recipe would
 run, with the processes' start-up (most of a CPU launch's cost) paid once. Arguments: RECIPE CONFIG pairs. Between
 recipes accelerate's shared state is reset, so each recipe builds its accelerator as in a fresh launch; the process
-group stays (gloo cannot rendezvous twice on the launcher's store). A recipe that fails stops the script (its
-traceback, a nonzero exit)."""
+group stays: each recipe's `accelerator.end_training()` would destroy it, and forming it again on the launcher's store
+races (a rank can hang in the rendezvous), so that is made a no-op until the last recipe has run. A recipe that fails
+stops the script (its traceback, a nonzero exit)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState, GradientState, PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
@@ -20,12 +21,15 @@ from helpers.recipes import load_recipe  # noqa: E402
 def main(argv: list[str]) -> None:
     if len(argv) % 2:
         raise SystemExit("usage: recipes_in_sequence.py RECIPE CONFIG [RECIPE CONFIG ...]")
+    PartialState.destroy_process_group = lambda self, group=None: None
     for recipe, config in zip(argv[::2], argv[1::2]):
         load_recipe(recipe).main(["--config", config])
         if dist.is_initialized():
             dist.barrier()
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -208,6 +208,7 @@ def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes:
         "parameters_per_rank": per_rank,
         "parameter_placements": sorted({str(getattr(p, "placements", "unsharded")) for p in model.parameters()}),
         "fsdp": None,
+        "tensor_parallel": tensor_parallel.describe(tensor_parallel.layout_of(accelerator)),
     }
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin

@@ -85,6 +85,52 @@ class StartedRun:
         """This rank's index among them (the ranks of a TP group share one)."""
         return tensor_parallel.data_parallel_rank(self.accelerator)
 
+    @property
+    def scratch_dir(self) -> str:
+        """Where the run may write files it deletes again (a shared filesystem: every rank reads them)."""
+        return str(getattr(self, "output_dir", None) or self.config.output_dir)
+
+    def load_model_from(
+        self,
+        model_config,
+        model_name_or_path: str | None,
+        *,
+        task: str = "causal-lm",
+        revision: str = "main",
+        **options,
+    ) -> torch.nn.Module:
+        """A model of `model_config` (weights from `model_name_or_path`, or initialised), with this run's attention
+        implementation; under tensor parallelism sharded by transformers while it loads. A model initialised from a
+        config, or a classification head the checkpoint lacks, is completed once on rank 0 (the weights one process
+        would have: transformers' sharded loading leaves missing weights uninitialised) and loaded from there."""
+        common = dict(
+            task=task, attn_implementation=self.attn_implementation, trust_remote_code=self.config.trust_remote_code
+        )
+        layout = tensor_parallel.layout_of(self.accelerator)
+        if layout is None:
+            return load_model(
+                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
+            )
+
+        def complete() -> torch.nn.Module:
+            return load_model(
+                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
+            )
+
+        incomplete = model_name_or_path is None or checkpoint_lacks_task_weights(model_config, task)
+        with tensor_parallel.weights_to_load(
+            self.accelerator, model_name_or_path, self.scratch_dir, complete if incomplete else None
+        ) as source:
+            model = load_model(
+                model_config,
+                model_name_or_path=source,
+                revision=revision if source == model_name_or_path else "main",
+                distributed_config=layout.distributed_config(mixed_precision=self.accelerator.mixed_precision),
+                **common,
+                **options,
+            )
+        return tensor_parallel.sharded_root(self.accelerator, model)
+
 
 @dataclasses.dataclass
 class EvaluationRun(StartedRun):
@@ -122,47 +168,6 @@ class Run(StartedRun):
         return self.load_model_from(
             self.model_config, config.model_name_or_path, task=self.task, revision=config.model_revision, **options
         )
-
-    def load_model_from(
-        self,
-        model_config,
-        model_name_or_path: str | None,
-        *,
-        task: str = "causal-lm",
-        revision: str = "main",
-        **options,
-    ) -> torch.nn.Module:
-        """A model of `model_config` (weights from `model_name_or_path`, or initialised), with this run's attention
-        implementation; under tensor parallelism sharded by transformers while it loads. A model initialised from a
-        config, or a classification head the checkpoint lacks, is completed once on rank 0 (the weights one process
-        would have: transformers' sharded loading leaves missing weights uninitialised) and loaded from there."""
-        common = dict(
-            task=task, attn_implementation=self.attn_implementation, trust_remote_code=self.config.trust_remote_code
-        )
-        layout = tensor_parallel.layout_of(self.accelerator)
-        if layout is None:
-            return load_model(
-                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
-            )
-
-        def complete() -> torch.nn.Module:
-            return load_model(
-                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
-            )
-
-        incomplete = model_name_or_path is None or checkpoint_lacks_task_weights(model_config, task)
-        with tensor_parallel.weights_to_load(
-            self.accelerator, model_name_or_path, self.config.output_dir, complete if incomplete else None
-        ) as source:
-            model = load_model(
-                model_config,
-                model_name_or_path=source,
-                revision=revision if source == model_name_or_path else "main",
-                distributed_config=layout.distributed_config(mixed_precision=self.accelerator.mixed_precision),
-                **common,
-                **options,
-            )
-        return tensor_parallel.sharded_root(self.accelerator, model)
 
     def loss_evaluator(self, model, rows, loss_sum: LossSum) -> LossEvaluator:
         """Held-out loss on `rows` (None: no held-out data) every `eval_steps` and at the end, for `begin`."""

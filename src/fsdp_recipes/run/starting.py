@@ -85,6 +85,7 @@ def start_evaluation(
             model_setting="base_model_name_or_path" if source.kind == "adapter" else "model_name_or_path",
         )
         model_task = task or model_source_task(source, model_config)
+        check_tensor_parallel(accelerator, config, model_config, model_task, adapter=source.kind == "adapter")
         return dict(
             source=source,
             output_dir=Path(output_dir),
@@ -169,12 +170,21 @@ def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task
     return dict(wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
 
 
-def check_tensor_parallel(accelerator: Accelerator, config: RunConfig, model_config, task: str) -> None:
-    """Under a TP launch: the model can be split `tp` ways, and nothing the route cannot do is asked for."""
+def check_tensor_parallel(
+    accelerator: Accelerator, config: RunConfig, model_config, task: str, *, adapter: bool = False
+) -> None:
+    """Under a TP launch: the model can be split `tp` ways, and nothing the route cannot do is asked for (`adapter`:
+    the model to load is a LoRA adapter, merged into its base before sharding)."""
     layout = tensor_parallel.layout_of(accelerator)
     if layout is None:
         return
     problems = tensor_parallel.model_problems(layout, model_config, model_class_for(model_config, task))
+    if adapter:
+        problems.append(
+            "a LoRA adapter under tensor parallelism: it is merged into its base before sharding, which the sharded "
+            "loading cannot do; merge it first (fsdp-recipes export) and evaluate the merged folder, or evaluate with "
+            "FSDP alone (parallelism_config_tp_size: 1)"
+        )
     if getattr(config, "use_peft", False):
         problems.append(
             "use_peft under tensor parallelism: peft's LoRA layers add a whole-width update to the sharded output of "

@@ -39,15 +39,21 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
                 }
             )
 
+    tp = layout.tp_size
     if layout.is_fsdp and not layout.activation_checkpointing:
         add(
             "activation checkpointing",
-            "fsdp_activation_checkpointing: true in the Accelerate config "
+            "gradient_checkpointing: true in the recipe config (under tensor parallelism the model's own "
+            "checkpointing is the one that applies)"
+            if tp > 1
+            else "fsdp_activation_checkpointing: true in the Accelerate config "
             "(accelerate_configs/fsdp_8gpu_activation_checkpointing.yaml)",
             dataclasses.replace(layout, activation_checkpointing=True),
         )
-    if layout.world_size > 1 and (
-        not layout.is_fsdp or layout.shard_size < layout.world_size or not layout.reshard_after_forward
+    if (
+        tp == 1
+        and layout.world_size > 1
+        and (not layout.is_fsdp or layout.shard_size < layout.world_size or not layout.reshard_after_forward)
     ):
         full = dataclasses.replace(
             layout,
@@ -62,17 +68,28 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
             f"shard over all {layout.world_size} GPUs (accelerate_configs/fsdp_8gpu.yaml is the one-node example)",
             full,
         )
+    if layout.is_fsdp and tp == 1 and layout.gpus_per_node > 1 and not recipe.use_peft:
+        within = layout.gpus_per_node
+        add(
+            f"tensor parallelism (TP {within} within each node)",
+            f"parallelism_config_tp_size: {within} in the Accelerate config (accelerate_configs/tp8_fsdp_2x8gpu.yaml "
+            "is a 2-node example): each layer split over a node's GPUs, FSDP over the nodes; activations of the heads "
+            "and the MLP shrink as 1/TP",
+            dataclasses.replace(
+                layout, tp_size=within, shard_size=layout.world_size // within, activation_checkpointing=False
+            ),
+        )
     if layout.is_fsdp:
         per_node = layout.gpus_per_node
         base = (
             layout
-            if layout.shard_size == layout.world_size
-            else dataclasses.replace(layout, shard_size=layout.world_size)
+            if layout.shard_size * tp == layout.world_size
+            else dataclasses.replace(layout, shard_size=layout.world_size // tp)
         )
         for machines in (2, 4, 8, 16, 32, 64, 128):
             world = per_node * layout.num_machines * machines
             more = dataclasses.replace(
-                base, world_size=world, num_machines=layout.num_machines * machines, shard_size=world
+                base, world_size=world, num_machines=layout.num_machines * machines, shard_size=world // tp
             )
             if changed(more).fits or machines == 128:
                 add(
@@ -82,7 +99,7 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
                     more,
                 )
                 break
-    if layout.is_fsdp and not layout.cpu_offload:
+    if layout.is_fsdp and not layout.cpu_offload and tp == 1:  # the TP route has no offload
         add(
             "CPU offload",
             "fsdp_offload_params: true (accelerate_configs/fsdp_8gpu_offload.yaml); parameters, gradients "
@@ -103,7 +120,7 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
             f"{settings} in the recipe config" + (f" ({cost})" if cost else ""),
             new_recipe=dataclasses.replace(recipe, **values),
         )
-    if info.linear_shapes_in_layers and current.trainable_params is None:
+    if info.linear_shapes_in_layers and current.trainable_params is None and tp == 1:  # no LoRA under TP
         lora = dataclasses.replace(recipe, use_peft=True)
         add(
             f"LoRA (rank {lora.lora_r})",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
-from fsdp_recipes.tools.estimator.shapes import ModelInfo, Param, load_model_info
+from fsdp_recipes.tools.estimator.shapes import ModelInfo, Param, load_model_info, tensor_parallel_local
 from fsdp_recipes.tools.estimator.workload import Adapters, Workload, adapters_for, layout_for_recipe, workload_for
 from fsdp_recipes.train.config import TrainingConfig
 
@@ -34,6 +34,7 @@ def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
     """The FSDP units accelerate's preparation creates (accelerate 1.15): one per wrapped module (bottom-up); for FSDP2
     also the input embedding (own unit unless tied) and a tail unit [final norm, output embedding] that is not resharded
     after forward; and the root with whatever is left (not resharded after forward either). In execution order."""
+    info = tensor_parallel_local(info, layout.tp_size)
     reshard = layout.reshard_after_forward
     assigned: set[str] = set()
     units: list[Unit] = []
@@ -135,10 +136,12 @@ def adapter_state_bytes_on_rank(
     }
 
 
-def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) -> dict[str, int]:
+def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int, tp: int = 1) -> dict[str, int]:
     """Activations of one micro-batch kept for backward (bytes), decoder-only transformer (Llama-style: RMSNorm, GQA,
     gated MLP, no dropout). Per layer and token: c*(2h + 3q + 2kv + 4i) + 4*2h + 4*heads (+ c*heads*s + 4*heads*s for eager;
-    kv = q for sdpa and eager, which get keys and values repeated to every head)."""
+    kv = q for sdpa and eager, which get keys and values repeated to every head). Under tensor parallelism `tp` the
+    heads and the MLP width are split (q, kv, i, heads / tp), the hidden states (2h) are not (no sequence
+    parallelism), and the chunked loss gathers the output layer's weight whole (c * vocab * h)."""
     c, h, i = compute_bytes, info.hidden_size, info.intermediate_size
     kv = info.num_kv_heads * info.head_dim
     q = info.num_heads * info.head_dim
@@ -147,9 +150,9 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) ->
         # Packed and padded rows carry a mask, and with a mask transformers repeats keys and values to every query
         # head before sdpa on CUDA (its use_gqa_in_sdpa), as eager always does: they are saved at that size
         kv = q
-    per_token_layer = c * (2 * h + 3 * q + 2 * kv + 4 * i) + FP32 * 2 * h + FP32 * info.num_heads
+    per_token_layer = c * (2 * h + (3 * q + 2 * kv + 4 * i) // tp) + FP32 * 2 * h + FP32 * info.num_heads // tp
     if workload.attn_implementation == "eager":
-        per_token_layer += (c + FP32) * info.num_heads * s  # softmax in fp32 and its cast, a*s per token
+        per_token_layer += (c + FP32) * info.num_heads * s // tp  # softmax in fp32 and its cast, a*s per token
     layer = per_token_layer * tokens
     # final norm (fp32 input + output), rotary cos/sin shared by all layers, ids/positions/targets (int64)
     other = (FP32 * h + c * h + 2 * c * info.head_dim + 3 * 8) * tokens
@@ -161,22 +164,24 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) ->
         # the tokens that carry loss
         chunk = FP32 * info.vocab_size * min(workload.loss_chunk_size, tokens)
         logits = workload.loss_chunk_buffers * chunk + c * h * tokens
+        if tp > 1:  # the vocabulary-sharded output layer's weight, gathered for the loss
+            logits += c * info.vocab_size * h
     checkpoint = c * h * tokens  # each layer's input, kept when its activations are recomputed
     without = info.num_layers * layer + other + logits
     with_ac = info.num_layers * checkpoint + max(layer, other + logits)
     return {"per_layer": layer, "logits": logits, "without_checkpointing": without, "with_checkpointing": with_ac}
 
 
-def generation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int) -> int:
+def generation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int, tp: int = 1) -> int:
     """A generation pass's peak (online RL; 0 otherwise): the KV cache of its sequences (keys and values of every
     layer at the compute dtype), one decoding step's fp32 logits, and, when it keeps the weights gathered, the whole
     model at the compute dtype. It comes between training micro-steps, so it competes with activations, not with them."""
     if not workload.generation_sequences:
         return 0
     kv = info.num_kv_heads * info.head_dim
-    cache = 2 * info.num_layers * kv * compute_bytes * workload.generation_sequences * workload.generation_tokens
+    cache = 2 * info.num_layers * kv * compute_bytes * workload.generation_sequences * workload.generation_tokens // tp
     logits = FP32 * info.vocab_size * workload.generation_sequences
-    weights = compute_bytes * info.num_params if workload.generation_gathers_weights else 0
+    weights = compute_bytes * info.num_params // tp if workload.generation_gathers_weights else 0
     return cache + logits + weights
 
 
@@ -312,7 +317,7 @@ def estimate(
         state["reference_model"] = frozen_copies * copy  # its gathered units are in flight when the policy's are not
     if frozen_models:
         state["teacher_model"] = sum(frozen_model_bytes(other, layout) for other in frozen_models)
-    activations = activation_bytes(info, workload, compute)
+    activations = activation_bytes(info, workload, compute, tp=layout.tp_size)
     host = dict(state) if layout.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
     return Estimate(
@@ -330,7 +335,7 @@ def estimate(
         host,
         adapters,
         frozen_copies,
-        generation_bytes(info, workload, compute),
+        generation_bytes(info, workload, compute, tp=layout.tp_size),
     )
 
 

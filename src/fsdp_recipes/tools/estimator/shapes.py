@@ -4,6 +4,7 @@ config.json or a config.json file; the shapes of the Hub models the shipped conf
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,23 @@ class ModelInfo:
     def active_params(self) -> int:
         """Parameters a token runs through (a mixture of experts: the routed experts' top-k share)."""
         return active_parameter_count(((p.name, p.numel) for p in self.params), self.routing)
+
+
+def tensor_parallel_local(info: ModelInfo, tp: int) -> ModelInfo:
+    """The shapes one rank of a TP group holds: every matrix split `tp` ways (transformers' plans split the linear
+    layers, the embeddings and the output layer along one dimension, counted here as dim 0, which FSDP then shards),
+    vectors (norms) whole."""
+    if tp <= 1:
+        return info
+
+    def local(param: Param) -> Param:
+        return param if len(param.shape) < 2 else Param(param.name, (-(-param.shape[0] // tp), *param.shape[1:]))
+
+    return dataclasses.replace(
+        info,
+        params=[local(p) for p in info.params],
+        module_params={path: [local(p) for p in own] for path, own in info.module_params.items()},
+    )
 
 
 def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo:

@@ -1,0 +1,152 @@
+"""Tensor parallelism through transformers' DistributedConfig, with real processes: every training recipe (and eval)
+under TP 2 gives the losses, gradient norms and exported weights of one process, GRPO the same completions, eval the
+same generations counted once; FSDP 2 x TP 2 SFT (gradient accumulation, the model's activation checkpointing) equals
+one process too, and its checkpoint resumes exactly, on the same layout and on one process (DCP reshards).
+
+Launches are few: one 2-process launch runs every recipe in turn (tests/scripts/recipes_in_sequence.py), one
+4-process launch runs SFT and its resume; the one-process references run here meanwhile. The tiny models of the
+other tests have 103 vocabulary entries, which TP 2 cannot split: this module's fixtures give them 104."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fixtures.every_recipe import TRAINING_RECIPES
+from helpers.data import write_tiny_model_config
+from helpers.launch import alongside, launch, require_success
+from helpers.paths import REPO
+from helpers.recipes import (
+    base_recipe_values,
+    read_metrics,
+    recipe_config,
+    run_recipe_in_process,
+    run_recipe_launched_here,
+)
+
+TP_VOCAB = 104  # the tokenizer's 103 entries, padded to what TP 2 divides
+SEQUENCE = REPO / "tests" / "scripts" / "recipes_in_sequence.py"
+TP_2 = REPO / "accelerate_configs" / "tp_2proc_cpu.yaml"
+FSDP_2_TP_2 = REPO / "accelerate_configs" / "fsdp2_tp2_4proc_cpu.yaml"
+ONE_PROCESS_FSDP = REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_config(tmp_path_factory, tokenizer) -> Path:
+    return write_tiny_model_config(tmp_path_factory.mktemp("tp_model") / "config.json", tokenizer, vocab_size=TP_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def pretrained_tiny_model(tmp_path_factory, tokenizer) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tp_pretrained")
+    config = LlamaConfig.from_json_file(write_tiny_model_config(folder / "source.json", tokenizer, vocab_size=TP_VOCAB))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return folder / "model"
+
+
+@pytest.fixture(scope="module")
+def student_config(tmp_path_factory, tokenizer) -> Path:
+    folder = tmp_path_factory.mktemp("tp_student")
+    return write_tiny_model_config(
+        folder / "config.json", tokenizer, hidden_size=32, intermediate_size=64, vocab_size=TP_VOCAB
+    )
+
+
+def step_values(output_dir: Path, keys=("loss", "grad_norm")) -> dict[tuple[int, str], float]:
+    return {
+        (row["step"], key): row[key] for row in read_metrics(output_dir) for key in keys if row.get(key) is not None
+    }
+
+
+def assert_same_run(launched: Path, one: Path, what: str) -> None:
+    got, expected = step_values(launched), step_values(one)
+    assert got and got.keys() == expected.keys(), (what, sorted(got), sorted(expected))
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), (what, key, got[key], expected[key])
+    weights = sorted(one.glob("*.safetensors"))
+    assert weights, f"{what}: no exported weights in {one}"
+    for file in weights:
+        mine, theirs = load_file(launched / file.name), load_file(file)
+        assert mine.keys() == theirs.keys(), what
+        for name in theirs:
+            # AdamW's first steps move a weight whose gradient is near 0 by up to the learning rate (1e-3 here) times a
+            # ratio the reduction order can tip: a few elements in 80,000 differ by up to 5e-5
+            torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-4, msg=f"{what}: {name}")
+
+
+def eval_values(model: Path, data: Path, output_dir: Path) -> dict:
+    return dict(
+        model_name_or_path=str(model), dataset_name=str(data), output_dir=str(output_dir), max_length=64,
+        per_device_eval_batch_size=4, max_new_tokens=6, metrics=["perplexity", "exact_match", "chrf"],
+    )  # fmt: skip
+
+
+def test_every_recipe_under_tp_2_equals_one_process(tmp_path, short_run_values, pretrained_tiny_model, small_chat_data):
+    runs = {recipe: short_run_values(recipe) for recipe in TRAINING_RECIPES}
+    runs["eval"] = lambda output: eval_values(pretrained_tiny_model, small_chat_data, output)  # noqa: E731
+    arguments = []
+    for recipe, values in runs.items():
+        arguments += [recipe, str(recipe_config(tmp_path / f"tp_{recipe}.yaml", **values(tmp_path / "tp" / recipe)))]
+
+    def one_process() -> None:
+        for recipe, values in runs.items():
+            run_recipe_in_process(recipe, tmp_path, f"one_{recipe}", values(tmp_path / "one" / recipe))
+
+    _, (result,) = alongside(one_process, lambda: launch(SEQUENCE, arguments, accelerate_config=TP_2))
+    require_success(result)
+    for recipe in TRAINING_RECIPES:
+        assert_same_run(tmp_path / "tp" / recipe, tmp_path / "one" / recipe, recipe)
+    summary = json.loads((tmp_path / "tp" / "sft" / "run_summary.json").read_text())
+    assert summary["tensor_parallel"]["layout"] == "tp 2" and summary["global_batch_rows"] == 4
+    assert "Shard(dim=0)" in str(summary["parameter_placements"])  # sharded, not replicated
+    # GRPO: the same completions, generated by the TP group together
+    completions = [(tmp_path / side / "grpo" / "completions.jsonl").read_text() for side in ("tp", "one")]
+    assert completions[0] == completions[1] and completions[0]
+    # eval: the same held-out loss, and the same generations counted once (not once per TP rank)
+    results = [json.loads((tmp_path / side / "eval" / "eval_results.json").read_text()) for side in ("tp", "one")]
+    assert results[0]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-6)
+    for key in ("eval_exact_match", "eval_chrf", "eval_samples"):
+        assert results[0][key] == results[1][key], key
+    predictions = [(tmp_path / side / "eval" / "eval_predictions.jsonl").read_text() for side in ("tp", "one")]
+    assert predictions[0] == predictions[1]
+
+
+def test_fsdp_2_x_tp_2_sft_equals_one_process_and_its_checkpoint_resumes_on_the_same_layout_and_on_one(
+    tmp_path, tiny_model_config, chat_data
+):
+    common = dict(
+        max_steps=3, save_steps=2, gradient_accumulation_steps=2, warmup_steps=0, exact_match_eval_samples=0,
+        eval_steps=None, gradient_checkpointing=True,  # the model's own: what TP takes instead of FSDP's
+    )  # fmt: skip
+    full = base_recipe_values(tiny_model_config, chat_data, tmp_path / "nd", **common)  # 3 steps in epoch 0
+    checkpoint = tmp_path / "nd" / "checkpoints" / "step-00000002"
+    resumed = {**full, "output_dir": str(tmp_path / "nd_resumed"), "resume_from_checkpoint": str(checkpoint)}
+    arguments = ["sft", str(recipe_config(tmp_path / "nd.yaml", **full))]
+    arguments += ["sft", str(recipe_config(tmp_path / "nd_resumed.yaml", **resumed))]
+    one = {**full, "output_dir": str(tmp_path / "one"), "per_device_train_batch_size": 8}  # the same global batch
+    _, (result,) = alongside(
+        lambda: run_recipe_in_process("sft", tmp_path, "one", one),
+        lambda: launch(SEQUENCE, arguments, num_processes=4, accelerate_config=FSDP_2_TP_2),
+    )
+    require_success(result)
+    assert_same_run(tmp_path / "nd", tmp_path / "one", "fsdp 2 x tp 2")
+    summary = json.loads((tmp_path / "nd" / "run_summary.json").read_text())
+    assert summary["tensor_parallel"]["layout"] == "fsdp 2 x tp 2" and summary["global_batch_rows"] == 16
+    # resumed on the same layout: step 3 as the uninterrupted run had it, bitwise
+    assert step_values(tmp_path / "nd_resumed")[(3, "loss")] == step_values(tmp_path / "nd")[(3, "loss")]
+    for name, tensor in load_file(tmp_path / "nd" / "model.safetensors").items():
+        assert torch.equal(load_file(tmp_path / "nd_resumed" / "model.safetensors")[name], tensor), name
+    # resumed on one process (FSDP2 over 1 rank): DCP reshards the TP x FSDP checkpoint
+    on_one = {**resumed, "output_dir": str(tmp_path / "resumed_on_one"), "per_device_train_batch_size": 8}
+    run_recipe_launched_here("sft", tmp_path, "resumed_on_one", on_one, ONE_PROCESS_FSDP)
+    assert step_values(tmp_path / "resumed_on_one")[(3, "loss")] == pytest.approx(
+        step_values(tmp_path / "nd")[(3, "loss")], rel=1e-5
+    )
