@@ -95,6 +95,16 @@ def test_sizes_that_do_not_multiply_to_the_processes_name_every_dimension(tmp_pa
     assert "parallelism_config_tp_size = 8" in message
 
 
+def test_validate_config_with_a_model_names_what_tp_cannot_split(tmp_path, tokenizer):
+    from helpers.data import write_tiny_model_config
+
+    path = config_with(tmp_path, "fsdp2_tp2.yaml", 4, dp_replicate=1, dp_shard=2, tp=2, cp=1)
+    fits = write_tiny_model_config(tmp_path / "fits.json", tokenizer, vocab_size=104)
+    odd = write_tiny_model_config(tmp_path / "odd.json", tokenizer, vocab_size=104, intermediate_size=129)
+    assert errors_of(lint_config_file(path, model=str(fits))) == {}
+    assert "does not divide Llama's intermediate_size 129" in errors_of(lint_config_file(path, model=str(odd)))[TP_KEY]
+
+
 def test_a_model_tp_cannot_split_is_named_with_its_numbers(tmp_path, tokenizer):
     from transformers import AutoConfig, GPT2Config, LlamaForCausalLM
 

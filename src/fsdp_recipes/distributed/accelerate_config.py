@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.distributed import parallel_dims
+from fsdp_recipes.distributed import parallel_dims, tensor_parallel
 
 COMPUTE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # bytes per element of the compute dtype
 FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -316,7 +316,14 @@ class LaunchLayout:
             "fsdp_config": fsdp,
         }
         parallelism = getattr(accelerator, "parallelism_config", None)
-        if parallelism is not None and getattr(parallelism, "dp_replicate_size", 1) > 1:
+        tensor_parallel_layout = tensor_parallel.layout_of(accelerator)
+        if tensor_parallel_layout is not None:  # the TP route attaches a mesh, not a ParallelismConfig
+            raw["parallelism_config"] = {
+                "dp_replicate_size": tensor_parallel_layout.dp_replicate,
+                "dp_shard_size": tensor_parallel_layout.dp_shard,
+                "tp_size": tensor_parallel_layout.tp,
+            }
+        elif parallelism is not None and getattr(parallelism, "dp_replicate_size", 1) > 1:
             raw["parallelism_config"] = {
                 "dp_replicate_size": parallelism.dp_replicate_size,
                 "dp_shard_size": parallelism.dp_shard_size,

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import (
     UnreadableAccelerateConfig,
     fsdp_settings,
@@ -26,8 +27,24 @@ from fsdp_recipes.models.modeling import load_model_config
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
+def _lint_tensor_parallel_model(raw: dict, config, model_class) -> list[Finding]:
+    """Under `parallelism_config_tp_size` > 1: the model has a tensor-parallel plan and tp divides its sizes."""
+    sizes = {k.removeprefix("parallelism_config_"): v for k, v in (raw.get("parallelism_config") or {}).items()}
+    tp = int(sizes.get("tp_size", 1) or 1)
+    if tp <= 1:
+        return []
+    layout = tensor_parallel.TensorParallelLayout(
+        dp_replicate=int(sizes.get("dp_replicate_size", 1) or 1),
+        dp_shard=int(sizes.get("dp_shard_size", 1) or 1),
+        tp=tp,
+    )
+    key = "parallelism_config.parallelism_config_tp_size"
+    return [Finding(ERROR, key, problem) for problem in tensor_parallel.model_problems(layout, config, model_class)]
+
+
 def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> list[Finding]:
-    """Wrap classes and tied embeddings against a weightless copy of `model` (Hub id, folder, or config.json)."""
+    """Wrap classes and tied embeddings against a weightless copy of `model` (Hub id, folder, or config.json); under
+    tensor parallelism, what the model must allow."""
     fsdp = fsdp_settings(raw)
     if str(raw.get("distributed_type")) != "FSDP":
         return []
@@ -39,9 +56,9 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
         instance = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     present = {type(module).__name__ for module in instance.modules()}
     no_split = list(getattr(instance, "_no_split_modules", None) or [])
+    findings = _lint_tensor_parallel_model(raw, config, type(instance))
     policy = str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()
     requested = list(wrap_class_names(fsdp.get("fsdp_transformer_layer_cls_to_wrap")) or [])
-    findings = []
     if policy == "TRANSFORMER_BASED_WRAP":
         missing = [name for name in requested if name not in present]
         if missing:

@@ -44,8 +44,11 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
             layout = estimate.layout
             on_cpu = devices.get(Path(launch.accelerate_config).name) == "cpu"
             processes = f"{layout.world_size} CPU" if on_cpu else f"{layout.world_size} x {config.gpu_memory}"
-            if layout.num_machines > 1:
-                processes += f" ({layout.num_machines} nodes)"
+            split = [f"{layout.num_machines} nodes"] if layout.num_machines > 1 else []
+            if layout.tp_size > 1:  # the layout, not only the count: each layer split tp ways
+                split.append(f"TP {layout.tp_size} x FSDP {layout.shard_size}")
+            if split:
+                processes += f" ({', '.join(split)})"
             memory = short_size(estimate.total)
             if not on_cpu:
                 memory += " fits" if estimate.fits else f" > {estimate.usable / 2**30:.1f} GiB usable!"

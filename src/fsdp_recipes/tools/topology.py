@@ -221,7 +221,10 @@ def _semantic_problems(topology: TopologyEntry) -> list[str]:
 
 def load_topologies(path: Path = TOPOLOGIES_FILE) -> list[TopologyEntry]:
     """Every entry, with `defaults` applied; all problems in the file are reported together."""
-    document = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        document = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:  # one error line naming the file, not a traceback
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
     defaults = document.get("defaults", {})
     problems, topologies = [], []
     for index, entry in enumerate(document.get("topologies", [])):

@@ -98,7 +98,7 @@ def state_bytes_on_rank(
     state are fp32 (the recipe loads fp32 weights; under mixed precision they are the master weights), plus AdamW's
     4-byte `step` per parameter tensor."""
     shards = layout.shard_size if layout.is_fsdp else 1
-    shard_rank = rank % shards
+    shard_rank = (rank // layout.tp_size) % shards  # ranks in mesh order (replicate, shard, tp)
     params = grads = optim = 0
     count = 0
     for unit in units:
