@@ -1,7 +1,8 @@
 """Tensor parallelism through transformers' DistributedConfig, with real processes: every training recipe (and eval)
 under TP 2 gives the losses, gradient norms and exported weights of one process, GRPO the same completions, eval the
 same generations counted once; FSDP 2 x TP 2 SFT (gradient accumulation, the model's activation checkpointing) equals
-one process too, and its checkpoint resumes exactly, on the same layout and on one process (DCP reshards).
+one process too, its checkpoint resumes exactly, on the same layout and on one process (DCP reshards), and exports
+offline to the end-of-run model.
 
 Launches are few: one 2-process launch runs every recipe in turn (tests/scripts/recipes_in_sequence.py), one
 4-process launch runs SFT and its resume; the one-process references run here meanwhile. The tiny models of the
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.every_recipe import TRAINING_RECIPES
+from fsdp_recipes.tools import cli
 from helpers.data import write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
 from helpers.paths import REPO
@@ -146,6 +148,11 @@ def test_fsdp_2_x_tp_2_sft_equals_one_process_and_its_checkpoint_resumes_on_the_
     assert step_values(tmp_path / "nd_resumed")[(3, "loss")] == step_values(tmp_path / "nd")[(3, "loss")]
     for name, tensor in load_file(tmp_path / "nd" / "model.safetensors").items():
         assert torch.equal(load_file(tmp_path / "nd_resumed" / "model.safetensors")[name], tensor), name
+    # the offline export of the last checkpoint (one CPU process) is the end-of-run export, bitwise
+    exported = tmp_path / "exported"
+    assert cli.main(["export", str(tmp_path / "nd" / "checkpoints" / "step-00000003"), str(exported)]) == 0
+    for name, tensor in load_file(tmp_path / "nd" / "model.safetensors").items():
+        assert torch.equal(load_file(exported / "model.safetensors")[name], tensor), name
     # resumed on one process (FSDP2 over 1 rank): DCP reshards the TP x FSDP checkpoint
     on_one = {**resumed, "output_dir": str(tmp_path / "resumed_on_one"), "per_device_train_batch_size": 8}
     run_recipe_launched_here("sft", tmp_path, "resumed_on_one", on_one, ONE_PROCESS_FSDP)
