@@ -22,7 +22,7 @@ from fsdp_recipes.methods.distill import distillation
 from fsdp_recipes.methods.sft import supervised
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import frozen_copy, loop, losses
+from fsdp_recipes.train import frozen_copy, loop, losses, router_balance
 
 
 @dataclasses.dataclass
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                 dtype=str(compute_dtype).removeprefix("torch."),
                 parameters=sum(p.numel() for p in teacher_model.parameters()),
             ),
+            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
     )
 
@@ -160,16 +161,24 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
+        balance = router_balance.for_step(accelerator, model, micro_batches, distill_loss.router_logits_of)  # MoE
         loss_sum, parts = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = distill_loss.loss_sum(model, batch)
-            accelerator.backward(loss * scale)
+            scaled = loss * scale
+            if balance is not None:  # the student router's load-balancing loss, over the global batch
+                real = router_balance.real_token_mask(batch)
+                scaled = scaled + balance.loss_share(distill_loss.router_logits, real) * run.data_parallel_size
+            accelerator.backward(scaled)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
             for name, value in distill_loss.last_parts.items():
                 parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + value
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts)
+        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
+        training.metrics.log_step(
+            step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts, **aux
+        )
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

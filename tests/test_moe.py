@@ -263,3 +263,30 @@ def test_preference_tuning_an_moe_adds_the_router_balance_and_logs_it(tmp_path, 
     assert summary["router_aux_loss"].startswith("added: 0.1 x aux")
     steps = [record for record in read_metrics(tmp_path / "out") if "aux_loss" in record]
     assert [record["step"] for record in steps] == [1, 2] and all(record["aux_loss"] > 0 for record in steps)
+
+
+def test_distilling_into_an_moe_student_adds_its_router_balance_and_logs_it(
+    tmp_path, pretrained_tiny_model, small_chat_data
+):
+    """The student's forward feeds the router's load-balancing loss (its no-gradient pass skips the teacher and the
+    output layer); the dense teacher has none. Logged as aux_loss, the run summary saying so, and the loss it adds
+    reaches the router: a run without it ends with other router weights."""
+    from safetensors.torch import load_file
+
+    from fixtures.reward_distill import distill_values
+
+    config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
+    for name, coefficient in (("balanced", 0.5), ("unbalanced", 0.0)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**config, "router_aux_loss_coef": coefficient}))
+        values = distill_values(
+            tmp_path / f"{name}.json", pretrained_tiny_model, small_chat_data, tmp_path / name, max_steps=2
+        )
+        run_recipe_in_process("distill", tmp_path, name, values)
+    summary = json.loads((tmp_path / "balanced" / "run_summary.json").read_text())
+    assert summary["router_aux_loss"].startswith("added: 0.5 x aux")
+    steps = [record for record in read_metrics(tmp_path / "balanced") if "aux_loss" in record]
+    assert [record["step"] for record in steps] == [1, 2] and all(record["aux_loss"] > 0 for record in steps)
+    assert not any("aux_loss" in record for record in read_metrics(tmp_path / "unbalanced"))
+    balanced, unbalanced = (load_file(tmp_path / name / "model.safetensors") for name in ("balanced", "unbalanced"))
+    gate = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(balanced[gate], unbalanced[gate])

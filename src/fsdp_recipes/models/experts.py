@@ -77,7 +77,7 @@ def describe_experts(config) -> dict | None:
         "num_experts": routing.num_experts,
         "experts_per_token": routing.experts_per_token,
         "router_aux_loss": "asked for by the model config (output_router_logits, router_aux_loss_coef) but not added "
-        "to this recipe's objective yet (sft, pretrain, dpo and kto add it): docs/moe.md"
+        "to this recipe's objective yet (sft, pretrain, dpo, kto and distill add it): docs/moe.md"
         if asked
         else "off (the model config's output_router_logits is false)",
     }

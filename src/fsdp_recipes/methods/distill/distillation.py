@@ -199,8 +199,9 @@ class DistillationLoss:
         self._active: dict | None = None
         self._returned = None
         self.last_parts: dict[str, torch.Tensor] = {}
+        self.router_logits = None  # a mixture of experts with output_router_logits: the student's last forward's
         original = self.head.forward
-        self.head.forward = lambda hidden: original(hidden) if self._active is None else self._losses(hidden)
+        self.head.forward = lambda hidden: original(hidden) if self._active is None else self._head_forward(hidden)
         self.description = (
             f"(1 - {kd_ratio}) x cross-entropy + {kd_ratio} x {kd_loss} at temperature {temperature}, "
             f"{chunk_size} tokens per chunk"
@@ -213,9 +214,10 @@ class DistillationLoss:
         inputs = model_inputs(model, batch)
         self._active = {"targets": batch["targets"].reshape(inputs["input_ids"].shape), "teacher": teacher_hidden}
         try:
-            losses = model(**inputs).logits
+            output = model(**inputs)
         finally:
             self._active = None
+        losses, self.router_logits = output.logits, getattr(output, "router_logits", None)
         if losses is not self._returned:  # check_no_logits_transform refuses known cases before loading
             raise RuntimeError("the student transformed its output layer's result: distillation cannot run on it")
         self._returned = None
@@ -223,6 +225,18 @@ class DistillationLoss:
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.token_losses(model, batch).sum()
+
+    def router_logits_of(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The student's router logits on `batch` (`train.router_balance`'s pass before the step): its forward with
+        the output layer bypassed, no teacher."""
+        self._active = {"router_only": True}
+        try:
+            return model(**model_inputs(model, batch)).router_logits
+        finally:
+            self._active = None
+
+    def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self._active.get("router_only") else self._losses(hidden)
 
     def _losses(self, hidden: torch.Tensor) -> torch.Tensor:
         targets, teacher_hidden = self._active["targets"], self._active["teacher"]
