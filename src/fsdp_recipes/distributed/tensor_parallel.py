@@ -37,7 +37,6 @@ import torch
 from fsdp_recipes.distributed import parallel_dims
 
 TRANSFORMERS_VERSION = "5.24"
-DOCS = "docs/parallelism.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,10 +232,13 @@ def sharded_root(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     Accelerate would still resolve its wrap policy's class names on the model before seeing it is wrapped, and FSDP2
     has renamed them (`FSDPLlamaDecoderLayer`): the plugin's resolution is switched off for this launch, its settings
     kept for the run summary and the estimator."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if not isinstance(model, FSDPModule):
-        fully_shard(model, mesh=model._mesh_manager.get_mesh("fsdp"))
+        options = {}
+        if model.config.distributed_config.fsdp_mixed_precision:  # what transformers gives its own FSDP units
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(model, mesh=model._mesh_manager.get_mesh("fsdp"), **options)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is not None:
         plugin.set_auto_wrap_policy = lambda model: None  # transformers wrapped by the model's fsdp_plan
@@ -262,12 +264,6 @@ def saved_as_one_model(model: torch.nn.Module):
     finally:
         if saved is not None:
             config.distributed_config = saved
-
-
-def loaded_by_transformers(model: torch.nn.Module) -> bool:
-    """Whether transformers' N-D engine sharded this model while loading it."""
-    inner = getattr(model, "module", model)
-    return bool(getattr(inner, "_is_distributed_loading_by_transformers", False))
 
 
 def full_weight(weight: torch.Tensor) -> torch.Tensor:
