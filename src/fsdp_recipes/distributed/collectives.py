@@ -24,6 +24,7 @@ __all__ = [
     "gather_tensors",
     "on_every_rank_together",
     "sum_over_ranks",
+    "sum_tensor_over_ranks",
     "values_of_all_ranks",
 ]
 
@@ -73,10 +74,17 @@ def sum_over_ranks(accelerator: Accelerator, value: float | int) -> float:
     """Collective: the sum of `value` over the data-parallel ranks (float64, so token counts stay exact). Under
     tensor parallelism every rank of a TP group holds the same batch and so the same value: the sum over all ranks
     divided by the TP size counts each token once."""
-    tensor = torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
+    return float(
+        sum_tensor_over_ranks(accelerator, torch.tensor(float(value), dtype=torch.float64, device=accelerator.device))
+    )
+
+
+def sum_tensor_over_ranks(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """Collective: `tensor` summed over the data-parallel ranks (the ranks of a TP group hold the same values: the sum
+    over all ranks divided by the TP size)."""
     if accelerator.num_processes == 1:
-        return float(tensor)
-    return float(accelerator.reduce(tensor, reduction="sum")) / tensor_parallel.tensor_parallel_size(accelerator)
+        return tensor
+    return accelerator.reduce(tensor, reduction="sum") / tensor_parallel.tensor_parallel_size(accelerator)
 
 
 def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:

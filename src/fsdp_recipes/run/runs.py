@@ -106,20 +106,18 @@ class StartedRun:
         common = dict(
             task=task, attn_implementation=self.attn_implementation, trust_remote_code=self.config.trust_remote_code
         )
+
+        def whole() -> torch.nn.Module:  # the model as one process loads it
+            return load_model(
+                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
+            )
+
         layout = tensor_parallel.layout_of(self.accelerator)
         if layout is None:
-            return load_model(
-                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
-            )
-
-        def complete() -> torch.nn.Module:
-            return load_model(
-                model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
-            )
-
+            return whole()
         incomplete = model_name_or_path is None or checkpoint_lacks_task_weights(model_config, task)
         with tensor_parallel.weights_to_load(
-            self.accelerator, model_name_or_path, self.scratch_dir, complete if incomplete else None
+            self.accelerator, model_name_or_path, self.scratch_dir, whole if incomplete else None
         ) as source:
             model = load_model(
                 model_config,

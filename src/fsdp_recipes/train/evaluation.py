@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
 from fsdp_recipes.distributed import tensor_parallel
-from fsdp_recipes.distributed.collectives import gather_for_metrics
+from fsdp_recipes.distributed.collectives import gather_for_metrics, sum_tensor_over_ranks
 from fsdp_recipes.models.experts import generation_options
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
@@ -137,8 +137,7 @@ def evaluate_loss(
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         total += loss_sum(model, batch).double()
         count += count_targets(batch)
-    if accelerator.num_processes > 1:  # TP groups count their rows tp times in both sums: the mean is unchanged
-        total, count = accelerator.reduce(total, "sum"), accelerator.reduce(count, "sum")
+    total, count = sum_tensor_over_ranks(accelerator, total), sum_tensor_over_ranks(accelerator, count)
     model.train()
     return float(total / count.clamp(min=1))
 
@@ -190,8 +189,7 @@ def exact_match_accuracy(
     finally:
         tokenizer.padding_side = padding_side
         model.train()
-    if accelerator.num_processes > 1:  # each TP group's ranks counted the same examples
-        correct = accelerator.reduce(correct, "sum") / tensor_parallel.tensor_parallel_size(accelerator)
+    correct = sum_tensor_over_ranks(accelerator, correct)
     return {"exact_match": float(correct) / max(len(examples), 1), "num_examples": len(examples), "samples": samples}
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed.collectives import sum_tensor_over_ranks
 from fsdp_recipes.models.experts import expert_routing, router_aux_loss_coefficient
 
 
@@ -89,8 +89,7 @@ def for_step(accelerator, model, micro_batches, forward) -> RouterBalance | None
             totals[: routing.num_experts] += router_assignment_counts(router_logits, real, routing.experts_per_token)
             totals[routing.num_experts : -1] += router_probability_sums(router_logits, real).double()
             totals[-1] += float(real.sum()) * len(router_logits)
-    if accelerator.num_processes > 1:  # the ranks of a TP group share a batch: counted once
-        totals = accelerator.reduce(totals, reduction="sum") / tensor_parallel.tensor_parallel_size(accelerator)
+    totals = sum_tensor_over_ranks(accelerator, totals)
     assignments = max(float(totals[-1]), 1.0)
     shares = (totals[: routing.num_experts] / assignments).float()
     probabilities = totals[routing.num_experts : -1] / assignments
