@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from helpers.paths import TOKENIZER
-from helpers.recipes import base_recipe_values, read_metrics, run_recipe_in_process
+from helpers.recipes import base_recipe_values, read_metrics, recipe_error_in_process, run_recipe_in_process
 
 COMMON = dict(
     vocab_size=103, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -249,18 +249,22 @@ def test_two_ranks_train_an_moe_with_its_router_balance_as_one_process(tmp_path,
 @pytest.mark.parametrize("recipe", ["dpo", "kto"])
 def test_preference_tuning_an_moe_adds_the_router_balance_and_logs_it(tmp_path, preference_data, recipe):
     """The policy's forward feeds the router's load-balancing loss (the reference's does not; KTO: the examples' rows,
-    not the KL estimate's), logged as aux_loss, with the run summary saying so."""
+    not the KL estimate's), logged as aux_loss, with the run summary saying so. The loss is turned on by the recipe's
+    `router_aux_loss_coef` (TRL's name) on a checkpoint whose config leaves it off, and the export keeps it on."""
     from transformers import AutoTokenizer
 
-    tiny_moe("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1).save_pretrained(tmp_path / "base")
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")  # output_router_logits: false, as released models ship
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp_path / "base")
     values = base_recipe_values(
         tmp_path / "unused.json", preference_data, tmp_path / "out", model_config=None, max_steps=2,
         model_name_or_path=str(tmp_path / "base"), per_device_train_batch_size=4, eval_steps=1000, beta=0.1,
+        router_aux_loss_coef=0.1,
     )  # fmt: skip
     run_recipe_in_process(recipe, tmp_path, recipe, values)
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["router_aux_loss"].startswith("added: 0.1 x aux")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["output_router_logits"] is True and exported["router_aux_loss_coef"] == 0.1
     steps = [record for record in read_metrics(tmp_path / "out") if "aux_loss" in record]
     assert [record["step"] for record in steps] == [1, 2] and all(record["aux_loss"] > 0 for record in steps)
 
@@ -290,3 +294,23 @@ def test_distilling_into_an_moe_student_adds_its_router_balance_and_logs_it(
     balanced, unbalanced = (load_file(tmp_path / name / "model.safetensors") for name in ("balanced", "unbalanced"))
     gate = "model.layers.0.mlp.gate.weight"
     assert not torch.equal(balanced[gate], unbalanced[gate])
+
+
+@pytest.mark.parametrize(
+    "value, model, expected",
+    [
+        (-0.1, "moe", "router_aux_loss_coef must be >= 0 or null, got -0.1"),
+        (0.01, "dense", "router_aux_loss_coef 0.01 on Llama, a dense model (no router to balance): remove it"),
+    ],
+)
+def test_a_negative_router_aux_loss_coef_or_one_on_a_dense_model_is_refused_before_loading(
+    tmp_path, small_chat_data, tiny_model_config, capsys, value, model, expected
+):
+    config = tiny_model_config
+    if model == "moe":
+        config = tmp_path / "moe.json"
+        config.write_text(json.dumps({"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"]}))
+    values = base_recipe_values(config, small_chat_data, tmp_path / "out", router_aux_loss_coef=value)
+    error = recipe_error_in_process("sft", tmp_path, values, capsys)
+    assert expected in error, error
+    assert not (tmp_path / "out").exists()

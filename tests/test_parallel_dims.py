@@ -1,4 +1,4 @@
-"""Tensor and context parallelism in an Accelerate config's parallelism_config, checked by `fsdp-recipes
+"""Tensor, expert and context parallelism in an Accelerate config's parallelism_config, checked by `fsdp-recipes
 validate-config` and by a recipe at start-up (every rank, before any weights load): TP layouts are read (sizes named,
 what the transformers route cannot honour refused with the reason, the model's sizes checked), CP is refused
 (docs/parallelism.md). All in this process: the TP runs themselves are in tests/test_tensor_parallel.py.
@@ -108,17 +108,17 @@ def test_validate_config_with_a_model_names_what_tp_cannot_split(tmp_path, token
 def test_a_model_tp_cannot_split_is_named_with_its_numbers(tmp_path, tokenizer):
     from transformers import AutoConfig, GPT2Config, LlamaForCausalLM
 
-    from fsdp_recipes.distributed.tensor_parallel import TensorParallelLayout, model_problems
+    from fsdp_recipes.distributed.tensor_parallel import NdLayout, model_problems
     from fsdp_recipes.models.modeling import model_class_for
     from helpers.data import write_tiny_model_config
 
     config = AutoConfig.from_pretrained(write_tiny_model_config(tmp_path / "c.json", tokenizer, vocab_size=104))
     assert model_class_for(config, "causal-lm") is LlamaForCausalLM
-    assert model_problems(TensorParallelLayout(1, 1, 2), config, LlamaForCausalLM) == []
-    (problem,) = model_problems(TensorParallelLayout(1, 1, 3), config, LlamaForCausalLM)
+    assert model_problems(NdLayout(1, 1, 2), config, LlamaForCausalLM) == []
+    (problem,) = model_problems(NdLayout(1, 1, 3), config, LlamaForCausalLM)
     assert "tp_size 3 does not divide Llama's num_attention_heads 4, num_key_value_heads 2" in problem
     assert "intermediate_size 128, vocab_size 104:" in problem
-    no_plan = model_problems(TensorParallelLayout(1, 1, 2), GPT2Config(), model_class_for(GPT2Config(), "causal-lm"))
+    no_plan = model_problems(NdLayout(1, 1, 2), GPT2Config(), model_class_for(GPT2Config(), "causal-lm"))
     assert len(no_plan) == 1 and "has no tensor-parallel plan" in no_plan[0], no_plan
 
 
@@ -175,3 +175,59 @@ def test_the_reason_for_bypassing_accelerates_tensor_parallelism_still_holds():
     )
     with pytest.raises(ImportError):
         from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+
+
+# --- expert parallelism --------------------------------------------------------------------------------------------
+EP_KEY = "parallelism_config.parallelism_config_ep_size"
+DEMO_MOE = Path(__file__).resolve().parents[1] / "demo" / "tiny_qwen3_moe.json"  # 8 routed experts
+
+
+def test_ep_reaches_the_processes_from_the_launched_file_and_its_mesh_rules_are_checked(tmp_path, monkeypatch):
+    from fsdp_recipes.distributed import expert_parallel, tensor_parallel
+
+    shipped = CONFIG_DIR / "fsdp2_tp2_ep2_4proc_cpu.yaml"
+    environment = exported_environment(shipped)  # what each rank sees once it has read the file itself
+    assert environment["PARALLELISM_CONFIG_EP_SIZE"] == "2" and check_launch_environment(environment) == []
+    layout = tensor_parallel.layout_from_environment(environment, 4)
+    assert (layout.dp_shard, layout.tp, layout.ep) == (2, 2, 2) and layout.describe() == "fsdp 2 x tp 2 x ep 2"
+    assert LaunchLayout.from_file(shipped).ep_size == 2
+    # the carrier: the variable when a launcher set it, else the file of the `accelerate launch` above this process
+    monkeypatch.setattr(expert_parallel, "launching_config_file", lambda: shipped)
+    launched = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+    assert expert_parallel.export_launched_size(launched) == 2 and launched["PARALLELISM_CONFIG_EP_SIZE"] == "2"
+    assert expert_parallel.export_launched_size({"PARALLELISM_CONFIG_EP_SIZE": "4"}) == 4
+    assert expert_parallel.export_launched_size({}) == 1  # no parallelism_config: no ep, whatever a file says
+    assert expert_parallel._is_accelerate_launch(
+        ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file"]
+    )
+    assert expert_parallel._is_accelerate_launch(["python", "-m", "accelerate.commands.launch"])
+    assert not expert_parallel._is_accelerate_launch(["torchrun", "--nproc_per_node", "4", "recipes/sft.py"])
+    assert expert_parallel._option_value(["launch", "--config_file=a.yaml"], ("--config_file",)) == "a.yaml"
+    # transformers' mesh rules: ep a multiple of tp, dividing fsdp x tp
+    path = config_with(tmp_path, "ep3.yaml", 4, dp_replicate=1, dp_shard=2, tp=2, cp=1, ep=3)
+    message = errors_of(lint_config_file(path))[TP_KEY]
+    assert "parallelism_config_ep_size 3 is not a multiple of parallelism_config_tp_size 2" in message
+    assert "does not divide dp_shard x tp = 4" in message
+    ep_alone = config_with(tmp_path, "ep8.yaml", 4, dp_replicate=1, dp_shard=4, tp=1, cp=1, ep=8)
+    assert "does not divide dp_shard x tp = 4" in errors_of(lint_config_file(ep_alone))[EP_KEY]
+    misspelled = config_with(tmp_path, "ep_key.yaml", 4, dp_replicate=1, dp_shard=4, tp=1, cp=1)
+    raw = yaml.safe_load(misspelled.read_text())
+    raw["parallelism_config"]["ep_size"] = 4
+    misspelled.write_text(yaml.safe_dump(raw))
+    assert (
+        "the keys need the prefix: parallelism_config_ep_size"
+        in errors_of(lint_config_file(misspelled))["parallelism_config.ep_size"]
+    )
+
+
+def test_ep_on_a_dense_model_or_one_whose_experts_it_does_not_divide_is_refused_with_the_numbers(tmp_path, tokenizer):
+    from helpers.data import write_tiny_model_config
+
+    path = config_with(tmp_path, "fsdp4_ep4.yaml", 4, dp_replicate=1, dp_shard=4, tp=1, cp=1, ep=4)
+    assert errors_of(lint_config_file(path, model=str(DEMO_MOE))) == {}
+    dense = write_tiny_model_config(tmp_path / "dense.json", tokenizer)
+    assert "on Llama, a dense model (no routed experts)" in errors_of(lint_config_file(path, model=str(dense)))[EP_KEY]
+    six = tmp_path / "six.json"
+    six.write_text(DEMO_MOE.read_text().replace('"num_local_experts": 8', '"num_local_experts": 6'))
+    message = errors_of(lint_config_file(path, model=str(six)))[EP_KEY]
+    assert "parallelism_config_ep_size 4 does not divide Qwen3Moe's 6 routed experts" in message

@@ -1,8 +1,9 @@
-"""Tensor parallelism through transformers' DistributedConfig, with real processes: every training recipe (and eval)
-under TP 2 gives the losses, gradient norms and exported weights of one process, GRPO the same completions, eval the
-same generations counted once; FSDP 2 x TP 2 SFT (gradient accumulation, the model's activation checkpointing) equals
-one process too, its checkpoint resumes exactly, on the same layout and on one process (DCP reshards), and exports
-offline to the end-of-run model.
+"""Tensor and expert parallelism through transformers' DistributedConfig, with real processes: every training recipe
+(and eval) under TP 2 gives the losses, gradient norms and exported weights of one process, GRPO the same completions,
+eval the same generations counted once; a mixture of experts under FSDP 2 x TP 2 x EP 2 (the experts split over 2
+ranks, gradient accumulation, the model's activation checkpointing, the router's load-balancing loss) equals one
+process too, its checkpoint resumes exactly on the same layout and on one process (DCP reshards the experts), and
+exports offline to the end-of-run model.
 
 Launches are few: one 2-process launch runs every recipe in turn (tests/scripts/recipes_in_sequence.py), one
 4-process launch runs SFT and its resume; the one-process references run here meanwhile. The tiny models of the
@@ -33,7 +34,8 @@ from helpers.recipes import (
 TP_VOCAB = 104  # the tokenizer's 103 entries, padded to what TP 2 divides
 SEQUENCE = REPO / "tests" / "scripts" / "recipes_in_sequence.py"
 TP_2 = REPO / "accelerate_configs" / "tp_2proc_cpu.yaml"
-FSDP_2_TP_2 = REPO / "accelerate_configs" / "fsdp2_tp2_4proc_cpu.yaml"
+FSDP_2_TP_2_EP_2 = REPO / "accelerate_configs" / "fsdp2_tp2_ep2_4proc_cpu.yaml"
+DEMO_MOE = REPO / "demo" / "tiny_qwen3_moe.json"  # 8 experts, top 2, router aux loss on, 104 vocabulary entries
 ONE_PROCESS_FSDP = REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"
 
 
@@ -68,8 +70,8 @@ def step_values(output_dir: Path, keys=("loss", "grad_norm")) -> dict[tuple[int,
     }
 
 
-def assert_same_run(launched: Path, one: Path, what: str) -> None:
-    got, expected = step_values(launched), step_values(one)
+def assert_same_run(launched: Path, one: Path, what: str, keys=("loss", "grad_norm")) -> None:
+    got, expected = step_values(launched, keys), step_values(one, keys)
     assert got and got.keys() == expected.keys(), (what, sorted(got), sorted(expected))
     for key in expected:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), (what, key, got[key], expected[key])
@@ -123,14 +125,14 @@ def test_every_recipe_under_tp_2_equals_one_process(tmp_path, short_run_values, 
     assert predictions[0] == predictions[1]
 
 
-def test_fsdp_2_x_tp_2_sft_equals_one_process_and_its_checkpoint_resumes_on_the_same_layout_and_on_one(
-    tmp_path, tiny_model_config, chat_data
+def test_an_moe_under_fsdp_2_x_tp_2_x_ep_2_equals_one_process_and_its_checkpoint_resumes_on_the_same_layout_and_on_one(
+    tmp_path, chat_data
 ):
     common = dict(
         max_steps=3, save_steps=2, gradient_accumulation_steps=2, warmup_steps=0, exact_match_eval_samples=0,
         eval_steps=None, gradient_checkpointing=True,  # the model's own: what TP takes instead of FSDP's
     )  # fmt: skip
-    full = base_recipe_values(tiny_model_config, chat_data, tmp_path / "nd", **common)  # 3 steps in epoch 0
+    full = base_recipe_values(DEMO_MOE, chat_data, tmp_path / "nd", **common)  # 3 steps in epoch 0
     checkpoint = tmp_path / "nd" / "checkpoints" / "step-00000002"
     resumed = {**full, "output_dir": str(tmp_path / "nd_resumed"), "resume_from_checkpoint": str(checkpoint)}
     arguments = ["sft", str(recipe_config(tmp_path / "nd.yaml", **full))]
@@ -138,12 +140,14 @@ def test_fsdp_2_x_tp_2_sft_equals_one_process_and_its_checkpoint_resumes_on_the_
     one = {**full, "output_dir": str(tmp_path / "one"), "per_device_train_batch_size": 8}  # the same global batch
     _, (result,) = alongside(
         lambda: run_recipe_in_process("sft", tmp_path, "one", one),
-        lambda: launch(SEQUENCE, arguments, num_processes=4, accelerate_config=FSDP_2_TP_2),
+        lambda: launch(SEQUENCE, arguments, num_processes=4, accelerate_config=FSDP_2_TP_2_EP_2),
     )
     require_success(result)
-    assert_same_run(tmp_path / "nd", tmp_path / "one", "fsdp 2 x tp 2")
+    assert_same_run(tmp_path / "nd", tmp_path / "one", "fsdp 2 x tp 2 x ep 2", keys=("loss", "aux_loss", "grad_norm"))
     summary = json.loads((tmp_path / "nd" / "run_summary.json").read_text())
-    assert summary["tensor_parallel"]["layout"] == "fsdp 2 x tp 2" and summary["global_batch_rows"] == 16
+    # ep reached every rank from the launched YAML (the launcher does not export it)
+    assert summary["tensor_parallel"]["layout"] == "fsdp 2 x tp 2 x ep 2" and summary["global_batch_rows"] == 16
+    assert "('efsdp', 'ep')" in summary["parameter_meshes"], summary["parameter_meshes"]  # the experts' own mesh
     # resumed on the same layout: step 3 as the uninterrupted run had it, bitwise
     assert step_values(tmp_path / "nd_resumed")[(3, "loss")] == step_values(tmp_path / "nd")[(3, "loss")]
     for name, tensor in load_file(tmp_path / "nd" / "model.safetensors").items():

@@ -5,6 +5,7 @@ that accelerate reads differently from what topologies.yaml says."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.linter import lint_config_file
 from fsdp_recipes.tools.topology import CONFIG_DIR, cluster_config, load_topologies, stale_files
 from helpers.data import write_tiny_model_config
+from helpers.paths import REPO
 
 TOPOLOGIES = load_topologies()
 BY_FILE = {t.file: t for t in TOPOLOGIES}
@@ -212,6 +214,10 @@ def test_every_shipped_file_passes_the_linter_without_a_finding(name, tmp_path, 
     model = write_tiny_model_config(
         tmp_path / "config.json", tokenizer, num_attention_heads=8, num_key_value_heads=8, vocab_size=104
     )
+    if BY_FILE[name].ep > 1:  # expert parallelism needs a mixture of experts: 8 routed experts, EP 8 divides them
+        moe = json.loads((REPO / "demo" / "tiny_qwen3_moe.json").read_text())
+        moe |= {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8}
+        (model := tmp_path / "moe.json").write_text(json.dumps(moe))
     assert lint_config_file(CONFIG_DIR / name, model=str(model)) == []
 
 

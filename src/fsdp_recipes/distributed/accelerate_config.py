@@ -101,6 +101,7 @@ class LaunchLayout:
     prefetch: bool = True  # FSDP1's backward prefetch (FSDP2 always prefetches)
     state_dict_type: str = "SHARDED_STATE_DICT"
     tp_size: int = 1  # tensor parallelism: ranks splitting each layer (transformers' DistributedConfig route)
+    ep_size: int = 1  # expert parallelism: ranks splitting a layer's routed experts (the same route; no batch change)
 
     @classmethod
     def data_parallel(cls, world_size: int, num_machines: int = 1, mixed_precision: str = "no") -> LaunchLayout:
@@ -170,6 +171,8 @@ class LaunchLayout:
             parts[-1] += f" ({self.data_parallel_size // self.shard_size} replicas x {self.shard_size} shards)"
         if self.tp_size > 1:
             parts[-1] += f" x TP {self.tp_size}"
+        if self.ep_size > 1:
+            parts[-1] += f" x EP {self.ep_size}"
         parts.append(self.mixed_precision if self.mixed_precision != "no" else "fp32")
         if self.cpu_offload:
             parts.append("CPU offload")
@@ -231,7 +234,8 @@ class LaunchLayout:
             raise ConfigError(f"parallelism_config in {where}: {problem}")
         replicate = int(parallelism.get("dp_replicate_size", 1) or 1)
         tp = int(parallelism.get("tp_size", 1) or 1)
-        if replicate > 1 or tp > 1:
+        ep = int(parallelism.get("ep_size", 1) or 1)
+        if replicate > 1 or tp > 1 or ep > 1:
             shard = int(parallelism.get("dp_shard_size", -1) or -1)
             shard = world // (replicate * tp) if shard in (-1, 0) else shard
             if shard * replicate * tp != world:
@@ -264,6 +268,7 @@ class LaunchLayout:
             prefetch=version == 2 or str(fsdp.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper() != "NO_PREFETCH",
             state_dict_type=str(state_dict_type).upper(),
             tp_size=tp,
+            ep_size=ep,
         )
 
     @classmethod
@@ -322,6 +327,7 @@ class LaunchLayout:
                 "dp_replicate_size": tensor_parallel_layout.dp_replicate,
                 "dp_shard_size": tensor_parallel_layout.dp_shard,
                 "tp_size": tensor_parallel_layout.tp,
+                "ep_size": tensor_parallel_layout.ep,
             }
         elif parallelism is not None and getattr(parallelism, "dp_replicate_size", 1) > 1:
             raw["parallelism_config"] = {

@@ -24,7 +24,7 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, gather_object
 
 from fsdp_recipes.common.errors import DistributedSetupError
-from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed import expert_parallel, tensor_parallel
 
 T = TypeVar("T")
 
@@ -48,6 +48,7 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
     Keyword arguments go to `Accelerator` (mixed precision, FSDP settings and the like come from the launcher's
     environment, i.e. from the Accelerate YAML, and should not be passed here).
     """
+    expert_parallel.export_launched_size()  # the one size accelerate's launcher does not export
     layout = tensor_parallel.requested()
     if layout is not None:
         # transformers shards the model itself; accelerate must not build its own TP ParallelismConfig (whose
@@ -207,6 +208,10 @@ def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes:
         "parameters_total": total,
         "parameters_per_rank": per_rank,
         "parameter_placements": sorted({str(getattr(p, "placements", "unsharded")) for p in model.parameters()}),
+        # which meshes hold them: ("efsdp", "ep") for experts split by expert parallelism
+        "parameter_meshes": sorted(
+            {str(p.device_mesh.mesh_dim_names) for p in model.parameters() if hasattr(p, "device_mesh")}
+        ),
         "fsdp": None,
         "tensor_parallel": tensor_parallel.describe(tensor_parallel.layout_of(accelerator)),
     }

@@ -21,7 +21,8 @@ from pathlib import Path
 from unittest import mock
 
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.distributed import parallel_dims, tensor_parallel
+from fsdp_recipes.common.yaml_json import load_yaml_mapping
+from fsdp_recipes.distributed import expert_parallel, parallel_dims, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
 ERROR, WARNING = "error", "warning"
@@ -190,7 +191,7 @@ def _lint_fsdp_keys(keys: dict) -> list[Finding]:
 def _lint_parallelism_keys(parallelism: dict, fsdp: dict, distributed_type: str) -> list[Finding]:
     if not parallelism:
         return []
-    valid = _launcher_keys("parallelism_config_")
+    valid = _launcher_keys("parallelism_config_") | {expert_parallel.CONFIG_KEY}  # ep: read by the recipes themselves
     findings = []
     for key in sorted(set(parallelism) - valid):
         hint = (
@@ -244,6 +245,10 @@ def exported_environment(config_file: str | Path) -> dict[str, str]:
             exported = launch_utils.prepare_multi_gpu_env(args)
         prefixes = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
         environment |= {k: v for k, v in exported.items() if k.startswith(prefixes) and os.environ.get(k) != v}
+        if environment.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+            # what each rank reads from this file itself (the launcher does not export it)
+            ep = expert_parallel.size_in_config(load_yaml_mapping(config_file))
+            environment[expert_parallel.ENVIRONMENT] = str(ep)
     return environment
 
 
@@ -384,7 +389,9 @@ def check_launch_environment(environ: Mapping[str, str] | None = None) -> list[F
     listing every error; returns the warnings (for the recipe to print)."""
     import torch
 
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        expert_parallel.export_launched_size()  # the one size accelerate's launcher does not export
+        environ = os.environ
     device_count = torch.accelerator.device_count() if torch.accelerator.is_available() else None
     findings = lint_launch_environment(environ, local_device_count=device_count, has_cuda=torch.cuda.is_available())
     errors = [

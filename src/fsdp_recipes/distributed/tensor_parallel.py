@@ -1,15 +1,17 @@
-"""Tensor parallelism, with FSDP2 (and HSDP) around it, through transformers' own N-D engine.
+"""Tensor and expert parallelism, with FSDP2 (and HSDP) around them, through transformers' own N-D engine.
 
-An Accelerate config whose `parallelism_config` asks for `tp_size > 1` loads the model with
-`from_pretrained(..., distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size))`: transformers
-applies the model class's `tp_plan`, then FSDP2 per its `fsdp_plan`, before the weights load, each rank reading only
-its shards. Accelerate then wraps nothing (its FSDP2 preparation returns an `FSDPModule` as it is) and stays the loop's
+An Accelerate config whose `parallelism_config` asks for `tp_size > 1` or `ep_size > 1` (fsdp_recipes.distributed.
+expert_parallel says how `ep` reaches the processes) loads the model with `from_pretrained(...,
+distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size, ep_size))`: transformers applies the model
+class's `tp_plan` and `ep_plan` (routed experts split over `ep` ranks, tokens dispatched to them by all-to-all), then
+FSDP2 per its `fsdp_plan` (the experts over the `efsdp` ranks that hold the same ones), before the weights load, each
+rank reading only its shards. Expert parallelism changes no batch: the data-parallel ranks are those of TP. Accelerate then wraps nothing (its FSDP2 preparation returns an `FSDPModule` as it is) and stays the loop's
 glue: optimizer, scheduler, gradient accumulation through FSDP2's `set_requires_gradient_sync`, clipping, checkpoints.
 Accelerate's own TP path is not used: on the pinned accelerate 1.15 it imports a class transformers 5 removed
 (docs/parallelism.md).
 
 What this module owns:
-- the layout (`TensorParallelLayout`) read from the launch environment, and every setting of the Accelerate config
+- the layout (`NdLayout`) read from the launch environment, and every setting of the Accelerate config
   that this route cannot honour, refused with the reason before any weight loads (`layout_problems`);
 - what the model must allow (`model_problems`): a `tp_plan`, and `tp` dividing heads, KV heads, MLP width, vocabulary;
 - the data-parallel mesh attached to the accelerator, so that accelerate's dataloader gives every rank of a TP group
@@ -34,18 +36,20 @@ from typing import Any
 
 import torch
 
-from fsdp_recipes.distributed import parallel_dims
+from fsdp_recipes.distributed import expert_parallel, parallel_dims
 
 TRANSFORMERS_VERSION = "5.24"
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorParallelLayout:
-    """The N-D mesh of a TP launch, in transformers' order (dp_replicate, fsdp, tp): rank = (r * fsdp + f) * tp + t."""
+class NdLayout:
+    """The N-D mesh of a TP/EP launch, in transformers' order (dp_replicate, fsdp, tp): rank = (r * fsdp + f) * tp + t.
+    The experts' mesh (dp_replicate, efsdp, ep) spans the same ranks."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
 
     @property
     def data_parallel_size(self) -> int:
@@ -56,7 +60,9 @@ class TensorParallelLayout:
         return self.data_parallel_size * self.tp
 
     def describe(self) -> str:
-        parts = [f"tp {self.tp}"]
+        parts = [f"tp {self.tp}"] if self.tp > 1 else []
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         if self.dp_shard > 1:
             parts.insert(0, f"fsdp {self.dp_shard}")
         if self.dp_replicate > 1:
@@ -67,28 +73,66 @@ class TensorParallelLayout:
         """transformers' DistributedConfig for this layout."""
         from transformers.distributed import DistributedConfig
 
+        _sum_partial_gradients_once_per_backward()
+
         return DistributedConfig(
             tp_size=self.tp,
             fsdp_size=self.dp_shard,
             dp_replicate_size=self.dp_replicate,
+            ep_size=self.ep,
             fsdp_mixed_precision=mixed_precision == "bf16",
         )
 
 
-def layout_from_environment(environ: Mapping[str, str], world_size: int) -> TensorParallelLayout | None:
-    """The TP layout the launcher exported (PARALLELISM_CONFIG_*), or None when it asks for no tensor parallelism.
+def _sum_partial_gradients_once_per_backward() -> None:
+    """transformers 5.24's `replicated_with_grad_allreduce` style (Qwen3's per-head q_norm/k_norm under TP: replicated
+    weights whose gradient covers only this rank's heads) sums `param.grad` over the TP group after every backward.
+    Under gradient accumulation `param.grad` already holds the earlier micro-steps' sum, which is then summed again:
+    micro-step k counts tp^(n-k) times. The same style, summing each backward's own gradient once (a tensor hook,
+    before it is accumulated), replaces it for this process."""
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce
+
+    class ReplicatedGradientSummedPerBackward(ReplicatedWithGradAllReduce):
+        def install_forward(self, module, mesh):
+            original_forward, hooked, group = module.forward, {}, mesh.get_group()
+
+            def summed(grad):
+                grad = grad.clone()
+                torch.distributed.all_reduce(grad, group=group)
+                return grad
+
+            def forward(*args, **kwargs):
+                if torch.is_grad_enabled():  # hooked at the first forward: the weights are replaced when they load
+                    for name, param in module.named_parameters(recurse=False):
+                        if param.requires_grad and hooked.get(name) is not param:
+                            param.register_hook(summed)
+                            hooked[name] = param
+                return original_forward(*args, **kwargs)
+
+            module.forward = forward
+            return module
+
+    ALL_PARALLEL_STYLES["replicated_with_grad_allreduce"] = ReplicatedGradientSummedPerBackward()
+
+
+def layout_from_environment(environ: Mapping[str, str], world_size: int) -> NdLayout | None:
+    """The TP/EP layout the launcher exported (PARALLELISM_CONFIG_*), or None when it asks for neither.
     A dp_shard size of -1 or 0 (accelerate's "the rest") is resolved from the world size."""
     sizes = parallel_dims.sizes_from_environment(environ)
-    if sizes["tp"] <= 1:
+    uses_parallelism_config = environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+    ep = expert_parallel.size_from_environment(environ) if uses_parallelism_config else 1
+    if sizes["tp"] <= 1 and ep <= 1:
         return None
-    replicate, tp = max(1, sizes["dp_replicate"]), sizes["tp"]
+    replicate, tp = max(1, sizes["dp_replicate"]), max(1, sizes["tp"])
     shard = sizes["dp_shard"] if sizes["dp_shard"] > 0 else max(1, world_size // (replicate * tp))
-    return TensorParallelLayout(dp_replicate=replicate, dp_shard=shard, tp=tp)
+    return NdLayout(dp_replicate=replicate, dp_shard=shard, tp=tp, ep=ep)
 
 
-def layout_problems(layout: TensorParallelLayout, environ: Mapping[str, str], world_size: int) -> list[str]:
-    """What the Accelerate config asks for that the TP route cannot do, each with its fix (empty: it runs)."""
-    problems = []  # sizes that do not multiply to the world size: launch_checks, with every dimension named
+def layout_problems(layout: NdLayout, environ: Mapping[str, str], world_size: int) -> list[str]:
+    """What the Accelerate config asks for that the TP/EP route cannot do, each with its fix (empty: it runs)."""
+    problems = expert_parallel.layout_problems(ep=layout.ep, tp=layout.tp, dp_shard=layout.dp_shard)
+    # sizes that do not multiply to the world size: launch_checks, with every dimension named
     fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if not fsdp or environ.get("FSDP_VERSION", "1") != "2":
         problems.append(
@@ -129,15 +173,27 @@ def layout_problems(layout: TensorParallelLayout, environ: Mapping[str, str], wo
 
 
 def problems(environ: Mapping[str, str]) -> dict[str, str]:
-    """{Accelerate config key: what the TP route cannot do} for the launch environment (empty without TP)."""
+    """{Accelerate config key: what the TP/EP route cannot do} for the launch environment (empty without either)."""
     world_size = int(environ.get("WORLD_SIZE", "1"))
     layout = layout_from_environment(environ, world_size)
     found = [] if layout is None else layout_problems(layout, environ, world_size)
-    return {"parallelism_config.parallelism_config_tp_size": "; ".join(found)} if found else {}
+    if not found:
+        return {}
+    key = "parallelism_config_tp_size" if layout.tp > 1 else expert_parallel.CONFIG_KEY
+    return {f"parallelism_config.{key}": "; ".join(found)}
 
 
-def model_problems(layout: TensorParallelLayout, model_config, model_class) -> list[str]:
-    """What keeps this model from TP `layout.tp`: no tp_plan, or sizes tp does not divide (the model's numbers)."""
+def model_problems(layout: NdLayout, model_config, model_class, num_experts: int | None = None) -> list[str]:
+    """What keeps this model from `layout`: for TP no tp_plan, or sizes tp does not divide (the model's numbers); for
+    EP what fsdp_recipes.distributed.expert_parallel.model_problems says (`num_experts`: the routed experts, None for
+    a dense model)."""
+    found = expert_parallel.model_problems(layout.ep, model_config, model_class, num_experts)
+    if layout.tp <= 1:
+        return found
+    return found + _tensor_parallel_model_problems(layout, model_config, model_class)
+
+
+def _tensor_parallel_model_problems(layout: NdLayout, model_config, model_class) -> list[str]:
     name = type(model_config).__name__.removesuffix("Config")
     plan = dict(getattr(model_class, "_tp_plan", None) or {}) | dict(
         getattr(model_config, "base_model_tp_plan", None) or {}
@@ -154,6 +210,7 @@ def model_problems(layout: TensorParallelLayout, model_config, model_class) -> l
         "num_attention_heads": getattr(text, "num_attention_heads", None),
         "num_key_value_heads": getattr(text, "num_key_value_heads", None),
         "intermediate_size": getattr(text, "intermediate_size", None),
+        "moe_intermediate_size": getattr(text, "moe_intermediate_size", None),
         "vocab_size": getattr(text, "vocab_size", None),
     }
     bad = {key: value for key, value in sizes.items() if isinstance(value, int) and value % layout.tp}
@@ -167,7 +224,7 @@ def model_problems(layout: TensorParallelLayout, model_config, model_class) -> l
 
 
 # --- the running launch ------------------------------------------------------------------------------------------------
-def attach_data_parallel_mesh(accelerator, layout: TensorParallelLayout) -> None:
+def attach_data_parallel_mesh(accelerator, layout: NdLayout) -> None:
     """A (dp_replicate, dp_shard, tp) mesh in transformers' rank order, attached where accelerate's dataloader looks:
     every rank of a TP group then gets the same batch and each data-parallel rank its own slice. No
     ParallelismConfig is attached, so that accelerate's own (broken) TP preparation never runs."""
@@ -183,13 +240,17 @@ def attach_data_parallel_mesh(accelerator, layout: TensorParallelLayout) -> None
         raise RuntimeError("accelerate's device mesh could not be attached (written for accelerate 1.15)")
 
 
-def layout_of(accelerator) -> TensorParallelLayout | None:
-    """The TP layout of a running launch (the mesh `attach_data_parallel_mesh` attached), None without TP."""
+def layout_of(accelerator) -> NdLayout | None:
+    """The TP/EP layout of a running launch (the mesh `attach_data_parallel_mesh` attached, and the exported `ep`),
+    None without either."""
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
         return None
-    return TensorParallelLayout(
-        dp_replicate=mesh["dp_replicate"].size(), dp_shard=mesh["dp_shard"].size(), tp=mesh["tp"].size()
+    return NdLayout(
+        dp_replicate=mesh["dp_replicate"].size(),
+        dp_shard=mesh["dp_shard"].size(),
+        tp=mesh["tp"].size(),
+        ep=expert_parallel.size_from_environment(os.environ),
     )
 
 
@@ -275,8 +336,8 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
 
-def describe(layout: TensorParallelLayout | None) -> dict[str, Any] | None:
-    """The run summary's record of the TP route (None without TP)."""
+def describe(layout: NdLayout | None) -> dict[str, Any] | None:
+    """The run summary's record of the TP/EP route (None without either)."""
     if layout is None:
         return None
     return {
@@ -284,9 +345,10 @@ def describe(layout: TensorParallelLayout | None) -> dict[str, Any] | None:
         "engine": f"transformers.distributed.DistributedConfig (written for transformers {TRANSFORMERS_VERSION})",
         "data_parallel_size": layout.data_parallel_size,
         "tensor_parallel_size": layout.tp,
+        "expert_parallel_size": layout.ep,
     }
 
 
-def requested() -> TensorParallelLayout | None:
-    """This launch's TP layout, from its environment (None without TP)."""
+def requested() -> NdLayout | None:
+    """This launch's TP/EP layout, from its environment (None without either)."""
     return layout_from_environment(os.environ, int(os.environ.get("WORLD_SIZE", "1")))

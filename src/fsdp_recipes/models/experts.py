@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_recipes.common.errors import ConfigError
+
 _EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -63,6 +65,24 @@ def router_aux_loss_coefficient(config) -> float:
     if expert_routing(config) is None or not getattr(text, "output_router_logits", False):
         return 0.0
     return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def apply_router_aux_loss_coef(config, coefficient: float | None) -> None:
+    """A recipe's `router_aux_loss_coef` (TRL's name) set on the model config, where transformers and TRL read it:
+    > 0 turns the load-balancing loss on with that weight (`output_router_logits`), 0 turns it off, None keeps the
+    config's own. The exported config.json carries the choice. Raises ConfigError for a weight on a dense model."""
+    if coefficient is None:
+        return
+    if expert_routing(config) is None:
+        if coefficient > 0:
+            name = type(config).__name__.removesuffix("Config")
+            raise ConfigError(
+                f"router_aux_loss_coef {coefficient:g} on {name}, a dense model (no router to balance): remove it"
+            )
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text.output_router_logits = coefficient > 0
+    text.router_aux_loss_coef = coefficient
 
 
 def describe_experts(config) -> dict | None:

@@ -20,6 +20,7 @@ from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
 from fsdp_recipes.models import adapters
 from fsdp_recipes.models.attention import resolve_attn_implementation
+from fsdp_recipes.models.experts import apply_router_aux_loss_coef, expert_routing
 from fsdp_recipes.models.modeling import (
     check_one_activation_checkpointing,
     check_packing_is_isolated,
@@ -173,22 +174,26 @@ def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task
 def check_tensor_parallel(
     accelerator: Accelerator, config: RunConfig, model_config, task: str, *, adapter: bool = False
 ) -> None:
-    """Under a TP launch: the model can be split `tp` ways, and nothing the route cannot do is asked for (`adapter`:
-    the model to load is a LoRA adapter, merged into its base before sharding)."""
+    """Under a TP/EP launch: the model can be split `tp` (and its experts `ep`) ways, and nothing the route cannot do
+    is asked for (`adapter`: the model to load is a LoRA adapter, merged into its base before sharding)."""
     layout = tensor_parallel.layout_of(accelerator)
     if layout is None:
         return
-    problems = tensor_parallel.model_problems(layout, model_config, model_class_for(model_config, task))
+    routing = expert_routing(model_config)
+    problems = tensor_parallel.model_problems(
+        layout, model_config, model_class_for(model_config, task), routing and routing.num_experts
+    )
+    fsdp_alone = "FSDP alone (parallelism_config_tp_size: 1, parallelism_config_ep_size: 1)"
     if adapter:
         problems.append(
-            "a LoRA adapter under tensor parallelism: it is merged into its base before sharding, which the sharded "
-            "loading cannot do; merge it first (fsdp-recipes export) and evaluate the merged folder, or evaluate with "
-            "FSDP alone (parallelism_config_tp_size: 1)"
+            f"a LoRA adapter under {layout.describe()}: it is merged into its base before sharding, which the sharded "
+            f"loading cannot do; merge it first (fsdp-recipes export) and evaluate the merged folder, or evaluate with "
+            f"{fsdp_alone}"
         )
     if getattr(config, "use_peft", False):
         problems.append(
-            "use_peft under tensor parallelism: peft's LoRA layers add a whole-width update to the sharded output of "
-            "a TP linear layer, which does not fit; train LoRA with FSDP alone (parallelism_config_tp_size: 1)"
+            f"use_peft under {layout.describe()}: peft's LoRA layers do not wrap the tensor- or expert-sharded layers "
+            f"transformers builds (a whole-width update on a sharded output); train LoRA with {fsdp_alone}"
         )
     if problems:
         raise ConfigError(problems)
@@ -210,6 +215,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         raise ConfigError(problem)
     hub_token = require_hub_token() if config.push_to_hub else None
     tokenizer, model_config = load_model_files(config, config.model_name_or_path, config.model_config)
+    apply_router_aux_loss_coef(model_config, config.router_aux_loss_coef)
     if checkpoint is not None and checkpoints_lib.saved_model_config_path(checkpoint).is_file():
         saved = load_model_config(
             None, str(checkpoints_lib.saved_model_config_path(checkpoint)), trust_remote_code=config.trust_remote_code

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed import expert_parallel, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import (
     UnreadableAccelerateConfig,
     fsdp_settings,
@@ -23,23 +23,32 @@ from fsdp_recipes.distributed.launch_checks import (
     lint_config_dict,
     lint_launch_environment,
 )
+from fsdp_recipes.models.experts import expert_routing
 from fsdp_recipes.models.modeling import load_model_config
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
 def _lint_tensor_parallel_model(raw: dict, config, model_class) -> list[Finding]:
-    """Under `parallelism_config_tp_size` > 1: the model has a tensor-parallel plan and tp divides its sizes."""
+    """Under `parallelism_config_tp_size` or `_ep_size` > 1: the model has the plans they need and they divide its
+    sizes (heads, widths, vocabulary; routed experts)."""
     sizes = {k.removeprefix("parallelism_config_"): v for k, v in (raw.get("parallelism_config") or {}).items()}
-    tp = int(sizes.get("tp_size", 1) or 1)
-    if tp <= 1:
+    tp, ep = int(sizes.get("tp_size", 1) or 1), expert_parallel.size_in_config(raw)
+    if tp <= 1 and ep <= 1:
         return []
-    layout = tensor_parallel.TensorParallelLayout(
+    layout = tensor_parallel.NdLayout(
         dp_replicate=int(sizes.get("dp_replicate_size", 1) or 1),
         dp_shard=int(sizes.get("dp_shard_size", 1) or 1),
         tp=tp,
+        ep=ep,
     )
-    key = "parallelism_config.parallelism_config_tp_size"
-    return [Finding(ERROR, key, problem) for problem in tensor_parallel.model_problems(layout, config, model_class)]
+    routing = expert_routing(config)
+    found = tensor_parallel.model_problems(layout, config, model_class, routing and routing.num_experts)
+    key = (
+        "parallelism_config.parallelism_config_tp_size"
+        if tp > 1
+        else f"parallelism_config.{expert_parallel.CONFIG_KEY}"
+    )
+    return [Finding(ERROR, key, problem) for problem in found]
 
 
 def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> list[Finding]:

@@ -20,6 +20,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.distributed import expert_parallel
 from fsdp_recipes.distributed.accelerate_config import DEFAULT_MIN_NUM_PARAMS, WRAP_POLICIES, LaunchLayout
 
 REPO = Path(__file__).resolve().parents[3]
@@ -70,6 +71,7 @@ class TopologyEntry:
     fsdp_version: int = 2
     hsdp_replicate: int | None = None  # HYBRID_SHARD: copies of the model (usually nodes); shard = world / (this x tp)
     tp: int = 1  # tensor parallelism: ranks splitting each layer (within a node); FSDP shards over world / tp
+    ep: int = 1  # expert parallelism: ranks splitting a layer's routed experts (a multiple of tp dividing fsdp x tp)
     mixed_precision: str = "bf16"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
@@ -105,6 +107,7 @@ class TopologyEntry:
             min_num_params=self.min_num_params if size_based else DEFAULT_MIN_NUM_PARAMS,
             state_dict_type=self.state_dict_type,
             tp_size=self.tp,
+            ep_size=self.ep,
         )
 
     def describe(self) -> str:
@@ -131,7 +134,11 @@ def describe_hardware(layout: LaunchLayout, device: str = "gpu") -> str:
     else:
         parts.append(f"FSDP{layout.fsdp_version} {layout.fsdp1_strategy}")
     if layout.tp_size > 1 and layout.shard_size > 1:
-        parts[-1] += f" x TP {layout.tp_size} (transformers' DistributedConfig)"
+        parts[-1] += f" x TP {layout.tp_size}"
+    if layout.ep_size > 1:
+        parts[-1] += f" x EP {layout.ep_size}"
+    if layout.is_fsdp and (layout.tp_size > 1 and layout.shard_size > 1 or layout.ep_size > 1):
+        parts[-1] += " (transformers' DistributedConfig)"
     parts.append("fp32" if layout.mixed_precision == "no" else layout.mixed_precision)
     if layout.cpu_offload:
         parts.append("CPU offload")
@@ -210,6 +217,20 @@ def _semantic_problems(topology: TopologyEntry) -> list[str]:
                 f"{where}: tp does not take cpu_offload, activation_checkpointing or wrap_classes "
                 "(fsdp_recipes.distributed.tensor_parallel says why)"
             )
+    if topology.ep > 1:
+        data_parallel = topology.world_size // max(1, topology.tp)
+        shard = data_parallel // (topology.hsdp_replicate or 1)
+        problems += [
+            f"{where}: {problem}"
+            for problem in expert_parallel.layout_problems(ep=topology.ep, tp=topology.tp, dp_shard=shard)
+        ]
+        if topology.fsdp_version != 2 or topology.sharding not in ("FULL_SHARD", "HYBRID_SHARD"):
+            problems.append(f"{where}: ep runs with FSDP2 FULL_SHARD or HYBRID_SHARD around it")
+        if topology.cpu_offload or topology.activation_checkpointing or topology.wrap_classes:
+            problems.append(
+                f"{where}: ep does not take cpu_offload, activation_checkpointing or wrap_classes "
+                "(fsdp_recipes.distributed.tensor_parallel says why)"
+            )
     if topology.wrap_policy == "SIZE_BASED_WRAP" and not topology.min_num_params:
         problems.append(f"{where}: SIZE_BASED_WRAP needs min_num_params")
     if topology.fsdp_version == 1 and topology.device == "cpu" and topology.sharding != "NO_SHARD":
@@ -277,13 +298,15 @@ def cluster_config(layout: LaunchLayout) -> ClusterConfig:
     """The layout as accelerate's own config object (what `accelerate config` would have written)."""
     multi_node = layout.num_machines > 1
     parallelism = {}
-    if (layout.hsdp_replicate or layout.tp_size > 1) and layout.fsdp_version == 2:
+    if (layout.hsdp_replicate or layout.tp_size > 1 or layout.ep_size > 1) and layout.fsdp_version == 2:
         parallelism = {
             "parallelism_config_dp_replicate_size": layout.hsdp_replicate or 1,
             "parallelism_config_dp_shard_size": layout.shard_size,
             "parallelism_config_tp_size": layout.tp_size,
             "parallelism_config_cp_size": 1,
         }
+        if layout.ep_size > 1:  # read by the recipes from this file (fsdp_recipes.distributed.expert_parallel)
+            parallelism[expert_parallel.CONFIG_KEY] = layout.ep_size
     return ClusterConfig(
         compute_environment="LOCAL_MACHINE",
         distributed_type=layout.distributed_type,
@@ -319,12 +342,17 @@ def _header(topology: TopologyEntry) -> list[str]:
             "# The launcher ignores rdzv_backend and same_network below: pass --rdzv_backend c10d and --machine_rank on "
             "the command line (accelerate_configs/slurm_multinode.sbatch does)."
         )
+    if topology.ep > 1:
+        lines.append(
+            f"# EP: {expert_parallel.CONFIG_KEY} is read by the recipes from this file (accelerate's launcher does "
+            "not export it); transformers splits the routed experts by the model's ep_plan (docs/moe.md)."
+        )
     if topology.tp > 1:
         lines.append(
             "# TP: transformers loads the model with DistributedConfig from parallelism_config, splitting layers by the "
             "model's tp_plan and wrapping FSDP units by its fsdp_plan (docs/parallelism.md)."
         )
-    elif (
+    elif topology.ep == 1 and (
         topology.sharding != "NO_SHARD"
         and topology.wrap_policy == "TRANSFORMER_BASED_WRAP"
         and not topology.wrap_classes

@@ -117,6 +117,14 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         "instead of model_name_or_path: a config.json to initialise a model from scratch (demos, tests)",
         resume="sensitive",
     )
+    router_aux_loss_coef: float | None = setting(
+        None,
+        "a mixture of experts' load-balancing loss weight (TRL's name): null keeps the model config's (on only where "
+        "it sets output_router_logits: true); > 0 turns the loss on with this weight, 0 turns it off. Higher spreads "
+        "tokens more evenly over the experts, at some cost to the task loss (docs/moe.md)",
+        resume="sensitive",
+        check=checks.at_least(0, or_null=True),
+    )
     # --- LoRA / QLoRA (names as TRL's ModelConfig; see fsdp_recipes.models.adapters) ---------------------------------
     use_peft: bool = setting(
         False,

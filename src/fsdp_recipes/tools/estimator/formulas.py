@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.models.experts import is_routed_expert_parameter
 from fsdp_recipes.tools.estimator.shapes import ModelInfo, Param, load_model_info, tensor_parallel_local
 from fsdp_recipes.tools.estimator.workload import Adapters, Workload, adapters_for, layout_for_recipe, workload_for
 from fsdp_recipes.train.config import TrainingConfig
@@ -34,7 +35,7 @@ def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
     """The FSDP units accelerate's preparation creates (accelerate 1.15): one per wrapped module (bottom-up); for FSDP2
     also the input embedding (own unit unless tied) and a tail unit [final norm, output embedding] that is not resharded
     after forward; and the root with whatever is left (not resharded after forward either). In execution order."""
-    info = tensor_parallel_local(info, layout.tp_size)
+    info = tensor_parallel_local(info, layout.tp_size, layout.ep_size)
     reshard = layout.reshard_after_forward
     assigned: set[str] = set()
     units: list[Unit] = []
@@ -96,9 +97,16 @@ def state_bytes_on_rank(
     (that is how FSDP2 allocates them); AdamW's exp_avg / exp_avg_sq are made from the unpadded local shard. FSDP1: a
     flat parameter per unit, padded to a multiple of S. Unsharded: everything whole. Parameters, gradients and AdamW
     state are fp32 (the recipe loads fp32 weights; under mixed precision they are the master weights), plus AdamW's
-    4-byte `step` per parameter tensor."""
+    4-byte `step` per parameter tensor. Under expert parallelism the routed experts are sharded over their own mesh
+    (dp_replicate, efsdp, ep): over efsdp = shard x tp / ep ranks, at index (rank // ep) % efsdp."""
     shards = layout.shard_size if layout.is_fsdp else 1
     shard_rank = (rank // layout.tp_size) % shards  # ranks in mesh order (replicate, shard, tp)
+    expert_shards = max(1, shards * layout.tp_size // layout.ep_size) if layout.ep_size > 1 else shards
+    expert_rank = (rank // layout.ep_size) % expert_shards if layout.ep_size > 1 else shard_rank
+
+    def sharding(param: Param) -> tuple[int, int]:
+        return (expert_shards, expert_rank) if is_routed_expert_parameter(param.name) else (shards, shard_rank)
+
     params = grads = optim = 0
     count = 0
     for unit in units:
@@ -106,8 +114,8 @@ def state_bytes_on_rank(
         if shards == 1:
             padded = local = unit.numel
         elif layout.fsdp_version == 2:
-            padded = sum(p.padded_rows(shards) * p.row_numel for p in unit.params)
-            local = sum(p.rows_on(shard_rank, shards) * p.row_numel for p in unit.params)
+            padded = sum(p.padded_rows(sharding(p)[0]) * p.row_numel for p in unit.params)
+            local = sum(p.rows_on(sharding(p)[1], sharding(p)[0]) * p.row_numel for p in unit.params)
         else:
             padded = -(-unit.numel // shards)
             local = max(0, min(padded, unit.numel - shard_rank * padded))
@@ -141,8 +149,12 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int, tp
     gated MLP, no dropout). Per layer and token: c*(2h + 3q + 2kv + 4i) + 4*2h + 4*heads (+ c*heads*s + 4*heads*s for eager;
     kv = q for sdpa and eager, which get keys and values repeated to every head). Under tensor parallelism `tp` the
     heads and the MLP width are split (q, kv, i, heads / tp), the hidden states (2h) are not (no sequence
-    parallelism), and the chunked loss gathers the output layer's weight whole (c * vocab * h)."""
-    c, h, i = compute_bytes, info.hidden_size, info.intermediate_size
+    parallelism), and the chunked loss gathers the output layer's weight whole (c * vocab * h). A mixture of experts:
+    i is the width a token runs through (`ModelInfo.mlp_width_per_token`: top-k experts plus shared ones), and each
+    token also keeps its k routed copies in and out of the experts (c * 2kh) and the router's logits (4 bytes x
+    experts, kept for the load-balancing loss). With expert parallelism a rank's experts process, on average, as many
+    tokens as it sends: balanced routing is assumed, and a skewed router can exceed the estimate."""
+    c, h, i = compute_bytes, info.hidden_size, info.mlp_width_per_token
     kv = info.num_kv_heads * info.head_dim
     q = info.num_heads * info.head_dim
     s, tokens = workload.row_length, workload.tokens
@@ -151,6 +163,8 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int, tp
         # head before sdpa on CUDA (its use_gqa_in_sdpa), as eager always does: they are saved at that size
         kv = q
     per_token_layer = c * (2 * h + (3 * q + 2 * kv + 4 * i) // tp) + FP32 * 2 * h + FP32 * info.num_heads // tp
+    if info.routing is not None:
+        per_token_layer += c * 2 * info.routing.experts_per_token * h + FP32 * info.routing.num_experts
     if workload.attn_implementation == "eager":
         per_token_layer += (c + FP32) * info.num_heads * s // tp  # softmax in fp32 and its cast, a*s per token
     layer = per_token_layer * tokens

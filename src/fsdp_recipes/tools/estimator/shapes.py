@@ -14,7 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.models.experts import ExpertRouting, active_parameter_count, expert_routing
+from fsdp_recipes.models.experts import (
+    ExpertRouting,
+    active_parameter_count,
+    expert_routing,
+    is_routed_expert_parameter,
+)
 from fsdp_recipes.models.modeling import load_model_config
 
 
@@ -73,20 +78,38 @@ class ModelInfo:
         return sum(p.numel for p in self.params)
 
     @property
+    def mlp_width_per_token(self) -> int:
+        """The MLP width one token runs through in a layer: the intermediate size of a dense model; for a mixture of
+        experts, its top-k routed experts' widths plus its shared experts' (Qwen2-MoE's shared_expert_intermediate_size,
+        DeepSeek's n_shared_experts x moe_intermediate_size). Mixtral and gpt-oss name the expert width
+        intermediate_size."""
+        if self.routing is None or self.config is None:
+            return self.intermediate_size
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        expert = int(getattr(text, "moe_intermediate_size", None) or self.intermediate_size)
+        shared = int(getattr(text, "shared_expert_intermediate_size", None) or 0)
+        shared += int(getattr(text, "n_shared_experts", None) or 0) * expert
+        return self.routing.experts_per_token * expert + shared
+
+    @property
     def active_params(self) -> int:
         """Parameters a token runs through (a mixture of experts: the routed experts' top-k share)."""
         return active_parameter_count(((p.name, p.numel) for p in self.params), self.routing)
 
 
-def tensor_parallel_local(info: ModelInfo, tp: int) -> ModelInfo:
-    """The shapes one rank of a TP group holds: every matrix split `tp` ways (transformers' plans split the linear
+def tensor_parallel_local(info: ModelInfo, tp: int, ep: int = 1) -> ModelInfo:
+    """The shapes one rank of a TP/EP group holds: every matrix split `tp` ways (transformers' plans split the linear
     layers, the embeddings and the output layer along one dimension, counted here as dim 0, which FSDP then shards),
-    vectors (norms) whole."""
-    if tp <= 1:
+    vectors (norms) whole; under expert parallelism the routed experts split `ep` ways by expert instead (the EP plan
+    takes precedence over the TP plan for them; fused experts hold the expert index in dim 0)."""
+    if tp <= 1 and ep <= 1:
         return info
 
     def local(param: Param) -> Param:
-        return param if len(param.shape) < 2 else Param(param.name, (-(-param.shape[0] // tp), *param.shape[1:]))
+        if len(param.shape) < 2:
+            return param
+        ways = ep if ep > 1 and is_routed_expert_parameter(param.name) else tp
+        return Param(param.name, (-(-param.shape[0] // ways), *param.shape[1:]))
 
     return dataclasses.replace(
         info,
