@@ -56,6 +56,8 @@ PUBLISHED_BILLIONS = {
     "Qwen/Qwen3-8B-Base": 8.2,
     "Qwen/Qwen3-14B-Base": 14.8,
     "Qwen/Qwen3-32B": 32.8,
+    "Qwen/Qwen3-30B-A3B": 30.5,  # 3.3B active (the model card)
+    "Qwen/Qwen3-235B-A22B": 235.0,  # 22B active
     "mistralai/Mistral-7B-v0.3": 7.25,
     "google/gemma-2-2b": 2.61,
     "google/gemma-2-9b": 9.24,
@@ -510,3 +512,10 @@ def test_a_config_whose_comment_first_gives_the_step_before_it_is_read_with_its_
     assert comment.index("recipes/sft.py") < comment.index("recipes/dpo.py")
     assert config.launch.script == "recipes/dpo.py" and config.launch.recipe_config.endswith("dpo/demo_reverse.yaml")
     assert launched_script(config.path).name == "dpo.py"
+
+
+@pytest.mark.parametrize("hub_id, active", [("Qwen/Qwen3-30B-A3B", 3.3), ("Qwen/Qwen3-235B-A22B", 22.0)])
+def test_mixture_of_experts_shapes_give_the_published_active_size(hub_id, active):
+    info = model_info(MODEL_SHAPES / hub_id / "config.json")
+    assert info.active_params / 1e9 == pytest.approx(active, rel=0.02)
+    assert info.mlp_width_per_token == info.routing.experts_per_token * info.config.moe_intermediate_size

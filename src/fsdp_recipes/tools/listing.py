@@ -47,6 +47,8 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
             split = [f"{layout.num_machines} nodes"] if layout.num_machines > 1 else []
             if layout.tp_size > 1:  # the layout, not only the count: each layer split tp ways
                 split.append(f"TP {layout.tp_size} x FSDP {layout.shard_size}")
+            if layout.ep_size > 1:  # a layer's routed experts split ep ways
+                split.append(f"EP {layout.ep_size}")
             if split:
                 processes += f" ({', '.join(split)})"
             memory = short_size(estimate.total)

@@ -40,12 +40,13 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
             )
 
     tp = layout.tp_size
+    sharded_by_transformers = tp > 1 or layout.ep_size > 1  # the DistributedConfig route: no offload, no LoRA
     if layout.is_fsdp and not layout.activation_checkpointing:
         add(
             "activation checkpointing",
-            "gradient_checkpointing: true in the recipe config (under tensor parallelism the model's own "
+            "gradient_checkpointing: true in the recipe config (under tensor or expert parallelism the model's own "
             "checkpointing is the one that applies)"
-            if tp > 1
+            if sharded_by_transformers
             else "fsdp_activation_checkpointing: true in the Accelerate config "
             "(accelerate_configs/fsdp_8gpu_activation_checkpointing.yaml)",
             dataclasses.replace(layout, activation_checkpointing=True),
@@ -99,7 +100,7 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
                     more,
                 )
                 break
-    if layout.is_fsdp and not layout.cpu_offload and tp == 1:  # the TP route has no offload
+    if layout.is_fsdp and not layout.cpu_offload and not sharded_by_transformers:  # that route has no offload
         add(
             "CPU offload",
             "fsdp_offload_params: true (accelerate_configs/fsdp_8gpu_offload.yaml); parameters, gradients "
@@ -120,7 +121,7 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
             f"{settings} in the recipe config" + (f" ({cost})" if cost else ""),
             new_recipe=dataclasses.replace(recipe, **values),
         )
-    if info.linear_shapes_in_layers and current.trainable_params is None and tp == 1:  # no LoRA under TP
+    if info.linear_shapes_in_layers and current.trainable_params is None and not sharded_by_transformers:
         lora = dataclasses.replace(recipe, use_peft=True)
         add(
             f"LoRA (rank {lora.lora_r})",
