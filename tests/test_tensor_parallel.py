@@ -148,6 +148,10 @@ def test_an_moe_under_fsdp_2_x_tp_2_x_ep_2_equals_one_process_and_its_checkpoint
     # ep reached every rank from the launched YAML (the launcher does not export it)
     assert summary["tensor_parallel"]["layout"] == "fsdp 2 x tp 2 x ep 2" and summary["global_batch_rows"] == 16
     assert "('efsdp', 'ep')" in summary["parameter_meshes"], summary["parameter_meshes"]  # the experts' own mesh
+    # the estimator's expert split: each rank holds 1/(ep x efsdp) of the routed experts, exactly as predicted
+    held = [rank["routed_expert_parameters"] for rank in summary["state_bytes_per_rank"]]
+    predicted = [rank["routed_expert_parameters"] for rank in summary["memory_estimate"]["rank_state_bytes_per_rank"]]
+    assert held == predicted and held[0] > 0, (held, predicted)
     # resumed on the same layout: step 3 as the uninterrupted run had it, bitwise
     assert step_values(tmp_path / "nd_resumed")[(3, "loss")] == step_values(tmp_path / "nd")[(3, "loss")]
     for name, tensor in load_file(tmp_path / "nd" / "model.safetensors").items():

@@ -349,7 +349,9 @@ class Run(StartedRun):
 
         def record(*_):
             hook.remove()
-            held = held_state_bytes(model, torch_optimizer, frozen_models)
+            held = held_state_bytes(
+                model, torch_optimizer, frozen_models, split_experts=not getattr(self.config, "use_peft", False)
+            )
             self.summary["state_bytes_per_rank"] = (
                 gather_object([held]) if self.accelerator.num_processes > 1 else [held]
             )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_recipes.common.tables import format_value
+from fsdp_recipes.models.experts import is_routed_expert_parameter
 from fsdp_recipes.train.cadence import Cadence
 
 
@@ -341,11 +342,12 @@ class StepLogger:
         }
 
 
-def held_state_bytes(model, optimizer, frozen: dict | None = None) -> dict[str, int]:
+def held_state_bytes(model, optimizer, frozen: dict | None = None, *, split_experts: bool = False) -> dict[str, int]:
     """What this rank really holds, to set beside `state_bytes_on_rank`: the storage behind its parameter and gradient
     shards (FSDP2 allocates them padded; gradients may share one buffer) and its AdamW state tensors; and for each of
     `frozen` ({name: a frozen model, or None where the run holds none}) its parameter shards. Call it after an
-    optimizer step, before the gradients are zeroed."""
+    optimizer step, before the gradients are zeroed. `split_experts`: also the routed experts' share of the parameters
+    (a mixture of experts trained whole; the estimator predicts the same split)."""
     import torch
 
     def local(tensor):
@@ -360,8 +362,11 @@ def held_state_bytes(model, optimizer, frozen: dict | None = None) -> dict[str, 
 
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
     states = [local(value) for state in inner.state.values() for value in state.values() if torch.is_tensor(value)]
+    experts = [local(p) for name, p in model.named_parameters() if split_experts and is_routed_expert_parameter(name)]
     return {
         "parameters": storage_bytes(local(p) for p in model.parameters()),
+        # a mixture of experts: the routed experts' share of this rank's parameters (their shards, unpadded)
+        **({"routed_expert_parameters": sum(t.numel() * t.element_size() for t in experts)} if experts else {}),
         "gradients": storage_bytes(local(p.grad) for p in model.parameters() if p.grad is not None),
         "optimizer_state": sum(t.numel() * t.element_size() for t in states),
         **{

@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.models.experts import is_routed_expert_parameter
 from fsdp_recipes.tools.estimator.formulas import (
+    Unit,
     adapter_state_bytes_on_rank,
     estimate_for_recipe,
     plan_units,
@@ -28,10 +30,21 @@ def estimate_for_run(
     est = estimate_for_recipe(info, layout, recipe_config, gpu_memory=gpu_memory or 80 * 10**9)
     units = plan_units(info, layout)
 
+    expert_units = [
+        Unit(unit.name, unit.kind, [p for p in unit.params if is_routed_expert_parameter(p.name)])
+        for unit in units
+    ]
+
     def on_rank(rank: int) -> dict[str, int]:
         if est.adapters is None:
-            return state_bytes_on_rank(units, layout, rank)
-        return adapter_state_bytes_on_rank(info, units, layout, est.adapters, rank)
+            held = state_bytes_on_rank(units, layout, rank)
+        else:
+            held = adapter_state_bytes_on_rank(info, units, layout, est.adapters, rank)
+        if info.routing is not None and est.adapters is None:  # set beside metrics.held_state_bytes' own split
+            held["routed_expert_parameters"] = state_bytes_on_rank(expert_units, layout, rank, trainable=False)[
+                "parameters"
+            ]
+        return held
 
     return {
         "predicted_per_gpu_bytes": est.per_gpu(),
