@@ -218,7 +218,7 @@ def test_the_router_balance_is_transformers_aux_loss_over_the_global_batch_whate
     assert router_balance.for_step(accelerator, tiny_moe("qwen3_moe"), whole, router_logits_of) is None  # not asked
     from fsdp_recipes.models.experts import describe_experts
 
-    assert "not added to this recipe's objective yet" in describe_experts(model.config)["router_aux_loss"]
+    assert "not added to this recipe's objective" in describe_experts(model.config)["router_aux_loss"]
 
 
 @pytest.mark.slow
@@ -314,3 +314,39 @@ def test_a_negative_router_aux_loss_coef_or_one_on_a_dense_model_is_refused_befo
     error = recipe_error_in_process("sft", tmp_path, values, capsys)
     assert expected in error, error
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "reward", "classify"])
+def test_grpo_reward_and_classify_add_the_router_balance_through_a_hook_on_the_decoder(tmp_path, request, recipe):
+    """These recipes' forwards do not hand the router logits back (a classification head returns scores; GRPO's rows
+    are left-padded or packed): a hook on the decoder reads them and its attention mask. The loss is logged, named in
+    the run summary, and reaches the router: a run with coefficient 0 ends with other router weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from fixtures.classify import classify_values
+    from fixtures.every_recipe import SHORT
+    from fixtures.grpo import grpo_values
+    from fixtures.reward_distill import reward_values
+
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")  # released-style: router logits off in its config
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp_path / "base")
+    (tmp_path / "moe.json").write_text(json.dumps({"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"]}))
+    make = {
+        "grpo": lambda out: grpo_values(tmp_path / "base", request.getfixturevalue("prompt_data"), out, max_steps=2),
+        "reward": lambda out: reward_values(tmp_path / "base", request.getfixturevalue("reward_pairs"), out, **SHORT),
+        "classify": lambda out: classify_values(
+            tmp_path / "moe.json", request.getfixturevalue("classify_data"), out, **SHORT
+        ),
+    }[recipe]
+    for name, coefficient in (("balanced", 0.5), ("off", 0.0)):
+        values = {**make(tmp_path / name), "router_aux_loss_coef": coefficient}
+        run_recipe_in_process(recipe, tmp_path, name, values)
+    summary = json.loads((tmp_path / "balanced" / "run_summary.json").read_text())
+    assert summary["router_aux_loss"].startswith("added: 0.5 x aux")
+    steps = [record for record in read_metrics(tmp_path / "balanced") if "aux_loss" in record]
+    assert [record["step"] for record in steps] == [1, 2] and all(record["aux_loss"] > 0 for record in steps)
+    assert not any("aux_loss" in record for record in read_metrics(tmp_path / "off"))
+    balanced, off = (load_file(tmp_path / name / "model.safetensors") for name in ("balanced", "off"))
+    gate = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(balanced[gate], off[gate])

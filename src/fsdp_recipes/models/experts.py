@@ -88,7 +88,7 @@ def apply_router_aux_loss_coef(config, coefficient: float | None) -> None:
 def describe_experts(config) -> dict | None:
     """The run summary's `mixture_of_experts` entry (None for a dense model), saying what happens to the router's
     load-balancing loss: the recipes compute their losses without the model's own `loss`, so a recipe that does not
-    add it itself (`train.router_balance`) leaves it out."""
+    add it itself (`train.router_balance`; a copied recipe that dropped it) leaves it out."""
     routing = expert_routing(config)
     if routing is None:
         return None
@@ -97,7 +97,8 @@ def describe_experts(config) -> dict | None:
         "num_experts": routing.num_experts,
         "experts_per_token": routing.experts_per_token,
         "router_aux_loss": "asked for by the model config (output_router_logits, router_aux_loss_coef) but not added "
-        "to this recipe's objective yet (sft, pretrain, dpo, kto and distill add it): docs/moe.md"
+        "to this recipe's objective (every shipped training recipe adds it through train/router_balance.py): "
+        "docs/moe.md"
         if asked
         else "off (the model config's output_router_logits is false)",
     }

@@ -72,10 +72,69 @@ def router_assignment_counts(router_logits: tuple[torch.Tensor, ...], real: torc
     return counts
 
 
-def for_step(accelerator, model, micro_batches, forward) -> RouterBalance | None:
+class RouterLogitsRecorder:
+    """The router logits (one [tokens, experts] tensor per layer) and real-token mask of the last forward of a mixture
+    of experts' decoder, read by a hook on the decoder itself: for recipes whose model output does not carry them (a
+    sequence-classification head returns scores only) or whose rows mark padding in their own way (GRPO's
+    left-padded prompts and packed rows). The mask is the decoder's 2-D attention mask where it gets one, else every
+    token (packed rows have no padding)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.router_logits: tuple[torch.Tensor, ...] = ()
+        self.real: torch.Tensor | None = None
+        decoder = _decoder_of(model)
+        self._handle = decoder.register_forward_hook(self._record, with_kwargs=True)
+
+    @classmethod
+    def for_model(cls, accelerator, model) -> RouterLogitsRecorder | None:
+        """A recorder on `model`, or None when its config does not ask for the load-balancing loss."""
+        return cls(model) if router_aux_loss_coefficient(accelerator.unwrap_model(model).config) else None
+
+    def _record(self, module, args, kwargs, output) -> None:
+        self.router_logits = tuple(getattr(output, "router_logits", None) or ())  # none while generating
+        if not self.router_logits:
+            self.real = None
+            return
+        tokens = self.router_logits[0].shape[0]
+        mask = kwargs.get("attention_mask")
+        if torch.is_tensor(mask) and mask.dim() == 2 and mask.numel() == tokens:
+            self.real = mask.bool().flatten()
+        else:
+            self.real = torch.ones(tokens, dtype=torch.bool, device=self.router_logits[0].device)
+
+    def balance_for_step(self, accelerator, model, micro_batches, run_forward) -> RouterBalance | None:
+        """Collective: `for_step` with the recipe's own forward `run_forward(model, batch)` (its output unused: the
+        router logits and mask come from the hook)."""
+
+        def forward(model, batch):
+            run_forward(model, batch)
+            return self._recorded()
+
+        return for_step(accelerator, model, micro_batches, forward, real_of=lambda: self.real)
+
+    def loss_share(self, balance: RouterBalance) -> torch.Tensor:
+        """The last forward's part of the step's coefficient x aux."""
+        return balance.loss_share(self._recorded(), self.real)
+
+    def _recorded(self) -> tuple[torch.Tensor, ...]:
+        if not self.router_logits:
+            raise RuntimeError("the last forward returned no router_logits although the model config asks for them")
+        return self.router_logits
+
+
+def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (what returns router_logits) inside a task model, a peft model or an accelerate wrapper."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Model") and hasattr(module, "layers") and hasattr(module, "config"):
+            return module
+    raise RuntimeError(f"no decoder stack (a *Model module with layers) found in {type(model).__name__}")
+
+
+def for_step(accelerator, model, micro_batches, forward, real_of=None) -> RouterBalance | None:
     """Collective (every rank, every step): the step's RouterBalance, or None when the model does not ask for the
     loss. `forward(model, batch)` runs the recipe's own forward and returns the router logits (one tensor [tokens,
-    experts] per layer); it runs here without gradients."""
+    experts] per layer); it runs here without gradients. `real_of()`: the real-token mask of that forward (default:
+    `real_token_mask(batch)`; a RouterLogitsRecorder's `real`)."""
     config = accelerator.unwrap_model(model).config
     coefficient = router_aux_loss_coefficient(config)
     if not coefficient:
@@ -85,7 +144,7 @@ def for_step(accelerator, model, micro_batches, forward) -> RouterBalance | None
     with torch.no_grad():
         for batch in micro_batches:
             router_logits = forward(model, batch)
-            real = real_token_mask(batch)
+            real = real_token_mask(batch) if real_of is None else real_of()
             totals[: routing.num_experts] += router_assignment_counts(router_logits, real, routing.experts_per_token)
             totals[routing.num_experts : -1] += router_probability_sums(router_logits, real).double()
             totals[-1] += float(real.sum()) * len(router_logits)

@@ -31,8 +31,7 @@ def estimate_for_run(
     units = plan_units(info, layout)
 
     expert_units = [
-        Unit(unit.name, unit.kind, [p for p in unit.params if is_routed_expert_parameter(p.name)])
-        for unit in units
+        Unit(unit.name, unit.kind, [p for p in unit.params if is_routed_expert_parameter(p.name)]) for unit in units
     ]
 
     def on_rank(rank: int) -> dict[str, int]:
