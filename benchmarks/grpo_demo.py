@@ -7,7 +7,7 @@ the run, and the recipe's generation speed against a bare `model.generate` on th
   demo/assets/reverse_prompts/test.jsonl (never trained on), the completion compared with `answer`;
 - step time: the means over the run's logged steps (warm-up left out) of `time/generation_share`,
   `time/scoring_share`, `time/training_share`, and `tokens/generated_per_second`, from --after's metrics.jsonl;
-- generation speed: `rollouts.generate_completions` (the recipe's generation step: per-slot seeded sampling) against
+- generation speed: `generation.generate_completions` (the recipe's generation step: per-slot seeded sampling) against
   `model.generate(do_sample=True)` on an unsharded copy of --before, the same 64 prompts x 8 generations, batches of
   --batch-size, max_completion_length tokens, in one process: after a warm-up pass each, 7 rounds of one timed pass
   each, alternated so that the shared machine's changing load hits both alike; the ratio is the median of the rounds'
@@ -80,15 +80,15 @@ def generation_speed(
     rounds: int = 7,
     continuous_batching: bool = False,
 ) -> dict:
-    from fsdp_recipes.methods.grpo import rollouts
+    from fsdp_recipes.train import generation
 
     model, tokenizer = load(folder)
     ids = [p for p in prompt_ids(tokenizer, rows[:64]) for _ in range(8)]
     keys = list(range(len(ids)))
-    settings = rollouts.GenerationSettings(max_tokens, batch_size=batch_size, seed=0)
+    settings = generation.GenerationSettings(max_tokens, batch_size=batch_size, seed=0)
 
     def recipe():
-        completions, _ = rollouts.generate_completions(model, tokenizer, ids, keys, settings, synced_gpus=False)
+        completions, _ = generation.generate_completions(model, tokenizer, ids, keys, settings, synced_gpus=False)
         return sum(map(len, completions))
 
     def bare():

@@ -1,4 +1,4 @@
-"""Generation from an FSDP2-sharded policy: weights gathered once for the pass (`rollouts.weights_gathered`, the GRPO
+"""Generation from an FSDP2-sharded policy: weights gathered once for the pass (`generation.weights_gathered`, the GRPO
 recipe's default) against gathered by every forward (once per decoded token), on the same prompts (docs/grpo.md).
 
     accelerate launch --config_file accelerate_configs/fsdp_2proc_cpu.yaml benchmarks/grpo_generation_fsdp.py \
@@ -26,8 +26,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_recipes.distributed.accelerator import build_accelerator
-    from fsdp_recipes.methods.grpo import rollouts
     from fsdp_recipes.methods.grpo.prompts import tokenize_prompt
+    from fsdp_recipes.train import generation
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -42,15 +42,15 @@ def main() -> None:
     start = 16 * accelerator.process_index
     ids = [tokenize_prompt(row["prompt"], tokenizer) for row in rows[start : start + 16] for _ in range(8)]
     keys = list(range(len(ids)))
-    settings = rollouts.GenerationSettings(args.max_new_tokens, batch_size=32, seed=0)
+    settings = generation.GenerationSettings(args.max_new_tokens, batch_size=32, seed=0)
     results, outputs = {}, {}
     for gathered in (True, False):
         name = "gathered_once_per_pass" if gathered else "gathered_per_forward"
         rates = []
         for repeat in range(4):
             started = time.perf_counter()
-            with rollouts.weights_gathered(model, enabled=gathered):
-                completions, _ = rollouts.generate_completions(
+            with generation.weights_gathered(model, enabled=gathered):
+                completions, _ = generation.generate_completions(
                     model, tokenizer, ids, keys, settings, synced_gpus=accelerator.num_processes > 1
                 )
             seconds = time.perf_counter() - started

@@ -5,7 +5,8 @@
 
 SFT's data; `(1 - kd_ratio) x CE + kd_ratio x KD` against a frozen teacher sharded like the student, computed a
 chunk of tokens at a time so neither model's logits exist whole (`fsdp_recipes.methods.distill`). With kd_ratio 0
-it is SFT's loss exactly. docs/reward-and-distillation.md.
+it is SFT's loss exactly. On-policy (TRL's GKD): `lmbda` of the steps train on the student's own samples, KD alone;
+`seq_kd` trains the others on the teacher's samples. docs/reward-and-distillation.md.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import torch
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, checks, errors
 from fsdp_recipes.data import rows
-from fsdp_recipes.methods.distill import distillation
+from fsdp_recipes.methods.distill import distillation, on_policy
 from fsdp_recipes.methods.sft import supervised
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import frozen_copy, loop, losses, router_balance
+from fsdp_recipes.train import frozen_copy, generation, loop, losses, router_balance
 
 
 @dataclasses.dataclass
@@ -66,11 +67,35 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
         check=checks.one_of(distillation.KD_LOSSES),
     )
 
+    lmbda: float = arguments.setting(
+        0.0,
+        "share of the steps trained on completions the student samples from the data's prompts (TRL GKD's name), "
+        "scored by the teacher with KD alone: the student learns on its own mistakes, at the cost of a generation "
+        "pass per such step (max_new_tokens, at `temperature`); 0: the data's completions only. Needs packing: false",
+        resume="sensitive",
+        check=checks.within(0, 1, include_high=True, note=" (0: off-policy only, 1: every step on-policy)"),
+    )
+    seq_kd: bool = arguments.setting(
+        False,
+        "the steps that are not on-policy train on completions the teacher samples instead of the data's "
+        "(sequence-level KD, TRL GKD's name): one teacher generation pass per step. Needs packing: false",
+        resume="sensitive",
+    )
+
+    def cross_field_problems(self) -> list[str]:
+        problems = []
+        if (self.lmbda > 0 or self.seq_kd) and self.packing:
+            problems.append(
+                "lmbda > 0 or seq_kd samples a completion for each row's prompt, and a packed row holds several "
+                "examples: set packing: false"
+            )
+        return problems
+
     def frozen_models(self) -> list[str]:
         return [self.teacher_model_name_or_path] if self.teacher_model_name_or_path else []
 
     def loss_chunk_buffers(self) -> int:
-        return distillation.PEAK_CHUNK_BUFFERS if self.kd_ratio > 0 else 1
+        return distillation.PEAK_CHUNK_BUFFERS if self.kd_ratio > 0 or self.lmbda > 0 else 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,6 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     teacher.gather_head()  # a collective under FSDP2: the teacher's output layer, whole on every rank
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
+    sampling = generation.GenerationSettings(
+        config.max_new_tokens, temperature=config.temperature, batch_size=config.per_device_eval_batch_size,
+        seed=config.seed,
+    )  # fmt: skip
+    reshard_after_forward = bool(
+        getattr(getattr(accelerator.state, "fsdp_plugin", None), "reshard_after_forward", True)
+    )
     training = run.begin(
         model,
         train_loader,
@@ -137,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
             train_rows=len(train_rows),
             eval_rows=len(eval_rows or []),
             data=data.train_stats,
-            loss=distill_loss.description,
+            loss=distill_loss.description
+            + (f"; on {config.lmbda:g} of the steps KD alone on the student's samples" if config.lmbda else "")
+            + ("; the other steps on the teacher's samples" if config.seq_kd else ""),
             teacher=dict(
                 model=config.teacher_model_name_or_path,
                 dtype=str(compute_dtype).removeprefix("torch."),
@@ -159,12 +193,21 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
+        students_samples = on_policy.is_on_policy_step(config.lmbda, config.seed, step)  # GKD: drawn per step
+        if students_samples or config.seq_kd:  # the completions become the student's (else the teacher's) samples
+            sampler = model if students_samples else teacher.teacher
+            with generation.weights_gathered(sampler, enabled=True, reshard_after_forward=reshard_after_forward):
+                micro_batches = on_policy.with_sampled_completions(
+                    micro_batches, sampler, tokenizer, sampling, step=step, max_length=config.max_length,
+                    pad_token_id=tokenizer.pad_token_id, synced_gpus=accelerator.num_processes > 1,
+                )  # fmt: skip
+        kd_ratio = 1.0 if students_samples else None  # the student's own samples: KD alone
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
         balance = router_balance.for_step(accelerator, model, micro_batches, distill_loss.router_logits_of)  # MoE
         loss_sum, parts = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
-            loss = distill_loss.loss_sum(model, batch)
+            loss = distill_loss.loss_sum(model, batch, kd_ratio=kd_ratio)
             scaled = loss * scale
             if balance is not None:  # the student router's load-balancing loss, over the global batch
                 real = router_balance.real_token_mask(batch)
@@ -176,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         aux = {} if balance is None else {"aux_loss": balance.aux_loss}
+        if config.lmbda:
+            aux["on_policy"] = float(students_samples)
         training.metrics.log_step(
             step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts, **aux
         )

@@ -26,7 +26,7 @@ from fsdp_recipes.methods.grpo import settings as online_rl
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import frozen_copy, loop, router_balance
+from fsdp_recipes.train import frozen_copy, generation, loop, router_balance
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             loss=config.describe_objective(),
             reference="none (beta 0)" if reference_mode is None else reference_mode,
             generation="transformers generate with KV cache; "
-            + rollouts.describe_gathering(model, enabled=config.gather_weights_for_generation),
+            + generation.describe_gathering(model, enabled=config.gather_weights_for_generation),
             **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
         save_multiple=config.num_iterations,  # a preemption saves between generation rounds
@@ -159,11 +159,11 @@ def main(argv: list[str] | None = None) -> None:
                 slots = rollouts.rank_slots(indices, config.num_generations, rank=rank, world_size=world)
                 with (
                     watch.phase("generation"),
-                    rollouts.weights_gathered(
+                    generation.weights_gathered(
                         model, enabled=config.gather_weights_for_generation, reshard_after_forward=reshard_after_forward
                     ),
                 ):
-                    completion_ids, truncated = rollouts.generate_completions(
+                    completion_ids, truncated = generation.generate_completions(
                         model, tokenizer, [data.prompt_ids[p] for p, _ in slots],
                         [rollouts.sampling_key(round_index, p, g, attempt) for p, g in slots], settings,
                         synced_gpus=world > 1,

@@ -58,6 +58,7 @@ PUBLISHED_BILLIONS = {
     "Qwen/Qwen3-32B": 32.8,
     "Qwen/Qwen3-30B-A3B": 30.5,  # 3.3B active (the model card)
     "Qwen/Qwen3-235B-A22B": 235.0,  # 22B active
+    "openai/gpt-oss-20b": 21.0,  # 3.6B active besides the embedding table
     "mistralai/Mistral-7B-v0.3": 7.25,
     "google/gemma-2-2b": 2.61,
     "google/gemma-2-9b": 9.24,
@@ -514,8 +515,14 @@ def test_a_config_whose_comment_first_gives_the_step_before_it_is_read_with_its_
     assert launched_script(config.path).name == "dpo.py"
 
 
-@pytest.mark.parametrize("hub_id, active", [("Qwen/Qwen3-30B-A3B", 3.3), ("Qwen/Qwen3-235B-A22B", 22.0)])
-def test_mixture_of_experts_shapes_give_the_published_active_size(hub_id, active):
+@pytest.mark.parametrize(
+    "hub_id, active, counts_embedding",
+    [("Qwen/Qwen3-30B-A3B", 3.3, True), ("Qwen/Qwen3-235B-A22B", 22.0, True), ("openai/gpt-oss-20b", 3.6, False)],
+)
+def test_mixture_of_experts_shapes_give_the_published_active_size(hub_id, active, counts_embedding):
+    """Qwen's active counts include the input embedding; OpenAI's leave it out (a lookup, not a matmul)."""
     info = model_info(MODEL_SHAPES / hub_id / "config.json")
-    assert info.active_params / 1e9 == pytest.approx(active, rel=0.02)
-    assert info.mlp_width_per_token == info.routing.experts_per_token * info.config.moe_intermediate_size
+    embedding = info.vocab_size * info.hidden_size
+    assert (info.active_params - (0 if counts_embedding else embedding)) / 1e9 == pytest.approx(active, rel=0.02)
+    width = getattr(info.config, "moe_intermediate_size", None) or info.config.intermediate_size
+    assert info.mlp_width_per_token == info.routing.experts_per_token * width

@@ -171,6 +171,9 @@ def values(tmp_path, student_config, pretrained_tiny_model, small_chat_data):
         ({"temperature": 0.0}, "temperature must be a number > 0, got 0.0"),
         ({"kd_loss": "kl"}, "kd_loss 'kl' is not one of forward_kl, reverse_kl, jsd"),
         ({"teacher_model_name_or_path": None}, "teacher_model_name_or_path is required"),
+        ({"lmbda": 1.5}, "lmbda must be in [0, 1], got 1.5"),
+        ({"lmbda": 0.5, "packing": True}, "lmbda > 0 or seq_kd samples a completion for each row's prompt"),
+        ({"seq_kd": True, "packing": True}, "set packing: false"),
     ],
 )
 def test_refuses_bad_settings(tmp_path, capsys, values, overrides, message):

@@ -1,4 +1,4 @@
-"""GRPO's generation pass under FSDP2 (recipes/grpo.py's `rollouts.weights_gathered`), on 2 real processes over gloo:
+"""GRPO's generation pass under FSDP2 (recipes/grpo.py's `generation.weights_gathered`), on 2 real processes over gloo:
 the whole weights are gathered once when the pass starts, no all-gather happens while it decodes, the completions
 equal those of per-forward gathering, and afterwards the units are sharded again and gather per forward as before.
 (On one process FSDP2 gathers nothing at all, so this needs two.)"""
@@ -37,7 +37,7 @@ def _generation_worker(rank: int, model_dir: str, port: int, out_dir: str) -> No
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.methods.grpo import rollouts
+    from fsdp_recipes.train import generation
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -49,14 +49,14 @@ def _generation_worker(rank: int, model_dir: str, port: int, out_dir: str) -> No
         fully_shard(model)
         counter = [0]
         units = _count_all_gathers(model, counter)
-        settings = rollouts.GenerationSettings(NEW_TOKENS, batch_size=len(PROMPTS), seed=3)
+        settings = generation.GenerationSettings(NEW_TOKENS, batch_size=len(PROMPTS), seed=3)
         keys = list(range(len(PROMPTS)))
         report = {"units": units}
         for gathered in (True, False):
             counter[0] = 0
-            with rollouts.weights_gathered(model, enabled=gathered, reshard_after_forward=True):
+            with generation.weights_gathered(model, enabled=gathered, reshard_after_forward=True):
                 on_entry = counter[0]
-                completions, _ = rollouts.generate_completions(
+                completions, _ = generation.generate_completions(
                     model, tokenizer, PROMPTS, keys, settings, synced_gpus=True
                 )
                 report[f"gathered={gathered}"] = {

@@ -350,3 +350,48 @@ def test_grpo_reward_and_classify_add_the_router_balance_through_a_hook_on_the_d
     balanced, off = (load_file(tmp_path / name / "model.safetensors") for name in ("balanced", "off"))
     gate = "model.layers.0.mlp.gate.weight"
     assert not torch.equal(balanced[gate], off[gate])
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_trains_dequantized_and_exports_plain_weights(tmp_path, small_chat_data):
+    """gpt-oss ships its experts in MXFP4 (packed 4-bit blocks and shared exponents), which transformers keeps packed,
+    for inference only, where Triton and `kernels` are installed: training loads it with
+    `Mxfp4Config(dequantize=True)`. A tiny checkpoint written in that format (random blocks) trains through the SFT
+    recipe and exports plain weights that load back with no quantization_config, equal to the trained ones."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_recipes.models.modeling import dequantized_for_training
+
+    family = dict(COMMON, **FAMILIES["gpt_oss"], intermediate_size=32)  # MXFP4 packs rows of 32 values
+    tiny_moe("gpt_oss", intermediate_size=32).save_pretrained(tmp_path / "mxfp4")
+    weights = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    experts, hidden, width = family["num_local_experts"], family["hidden_size"], family["intermediate_size"]
+    for layer in range(family["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for name, rows, columns in (("gate_up_proj", 2 * width, hidden), ("down_proj", hidden, width)):
+            del weights[prefix + name]
+            blocks = (experts, rows, columns // 32, 16)
+            weights[prefix + f"{name}_blocks"] = torch.randint(0, 256, blocks, dtype=torch.uint8, generator=generator)
+            weights[prefix + f"{name}_scales"] = torch.full(blocks[:3], 124, dtype=torch.uint8)  # 2^-3
+    save_file(weights, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp_path / "mxfp4")
+    assert dequantized_for_training(AutoConfig.from_pretrained(tmp_path / "mxfp4")).dequantize is True
+    assert dequantized_for_training(AutoConfig.from_pretrained(TOKENIZER.parents[1] / "tiny_llama.json")) is None
+
+    values = base_recipe_values(
+        tmp_path / "unused.json", small_chat_data, tmp_path / "out", model_config=None, max_steps=2,
+        model_name_or_path=str(tmp_path / "mxfp4"), exact_match_eval_samples=0, attn_implementation="eager",
+    )  # fmt: skip
+    run_recipe_in_process("sft", tmp_path, "mxfp4", values)
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in exported
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    assert trained["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert torch.equal(
+        loaded["model.layers.0.mlp.experts.gate_up_proj"], trained["model.layers.0.mlp.experts.gate_up_proj"]
+    )

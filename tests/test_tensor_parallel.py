@@ -1,6 +1,6 @@
 """Tensor and expert parallelism through transformers' DistributedConfig, with real processes: every training recipe
 (and eval) under TP 2 gives the losses, gradient norms and exported weights of one process, GRPO the same completions,
-eval the same generations counted once; a mixture of experts under FSDP 2 x TP 2 x EP 2 (the experts split over 2
+eval the same generations counted once, on-policy distillation (GKD) the same samples and losses; a mixture of experts under FSDP 2 x TP 2 x EP 2 (the experts split over 2
 ranks, gradient accumulation, the model's activation checkpointing, the router's load-balancing loss) equals one
 process too, its checkpoint resumes exactly on the same layout and on one process (DCP reshards the experts), and
 exports offline to the end-of-run model.
@@ -94,20 +94,23 @@ def eval_values(model: Path, data: Path, output_dir: Path) -> dict:
 
 
 def test_every_recipe_under_tp_2_equals_one_process(tmp_path, short_run_values, pretrained_tiny_model, small_chat_data):
-    runs = {recipe: short_run_values(recipe) for recipe in TRAINING_RECIPES}
-    runs["eval"] = lambda output: eval_values(pretrained_tiny_model, small_chat_data, output)  # noqa: E731
+    runs = {recipe: (recipe, short_run_values(recipe)) for recipe in TRAINING_RECIPES}
+    runs["eval"] = ("eval", lambda output: eval_values(pretrained_tiny_model, small_chat_data, output))
+    distill = short_run_values("distill")  # on-policy (GKD): step 2 on the student's samples, 1 on the teacher's
+    runs["gkd"] = ("distill", lambda output: {**distill(output), "lmbda": 0.26, "seq_kd": True, "max_new_tokens": 6})
     arguments = []
-    for recipe, values in runs.items():
-        arguments += [recipe, str(recipe_config(tmp_path / f"tp_{recipe}.yaml", **values(tmp_path / "tp" / recipe)))]
+    for name, (recipe, values) in runs.items():
+        arguments += [recipe, str(recipe_config(tmp_path / f"tp_{name}.yaml", **values(tmp_path / "tp" / name)))]
 
     def one_process() -> None:
-        for recipe, values in runs.items():
-            run_recipe_in_process(recipe, tmp_path, f"one_{recipe}", values(tmp_path / "one" / recipe))
+        for name, (recipe, values) in runs.items():
+            run_recipe_in_process(recipe, tmp_path, f"one_{name}", values(tmp_path / "one" / name))
 
     _, (result,) = alongside(one_process, lambda: launch(SEQUENCE, arguments, accelerate_config=TP_2))
     require_success(result)
-    for recipe in TRAINING_RECIPES:
-        assert_same_run(tmp_path / "tp" / recipe, tmp_path / "one" / recipe, recipe)
+    for name in (*TRAINING_RECIPES, "gkd"):
+        assert_same_run(tmp_path / "tp" / name, tmp_path / "one" / name, name)
+    assert step_values(tmp_path / "tp" / "gkd", ("on_policy",)) == {(1, "on_policy"): 0.0, (2, "on_policy"): 1.0}
     summary = json.loads((tmp_path / "tp" / "sft" / "run_summary.json").read_text())
     assert summary["tensor_parallel"]["layout"] == "tp 2" and summary["global_batch_rows"] == 4
     assert "Shard(dim=0)" in str(summary["parameter_placements"])  # sharded, not replicated

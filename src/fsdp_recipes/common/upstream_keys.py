@@ -55,7 +55,7 @@ IGNORED = {
     "lmbda": (
         (0,),
         "on-policy distillation (TRL GKD's lmbda: a share of batches whose completions the student samples and the "
-        "teacher scores) is not implemented; distillation here trains on the data's completions, which is lmbda 0",
+        "teacher scores) is recipes/distill.py's setting; this recipe trains on the data's completions (lmbda 0)",
     ),
     "use_vllm": (
         (False,),
@@ -64,8 +64,8 @@ IGNORED = {
     ),
     "seq_kd": (
         (False,),
-        "sequence-level KD (TRL GKD's seq_kd: training on completions the teacher generates) is not implemented; "
-        "generate them with the teacher first and train on that data",
+        "sequence-level KD (TRL GKD's seq_kd: training on completions the teacher generates) is recipes/distill.py's "
+        "setting; this recipe trains on the data's completions",
     ),
 }
 

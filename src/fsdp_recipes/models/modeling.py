@@ -260,6 +260,25 @@ def tied_duplicate_names(
     return duplicates
 
 
+def dequantized_for_training(config: PretrainedConfig):
+    """What `from_pretrained` needs told to train a checkpoint released quantized: gpt-oss ships its experts in MXFP4,
+    which transformers keeps packed (inference only) where Triton and the `kernels` package are installed, as on most
+    GPU machines, and dequantizes to plain weights elsewhere. Training asks for the plain weights everywhere
+    (`Mxfp4Config(dequantize=True)`, as TRL's gpt-oss recipes do); the export then holds plain weights too. None for
+    a checkpoint that is not quantized so."""
+    quantization = getattr(config, "quantization_config", None)
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    if str(getattr(method, "value", method)) != "mxfp4":
+        return None
+    from transformers import Mxfp4Config
+
+    return Mxfp4Config(dequantize=True)
+
+
 def load_model(
     config: PretrainedConfig,
     *,
@@ -292,6 +311,8 @@ def load_model(
         if quantization_config is None
         else dict(quantization_config=quantization_config, device_map={"": device if device is not None else "cpu"})
     )
+    if quantization_config is None and (dequantized := dequantized_for_training(config)) is not None:
+        quantized = {"quantization_config": dequantized}
     return model_class.from_pretrained(
         model_name_or_path,
         config=config,

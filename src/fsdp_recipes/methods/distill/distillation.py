@@ -207,12 +207,19 @@ class DistillationLoss:
             f"{chunk_size} tokens per chunk"
         )
 
-    def token_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def token_losses(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], *, kd_ratio: float | None = None
+    ) -> torch.Tensor:
         """Per-token loss shaped like the batch's targets (0 where there is no target), fp32. A collective under FSDP
-        (the teacher's forward, then the student's)."""
+        (the teacher's forward, then the student's). `kd_ratio`: this batch's, instead of the configured one (the
+        student's own samples train on KD alone: cross-entropy on them would teach it what it already says)."""
         teacher_hidden = self.teacher(batch)
         inputs = model_inputs(model, batch)
-        self._active = {"targets": batch["targets"].reshape(inputs["input_ids"].shape), "teacher": teacher_hidden}
+        self._active = {
+            "targets": batch["targets"].reshape(inputs["input_ids"].shape),
+            "teacher": teacher_hidden,
+            "kd_ratio": self.kd_ratio if kd_ratio is None else kd_ratio,
+        }
         try:
             output = model(**inputs)
         finally:
@@ -223,8 +230,10 @@ class DistillationLoss:
         self._returned = None
         return losses.reshape(batch["targets"].shape)
 
-    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.token_losses(model, batch).sum()
+    def loss_sum(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], *, kd_ratio: float | None = None
+    ) -> torch.Tensor:
+        return self.token_losses(model, batch, kd_ratio=kd_ratio).sum()
 
     def router_logits_of(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The student's router logits on `batch` (`train.router_balance`'s pass before the step): its forward with
@@ -239,15 +248,15 @@ class DistillationLoss:
         return hidden if self._active.get("router_only") else self._losses(hidden)
 
     def _losses(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, teacher_hidden = self._active["targets"], self._active["teacher"]
+        targets, teacher_hidden, kd_ratio = self._active["targets"], self._active["teacher"], self._active["kd_ratio"]
         # a vocabulary-sharded output layer (tensor parallelism) is gathered whole for the loss
         weight, bias = tensor_parallel.full_weight(self.head.weight), getattr(self.head, "bias", None)
         parts = {}
         total = None
-        if self.kd_ratio < 1:
+        if kd_ratio < 1:
             parts["ce"] = chunked_token_losses(hidden, weight, bias, targets, self.chunk_size)
-            total = (1 - self.kd_ratio) * parts["ce"]
-        if self.kd_ratio > 0:
+            total = (1 - kd_ratio) * parts["ce"]
+        if kd_ratio > 0:
             parts["kd"] = chunked_kd_losses(
                 hidden,
                 weight,
@@ -260,7 +269,7 @@ class DistillationLoss:
                 temperature=self.temperature,
                 chunk_size=self.chunk_size,
             )
-            total = parts["kd"] * self.kd_ratio if total is None else total + self.kd_ratio * parts["kd"]
+            total = parts["kd"] * kd_ratio if total is None else total + kd_ratio * parts["kd"]
         self.last_parts = {name: value.detach().sum() for name, value in parts.items()}  # read at logging steps
         self._returned = total
         return total

@@ -9,7 +9,8 @@ import dataclasses
 
 from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
-from fsdp_recipes.methods.grpo import policy_gradient, rewards, rollouts
+from fsdp_recipes.methods.grpo import policy_gradient, rewards
+from fsdp_recipes.train import generation
 
 
 @dataclasses.dataclass
@@ -153,8 +154,8 @@ class OnlineRLFields:
         rewards.RewardOptions.format_pattern, "the regex the format reward matches", resume="sensitive"
     )
 
-    def generation_settings(self, *, batch_size: int, seed: int) -> rollouts.GenerationSettings:
-        return rollouts.GenerationSettings(
+    def generation_settings(self, *, batch_size: int, seed: int) -> generation.GenerationSettings:
+        return generation.GenerationSettings(
             self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed
         )
 
@@ -202,7 +203,7 @@ class OnlineRLFields:
         problems = policy_gradient.objective_problems(
             self.beta, self.epsilon, self.epsilon_high, self.scale_rewards, self.delta, self.loss_type
         )
-        problems += rollouts.sampling_problems(self.temperature, self.top_p, self.top_k)
+        problems += generation.sampling_problems(self.temperature, self.top_p, self.top_k)
         if not 1 <= self.max_completion_length < self.max_length:
             problems.append(
                 f"max_completion_length must be >= 1 and < max_length ({self.max_length}), leaving room for the "

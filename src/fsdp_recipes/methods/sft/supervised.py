@@ -45,7 +45,8 @@ class SupervisedFields:
     )
     max_new_tokens: int = setting(
         64,
-        "generation budget (tokens per completion) of the exact_match_eval_samples check",
+        "generation budget (tokens per completion): the exact_match_eval_samples check's, and distillation's "
+        "sampled completions (lmbda, seq_kd)",
         resume="free",
         check=checks.at_least(1),
     )

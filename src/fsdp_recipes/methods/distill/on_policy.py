@@ -1,0 +1,80 @@
+"""On-policy distillation (TRL's GKD; Agarwal et al., 2024): on a share `lmbda` of the optimizer steps the student
+trains on completions it samples itself from the data's prompts, scored token by token by the teacher, so it learns
+where its own mistakes take it rather than only along the data's completions; with `seq_kd` the other steps train on
+completions the teacher samples (sequence-level KD) instead of the data's.
+
+Which steps are on-policy is drawn from (seed, step), and each completion's sampling noise is keyed by (seed, step,
+its prompt's tokens): neither depends on the number of ranks or micro-batches, and a resumed run draws what the
+stopped one would have. A row's prompt is its tokens before its first training target; rows hold one example each
+(packing is refused with `lmbda` or `seq_kd`), so a multi-turn example is cut at its first assistant reply and the
+sampled completion replaces everything after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import torch
+
+from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows, shifted_targets
+from fsdp_recipes.train import generation
+
+
+def is_on_policy_step(lmbda: float, seed: int, step: int) -> bool:
+    """Whether optimizer step `step` trains on the student's own samples: true on a share `lmbda` of the steps."""
+    if lmbda <= 0:
+        return False
+    if lmbda >= 1:
+        return True
+    return random.Random(f"on-policy:{seed}:{step}").random() < lmbda
+
+
+def sampling_key(step: int, prompt: list[int]) -> int:
+    """A completion's sampling key (with the run's seed): its step and its prompt's tokens, not its place in a batch."""
+    digest = hashlib.blake2b(f"{step}:{','.join(map(str, prompt))}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**61
+
+
+def prompts_of(batch: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Each row's prompt: its tokens up to and including the one that predicts its first training target (the whole
+    row where it has no target)."""
+    prompts = []
+    for ids, targets, real in zip(
+        batch["input_ids"].tolist(), batch["targets"].tolist(), batch["real_tokens"].tolist()
+    ):
+        first = next((i for i, target in enumerate(targets[:real]) if target != IGNORE_INDEX), real - 1)
+        prompts.append(ids[: first + 1])
+    return prompts
+
+
+def with_sampled_completions(
+    micro_batches: list[dict[str, torch.Tensor]],
+    generator: torch.nn.Module,
+    tokenizer,
+    settings: generation.GenerationSettings,
+    *,
+    step: int,
+    max_length: int,
+    pad_token_id: int,
+    synced_gpus: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """Collective under FSDP/TP (`synced_gpus`). The micro-batches with each row's completion replaced by one
+    `generator` samples from the row's prompt (one generation pass over all of this rank's rows); the sampled
+    tokens, up to and including the end-of-sequence token and cut at `max_length`, are the new training targets."""
+    prompts = [prompt for batch in micro_batches for prompt in prompts_of(batch)]
+    completions, _ = generation.generate_completions(
+        generator, tokenizer, prompts, [sampling_key(step, p) for p in prompts], settings, synced_gpus=synced_gpus
+    )
+    rows, made = [], []
+    for prompt, completion in zip(prompts, completions):
+        ids = (prompt + completion)[:max_length]
+        mask = ([0] * len(prompt) + [1] * len(completion))[:max_length]
+        rows.append({"input_ids": ids, "targets": shifted_targets(ids, mask), "position_ids": list(range(len(ids)))})
+    start = 0
+    for batch in micro_batches:
+        count = batch["input_ids"].shape[0]
+        collated = collate_rows(rows[start : start + count], pad_token_id)
+        made.append({key: value.to(batch["input_ids"].device) for key, value in collated.items()})
+        start += count
+    return made
