@@ -1,6 +1,9 @@
-"""The distillation demo against plain SFT of the same student for the same steps: held-out exact match of each.
+"""The distillation demo against plain SFT of the same student for the same steps: held-out exact match of each; with
+`--recipes distill on_policy sft`, on-policy distillation (GKD's `lmbda`, `--lmbda` of the steps on the student's own
+samples) as a third arm.
 
     python benchmarks/distill_vs_sft.py [--max_steps 300] [--seeds 42 43] [--set field=value ...] [--json]
+    python benchmarks/distill_vs_sft.py --recipes distill on_policy sft --set packing=false --lmbda 0.5
 
 Needs the SFT demo's model at outputs/demo_reverse/latest (the teacher; `make demo` writes it). Runs, one process each
 (no launcher), recipes/distill.py with recipes/configs/distill/demo_reverse.yaml, and recipes/sft.py with the same
@@ -25,8 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "recipes" / "configs" / "distill" / "demo_reverse.yaml"
-DISTILL_ONLY = ("teacher_model_name_or_path", "kd_ratio", "temperature", "kd_loss")
-LABELS = {"distill": "distilled", "sft": "plain SFT"}
+DISTILL_ONLY = ("teacher_model_name_or_path", "kd_ratio", "temperature", "kd_loss", "lmbda", "seq_kd")
+LABELS = {"distill": "distilled", "on_policy": "on-policy distilled", "sft": "plain SFT"}
 
 
 def exact_match_by_length(folder: Path, test_file: Path, longest_short: int = 6) -> dict:
@@ -66,7 +69,8 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="a config change (YAML value)"
     )
-    parser.add_argument("--recipes", nargs="+", choices=("distill", "sft"), default=["distill", "sft"])
+    parser.add_argument("--recipes", nargs="+", choices=tuple(LABELS), default=["distill", "sft"])
+    parser.add_argument("--lmbda", type=float, default=0.5, help="the on_policy arm's share of on-policy steps")
     parser.add_argument("--work_dir", default=str(REPO / "outputs" / "distill_vs_sft"))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -85,10 +89,13 @@ def main() -> None:
             chosen = {**values, "seed": seed}
             if recipe == "sft":
                 chosen = {k: v for k, v in chosen.items() if k not in DISTILL_ONLY}
+            if recipe == "on_policy":
+                chosen["lmbda"] = args.lmbda
             config = work / f"{recipe}_seed{seed}.yaml"
             config.write_text(yaml.safe_dump(chosen))
             test_file = REPO / values["dataset_name"] / "test.jsonl"
-            results[recipe][seed] = run(recipe, config, work / f"{recipe}_seed{seed}", test_file)
+            script = "distill" if recipe == "on_policy" else recipe
+            results[recipe][seed] = run(script, config, work / f"{recipe}_seed{seed}", test_file)
     report = {"max_steps": values["max_steps"], "changes": args.set, "results": results}
     (work / "report.json").write_text(json.dumps(report, indent=1))
     if args.json:

@@ -23,6 +23,7 @@ from fsdp_recipes.data import files
 from fsdp_recipes.methods.grpo import completion_log, groups, prompts, rewards, rollouts
 from fsdp_recipes.methods.grpo import policy_gradient as pg
 from fsdp_recipes.methods.grpo import settings as online_rl
+from fsdp_recipes.methods.grpo import tools as tools_lib
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
@@ -78,16 +79,21 @@ def main(argv: list[str] | None = None) -> None:
         functions = rewards.load_reward_functions(
             config.reward_funcs, config.reward_options(), device=accelerator.device
         )
+        tools = tools_lib.load_tools(config.tools)  # described to the model by the chat template
+        problem = tools and tools_lib.template_problem(tokenizer, tools)
+        if problem:
+            raise errors.ConfigError(f"tools: {problem}")
         raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         split = config.dataset_train_split
         if split not in raw:
             raise errors.DataError(f"the data has no {split!r} split (it has: {', '.join(raw)})")
         room = config.max_length - config.max_completion_length
-        return functions, prompts.load_prompts(
-            raw[split], tokenizer, max_prompt_length=room, split=split, column=config.dataset_prompt_column
-        )
+        return functions, tools, prompts.load_prompts(
+            raw[split], tokenizer, max_prompt_length=room, split=split, column=config.dataset_prompt_column,
+            tools=[tool.schema for tool in tools],
+        )  # fmt: skip
 
-    functions, data = run.on_every_rank(prepare, main_process_first=True)
+    functions, tools, data = run.on_every_rank(prepare, main_process_first=True)
     prompts_per_round = completions_per_step // config.num_generations
     schedule = rollouts.PromptSchedule(len(data), prompts_per_round, seed=config.seed)
     if run.checkpoint is not None:  # the prompts dynamic sampling drew beyond their rounds shift the stream
@@ -163,20 +169,27 @@ def main(argv: list[str] | None = None) -> None:
                         model, enabled=config.gather_weights_for_generation, reshard_after_forward=reshard_after_forward
                     ),
                 ):
-                    completion_ids, truncated = generation.generate_completions(
+                    rolled = tools_lib.generate_with_tools(  # the policy's completions, its tool calls answered
                         model, tokenizer, [data.prompt_ids[p] for p, _ in slots],
-                        [rollouts.sampling_key(round_index, p, g, attempt) for p, g in slots], settings,
-                        synced_gpus=world > 1,
+                        [rollouts.sampling_key(round_index, p, g, attempt) for p, g in slots], settings, tools,
+                        max_iterations=config.max_tool_calling_iterations, timeout=config.tool_timeout,
+                        synced_gpus=world > 1, most_pending=run.most_over_ranks,
                     )  # fmt: skip
                 with watch.phase("scoring"):
-                    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+                    texts = tokenizer.batch_decode(rolled.completion_ids, skip_special_tokens=True)
                     indices = [p for p, _ in slots]
                     scores = run.on_every_rank(
                         functools.partial(
-                            rewards.score_completions, functions, config.weights(), data, indices, completion_ids, texts
+                            rewards.score_completions, functions, config.weights(), data, indices,
+                            rolled.completion_ids, texts, rolled.conversations,
                         )
-                    )
-                    pool.add(groups.gather_scored(accelerator, indices, completion_ids, truncated, *scores))
+                    )  # fmt: skip
+                    pool.add(
+                        groups.gather_scored(
+                            accelerator, indices, rolled.completion_ids, rolled.truncated, *scores,
+                            rolled.policy_masks, rolled.tool_calls,
+                        )
+                    )  # fmt: skip
                 if pool.full():
                     break
             chosen, kept_groups = pool.batch()

@@ -1,6 +1,7 @@
 """Tensor and expert parallelism through transformers' DistributedConfig, with real processes: every training recipe
 (and eval) under TP 2 gives the losses, gradient norms and exported weights of one process, GRPO the same completions,
-eval the same generations counted once, on-policy distillation (GKD) the same samples and losses; a mixture of experts under FSDP 2 x TP 2 x EP 2 (the experts split over 2
+eval the same generations counted once, on-policy distillation (GKD) the same samples and losses, GRPO with a tool
+(a scripted policy's calls answered, the answers masked) the same rounds; a mixture of experts under FSDP 2 x TP 2 x EP 2 (the experts split over 2
 ranks, gradient accumulation, the model's activation checkpointing, the router's load-balancing loss) equals one
 process too, its checkpoint resumes exactly on the same layout and on one process (DCP reshards the experts), and
 exports offline to the end-of-run model.
@@ -11,6 +12,7 @@ other tests have 103 vocabulary entries, which TP 2 cannot split: this module's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.every_recipe import TRAINING_RECIPES
+from fixtures.grpo import tool_run_values
 from fsdp_recipes.tools import cli
 from helpers.data import write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
@@ -30,6 +33,7 @@ from helpers.recipes import (
     run_recipe_in_process,
     run_recipe_launched_here,
 )
+from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, scripted_generation
 
 TP_VOCAB = 104  # the tokenizer's 103 entries, padded to what TP 2 divides
 SEQUENCE = REPO / "tests" / "scripts" / "recipes_in_sequence.py"
@@ -93,23 +97,34 @@ def eval_values(model: Path, data: Path, output_dir: Path) -> dict:
     )  # fmt: skip
 
 
-def test_every_recipe_under_tp_2_equals_one_process(tmp_path, short_run_values, pretrained_tiny_model, small_chat_data):
+def test_every_recipe_under_tp_2_equals_one_process(
+    tmp_path, request, short_run_values, pretrained_tiny_model, small_chat_data
+):
     runs = {recipe: (recipe, short_run_values(recipe)) for recipe in TRAINING_RECIPES}
     runs["eval"] = ("eval", lambda output: eval_values(pretrained_tiny_model, small_chat_data, output))
     distill = short_run_values("distill")  # on-policy (GKD): step 2 on the student's samples, 1 on the teacher's
     runs["gkd"] = ("distill", lambda output: {**distill(output), "lmbda": 0.26, "seq_kd": True, "max_new_tokens": 6})
+    (tmp_path / "my_tools.py").write_text(TOOLS_FILE)
+    (tmp_path / "my_rewards.py").write_text(CONVERSATION_REWARD)
+    data = request.getfixturevalue("prompt_data")
+    runs["tools"] = ("grpo+scripted_tools", lambda out: tool_run_values(tmp_path, pretrained_tiny_model, data, out))
     arguments = []
     for name, (recipe, values) in runs.items():
         arguments += [recipe, str(recipe_config(tmp_path / f"tp_{name}.yaml", **values(tmp_path / "tp" / name)))]
 
     def one_process() -> None:
         for name, (recipe, values) in runs.items():
-            run_recipe_in_process(recipe, tmp_path, f"one_{name}", values(tmp_path / "one" / name))
+            recipe, _, option = recipe.partition("+")
+            with scripted_generation() if option else contextlib.nullcontext():
+                run_recipe_in_process(recipe, tmp_path, f"one_{name}", values(tmp_path / "one" / name))
 
     _, (result,) = alongside(one_process, lambda: launch(SEQUENCE, arguments, accelerate_config=TP_2))
     require_success(result)
-    for name in (*TRAINING_RECIPES, "gkd"):
+    for name in (*TRAINING_RECIPES, "gkd", "tools"):
         assert_same_run(tmp_path / "tp" / name, tmp_path / "one" / name, name)
+    tool_rounds = step_values(tmp_path / "tp" / "tools", ("tools/call_frequency", "tools/failure_frequency"))
+    assert tool_rounds == step_values(tmp_path / "one" / "tools", ("tools/call_frequency", "tools/failure_frequency"))
+    assert tool_rounds[(1, "tools/call_frequency")] == 1.0
     assert step_values(tmp_path / "tp" / "gkd", ("on_policy",)) == {(1, "on_policy"): 0.0, (2, "on_policy"): 1.0}
     summary = json.loads((tmp_path / "tp" / "sft" / "run_summary.json").read_text())
     assert summary["tensor_parallel"]["layout"] == "tp 2" and summary["global_batch_rows"] == 4

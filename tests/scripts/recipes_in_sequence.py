@@ -3,10 +3,12 @@ run, with the processes' start-up (most of a CPU launch's cost) paid once. Argum
 recipes accelerate's shared state is reset, so each recipe builds its accelerator as in a fresh launch; the process
 group stays: each recipe's `accelerator.end_training()` would destroy it, and forming it again on the launcher's store
 races (a rank can hang in the rendezvous), so that is made a no-op until the last recipe has run. A recipe that fails
-stops the script (its traceback, a nonzero exit)."""
+stops the script (its traceback, a nonzero exit). `grpo+scripted_tools` runs GRPO with the scripted tool-calling policy
+of tests/helpers/scripted_tools.py (the model's own generation runs, then its tokens are replaced)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -23,7 +25,15 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: recipes_in_sequence.py RECIPE CONFIG [RECIPE CONFIG ...]")
     PartialState.destroy_process_group = lambda self, group=None: None
     for recipe, config in zip(argv[::2], argv[1::2]):
-        load_recipe(recipe).main(["--config", config])
+        recipe, _, option = recipe.partition("+")
+        if option == "scripted_tools":
+            from helpers.scripted_tools import scripted_generation
+
+            context = scripted_generation()
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            load_recipe(recipe).main(["--config", config])
         if dist.is_initialized():
             dist.barrier()
         AcceleratorState._reset_state(reset_partial_state=True)

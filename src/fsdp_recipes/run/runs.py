@@ -18,7 +18,7 @@ from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs, tensor_parallel
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
-from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks
+from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks, values_of_all_ranks
 from fsdp_recipes.models import adapter_export, adapters, experts
 from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import (
@@ -74,6 +74,10 @@ class StartedRun:
     def sum_over_ranks(self, value: float) -> float:
         """Collective: the sum of `value` over the data-parallel ranks (e.g. the target tokens of a global batch)."""
         return sum_over_ranks(self.accelerator, value)
+
+    def most_over_ranks(self, value: int) -> int:
+        """Collective: the largest of every rank's `value` (e.g. the rows each rank still has to generate for)."""
+        return int(max(values_of_all_ranks(self.accelerator, value)))
 
     @property
     def data_parallel_size(self) -> int:

@@ -29,6 +29,8 @@ class ScoredSlots:
     truncated: list[bool]
     rewards: torch.Tensor  # [slots]
     per_function: torch.Tensor  # [slots, functions]
+    policy_masks: list[list[int]] | None = None  # with tools: 1 on the policy's tokens, 0 on the tool messages
+    tool_calls: list[tuple[int, int]] | None = None  # with tools: (calls, failed calls) of each completion
 
     def __len__(self) -> int:
         return len(self.prompt_indices)
@@ -41,6 +43,8 @@ class ScoredSlots:
             [self.truncated[s] for s in slots],
             self.rewards[index],
             self.per_function[index],
+            None if self.policy_masks is None else [self.policy_masks[s] for s in slots],
+            None if self.tool_calls is None else [self.tool_calls[s] for s in slots],
         )
 
     @staticmethod
@@ -51,6 +55,8 @@ class ScoredSlots:
             [t for part in parts for t in part.truncated],
             torch.cat([part.rewards for part in parts]),
             torch.cat([part.per_function for part in parts]),
+            None if parts[0].policy_masks is None else [m for part in parts for m in part.policy_masks],
+            None if parts[0].tool_calls is None else [c for part in parts for c in part.tool_calls],
         )
 
 
@@ -61,13 +67,18 @@ def gather_scored(
     truncated: list[bool],
     rewards: torch.Tensor,
     per_function: torch.Tensor,
+    policy_masks: list[list[int]] | None = None,
+    tool_calls: list[tuple[int, int]] | None = None,
 ) -> ScoredSlots:
     """Collective: this rank's scored slots (`per_function` [functions, slots], as `rewards.score` gives it) joined
     with every other rank's, in rank order (the slot order of the round), on every rank. Token ids travel as Python
     lists (a few kilobytes), rewards as tensors."""
     per_slot = per_function.T.contiguous()
     if accelerator.num_processes == 1:
-        return ScoredSlots(list(prompt_indices), list(completion_ids), list(truncated), rewards.cpu(), per_slot.cpu())
+        return ScoredSlots(
+            list(prompt_indices), list(completion_ids), list(truncated), rewards.cpu(), per_slot.cpu(),
+            policy_masks, tool_calls,
+        )  # fmt: skip
     device = accelerator.device
     return ScoredSlots(
         gather_lists(accelerator, list(prompt_indices)),
@@ -75,6 +86,8 @@ def gather_scored(
         gather_lists(accelerator, list(truncated)),
         gather_tensors(accelerator, rewards.to(device)).cpu(),
         gather_tensors(accelerator, per_slot.to(device)).cpu(),
+        None if policy_masks is None else gather_lists(accelerator, list(policy_masks)),
+        None if tool_calls is None else [tuple(c) for c in gather_lists(accelerator, list(tool_calls))],
     )
 
 

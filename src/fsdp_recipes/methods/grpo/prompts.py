@@ -24,14 +24,17 @@ class Prompts:
         return bool(self.prompts) and isinstance(self.prompts[0], list)
 
 
-def tokenize_prompt(prompt: Any, tokenizer) -> list[int]:
+def tokenize_prompt(prompt: Any, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """A prompt's tokens: chat turns through the chat template (with the tools' schemas, which it shows the model)."""
     if isinstance(prompt, list):
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer(str(prompt))["input_ids"]
 
 
-def load_prompts(dataset, tokenizer, *, max_prompt_length: int, split: str, column: str = "prompt") -> Prompts:
+def load_prompts(
+    dataset, tokenizer, *, max_prompt_length: int, split: str, column: str = "prompt", tools: list[dict] | None = None
+) -> Prompts:
     """The prompts of `dataset` (a datasets.Dataset), tokenised; longer ones than `max_prompt_length` keep their end
     (counted in `truncated`). DataError when there is no prompt `column`, the data is empty, or a prompt is neither
     text nor chat turns."""
@@ -53,7 +56,12 @@ def load_prompts(dataset, tokenizer, *, max_prompt_length: int, split: str, colu
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             raise DataError(f"prompt {index} of the {split} split is {type(prompt).__name__}: text or chat turns")
-        ids = tokenize_prompt(prompt, tokenizer)
+        if tools and not isinstance(prompt, list):
+            raise DataError(
+                f"prompt {index} of the {split} split is text: with tools the prompts must be chat turns, which the "
+                "chat template renders with the tools' descriptions"
+            )
+        ids = tokenize_prompt(prompt, tokenizer, tools)
         if not ids:
             raise DataError(f"prompt {index} of the {split} split is empty once tokenised")
         if len(ids) > max_prompt_length:

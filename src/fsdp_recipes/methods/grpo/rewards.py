@@ -19,12 +19,9 @@ the prompt (its index in the training data).
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import math
 import numbers
 import re
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from typing import Any
 import torch
 
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.methods.grpo.user_code import load_callable
 
 RewardFunction = Callable[..., list]
 
@@ -197,32 +195,12 @@ def load_reward_function(spec: str, options: RewardOptions, *, device="cpu") -> 
             raise ConfigError(f"reward_funcs: {spec} is a folder without config.json, not a reward model folder")
         model = RewardModel(Path(spec), device=device)
         return model.__name__, model
-    where, _, function_name = spec.rpartition(":")
-    if not where or not function_name:
+    if ":" not in spec:
         raise ConfigError(
             f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILT_INS)}), a reward model folder, "
             "package.module:function nor path/to/file.py:function"
         )
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ConfigError(f"reward_funcs: {spec!r} names {where}, no such file")
-            module_spec = importlib.util.spec_from_file_location(f"reward_file_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except Exception as error:  # noqa: BLE001 - whatever the user's module raises on import
-        raise ConfigError(f"reward_funcs: {spec!r} could not be imported: {type(error).__name__}: {error}") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ConfigError(f"reward_funcs: {where} has no function {function_name!r}")
-    return function_name, function
+    return load_callable(spec, setting="reward_funcs")
 
 
 def load_reward_functions(
@@ -298,10 +276,14 @@ def score_completions(
     prompt_indices: list[int],
     completion_ids: list[list[int]],
     texts: list[str],
+    conversations: list[list[dict]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`score` for completions of prompts of `data` (fsdp_recipes.methods.grpo.prompts.Prompts), by index: as TRL calls
-    reward functions, completions of chat prompts as one assistant turn, every other column by name."""
+    reward functions, completions of chat prompts as one assistant turn (with tools, the whole exchange: assistant
+    turns with their `tool_calls` and the `tool` messages), every other column by name."""
     completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else list(texts)
+    if conversations is not None:
+        completions = conversations
     return score(
         functions,
         weights,

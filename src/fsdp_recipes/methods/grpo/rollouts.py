@@ -229,7 +229,8 @@ def assemble_round(
     this rank's slots with their advantages. No collective: the inputs are global."""
     advantages = advantages_of(chosen.rewards, num_generations, scale_rewards, advantage_estimator)
     masks = [0 if t and mask_truncated_completions else 1 for t in chosen.truncated]
-    global_tokens = float(sum(len(c) * m for c, m in zip(chosen.completion_ids, masks)))
+    policy = chosen.policy_masks or [[1] * len(c) for c in chosen.completion_ids]  # tools: their messages carry no loss
+    global_tokens = float(sum(sum(p) * m for p, m in zip(policy, masks)))
     prompt_width = max(len(prompt_ids[p]) for p in chosen.prompt_indices)
     completion_width = max(map(len, chosen.completion_ids))
     per_rank = len(chosen) // world_size
@@ -244,6 +245,8 @@ def assemble_round(
     )
     batch["advantages"] = advantages[share.start : share.stop]
     batch["completion_mask"] *= torch.tensor([masks[s] for s in share], dtype=torch.long).unsqueeze(1)
+    for row, slot in enumerate(share):
+        batch["completion_mask"][row, : len(policy[slot])] *= torch.tensor(policy[slot], dtype=torch.long)
     batch["real_tokens"] = batch["attention_mask"].sum(dim=1)
     micro_batches = []
     for start in range(0, per_rank, rows_per_micro_batch):
@@ -251,7 +254,8 @@ def assemble_round(
         if padding_free:
             part.update(packing.packed_rows(part, row_width=prompt_width + completion_width, pad_token_id=pad_token_id))
         micro_batches.append({key: value.to(device) for key, value in part.items()})
-    lengths = torch.tensor([len(c) for c in generated.completion_ids], dtype=torch.float)
+    written = generated.policy_masks or [[1] * len(c) for c in generated.completion_ids]
+    lengths = torch.tensor([sum(m) for m in written], dtype=torch.float)  # the policy's tokens, as TRL counts them
     scored = (~generated.per_function.isnan()).sum(dim=0).clamp(min=1)
     totals = generated.per_function.nan_to_num(0.0).sum(dim=0)
     figures = {
@@ -265,4 +269,8 @@ def assemble_round(
         "dynamic_sampling/kept_groups": kept_groups,
         "dynamic_sampling/generation_rounds": generation_passes,
     }
+    if generated.tool_calls is not None:  # TRL's names: calls per completion, failed calls per call
+        calls = sum(c for c, _ in generated.tool_calls)
+        figures["tools/call_frequency"] = calls / max(len(generated), 1)
+        figures["tools/failure_frequency"] = sum(f for _, f in generated.tool_calls) / max(calls, 1)
     return micro_batches, global_tokens, figures, mine, advantages[share.start : share.stop]

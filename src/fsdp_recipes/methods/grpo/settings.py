@@ -154,6 +154,29 @@ class OnlineRLFields:
         rewards.RewardOptions.format_pattern, "the regex the format reward matches", resume="sensitive"
     )
 
+    # --- tools ---------------------------------------------------------------------------------------------------------
+    tools: list[str] = setting(
+        default_factory=list,
+        help="functions the policy may call while it writes a completion (TRL's tools): path/file.py:function or "
+        "package.module:function, each with type hints and a docstring, which the chat template shows the model; "
+        "their results join the conversation and carry no loss",
+        resume="sensitive",
+    )
+    max_tool_calling_iterations: int | None = setting(
+        None,
+        "rounds of tool calls answered per completion (TRL's; null: until a turn calls none or "
+        "max_completion_length is reached, tool messages included); each round costs one more generation pass",
+        resume="sensitive",
+        check=checks.at_least(1, or_null=True),
+    )
+    tool_timeout: float = setting(
+        10.0,
+        "seconds a tool call may take before the model is answered with a timeout error (the call's thread is left "
+        "to finish in the background)",
+        resume="free",
+        check=checks.above(0),
+    )
+
     def generation_settings(self, *, batch_size: int, seed: int) -> generation.GenerationSettings:
         return generation.GenerationSettings(
             self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed

@@ -1,0 +1,234 @@
+"""Tool calling in GRPO's rollouts (TRL's `tools` and `max_tool_calling_iterations`): the policy writes a tool call,
+the tool runs, its result goes back into the conversation as a `tool` message rendered by the chat template, and
+generation continues; only the policy's own tokens are trained.
+
+- Tools are plain Python functions named like reward functions (`path/to/file.py:function`, `package.module:function`),
+  described to the model by the tokenizer's chat template (`apply_chat_template(tools=...)`) from their signature and
+  docstring (transformers' `get_json_schema`: type hints and an `Args:` line per parameter are required).
+- A call is read from the generated text in the Hermes/Qwen format TRL's parsers read for Qwen:
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (several per turn allowed). Text that is not valid JSON
+  there is no call, as in TRL.
+- A tool that raises, is unknown, gets arguments it does not take, or runs past `tool_timeout` seconds is answered with
+  the error as text (`error: ...`), never a crash; calls and failures are counted and logged. A result goes back as
+  `str(result)`, as TRL sends it.
+- The tokens between the policy's turn and its next one (the tool messages and the next assistant header) are what the
+  template renders after the call, found as TRL finds them: the conversation rendered with and without them. They
+  count toward `max_completion_length` and carry no loss.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Sequence
+
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.methods.grpo.user_code import load_callable
+from fsdp_recipes.train import generation
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_PROBE_RESULT = "fsdp-recipes-probe-result"
+
+
+@dataclasses.dataclass
+class Tool:
+    name: str
+    function: Callable
+    schema: dict
+
+
+def load_tools(specs: Sequence[str]) -> list[Tool]:
+    """The `tools` entries, each with the JSON schema the chat template shows; ConfigError when one cannot be imported
+    or lacks what the schema needs (transformers says what)."""
+    from transformers.utils import get_json_schema
+
+    tools, problems = [], []
+    for spec in specs:
+        name, function = load_callable(spec, setting="tools")
+        try:
+            tools.append(Tool(name, function, get_json_schema(function)))
+        except Exception as error:  # noqa: BLE001 - transformers' reasons: no docstring, a parameter without a type
+            problems.append(
+                f"tools: {spec} cannot be described to the model ({' '.join(str(error).split())}): give it type hints "
+                "and a docstring with an `Args:` line per parameter"
+            )
+    names = [tool.name for tool in tools]
+    if len(set(names)) != len(names):
+        problems.append(f"tools: two tools share a name ({', '.join(names)}): the model calls them by name")
+    if problems:
+        raise ConfigError(problems)
+    return tools
+
+
+def template_problem(tokenizer, tools: list[Tool]) -> str | None:
+    """Why the tokenizer's chat template cannot run these tools (None: it can): it must show the tools to the model
+    and render a tool exchange (an assistant turn with `tool_calls`, then a `tool` message)."""
+    probe = [{"role": "user", "content": "hi"}]
+    schemas = [tool.schema for tool in tools]
+    try:
+        shown = tokenizer.apply_chat_template(probe, tools=schemas, add_generation_prompt=True, tokenize=False)
+        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        exchange = tokenizer.apply_chat_template(
+            probe + tool_exchange(tools[0].name, [_PROBE_RESULT]), add_generation_prompt=True, tokenize=False
+        )
+    except Exception as error:  # noqa: BLE001 - a template that fails on tools says why
+        return f"the tokenizer's chat template cannot render tools ({type(error).__name__}: {error})"
+    if shown == plain:
+        return (
+            "the tokenizer's chat template ignores `tools`, so the model would never see them: use a tokenizer whose "
+            "template renders tools (Qwen2.5, Qwen3, Llama 3.1) or set chat_template to one that does"
+        )
+    if _PROBE_RESULT not in exchange:
+        return "the tokenizer's chat template does not render `tool` messages: the tool's result would be lost"
+    return None
+
+
+def tool_exchange(name: str, results: list[str], calls: list[dict] | None = None) -> list[dict]:
+    """The messages of one tool round: the assistant's calls, then one `tool` message per result."""
+    calls = calls or [{"name": name, "arguments": {}} for _ in results]
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": call} for call in calls],
+    }
+    return [assistant] + [{"role": "tool", "name": call["name"], "content": r} for call, r in zip(calls, results)]
+
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """The calls in one generated turn: [{"name", "arguments"}], in order; a block that is not a JSON object with a
+    string `name` is not a call."""
+    calls = []
+    for block in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments") or {}
+            calls.append({"name": call["name"], "arguments": arguments if isinstance(arguments, dict) else {}})
+    return calls
+
+
+def run_call(tools: dict[str, Tool], call: dict, timeout: float) -> tuple[str, bool]:
+    """(the text that goes back to the model, whether the call failed)."""
+    tool = tools.get(call["name"])
+    if tool is None:
+        return f"error: no tool named {call['name']!r} (tools: {', '.join(sorted(tools))})", True
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return str(executor.submit(tool.function, **call["arguments"]).result(timeout=timeout)), False
+    except concurrent.futures.TimeoutError:
+        return f"error: {tool.name} did not return within {timeout:g} s", True
+    except Exception as error:  # noqa: BLE001 - the tool's own failure goes back to the model as text
+        return f"error: {type(error).__name__}: {error}", True
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def continuation_ids(tokenizer, calls: list[dict], results: list[str]) -> list[int]:
+    """The tokens the template puts after the policy's turn (which generation ended at its end-of-sequence token)
+    and before its next one: the `tool` messages and the next assistant header. Found as TRL finds them: the
+    exchange rendered without and with them, the first cut after its last end-of-sequence token."""
+    base = [{"role": "user", "content": "hi"}, tool_exchange("", [], calls)[0]]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template(
+        base + tool_exchange("", results, calls)[1:], add_generation_prompt=True, tokenize=False
+    )
+    end = before.rfind(tokenizer.eos_token) if tokenizer.eos_token else -1
+    prefix = before[: end + len(tokenizer.eos_token)] if end >= 0 else before
+    if not after.startswith(prefix):
+        raise ConfigError(
+            "the tokenizer's chat template renders an assistant turn differently once tool messages follow it, so the "
+            "tool results cannot be appended to the generated tokens: use a template that keeps earlier turns as they are"
+        )
+    return tokenizer(after[len(prefix) :], add_special_tokens=False)["input_ids"]
+
+
+@dataclasses.dataclass
+class Rollout:
+    """Generated completions: the token ids and whether each hit the length limit; with tools also which tokens the
+    policy wrote (1) and which the template added (0: the tool messages between its turns), the conversation each
+    is to the reward functions, and the (calls, failed calls) each made. Without tools those three are None."""
+
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+    policy_masks: list[list[int]] | None = None
+    conversations: list[list[dict]] | None = None
+    tool_calls: list[tuple[int, int]] | None = None
+
+
+def generate_with_tools(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    keys: list[int],
+    settings: generation.GenerationSettings,
+    tools: list[Tool],
+    *,
+    max_iterations: int | None,
+    timeout: float,
+    synced_gpus: bool,
+    most_pending: Callable[[int], int] = lambda count: count,
+) -> Rollout:
+    """Collective under FSDP/TP (`synced_gpus`, `most_pending`: the largest of the ranks' counts). Each completion is
+    generated; with `tools`, its tool calls are run and answered, and generation resumed after the answers, until a
+    turn calls no tool, `max_iterations` rounds of calls were answered, or `max_completion_length` tokens (tool
+    messages included) are reached. Every rank runs the same number of generation passes, padded with throw-away
+    rows, so ranks stay in step; a row's tokens depend only on its prompt, its key and the tools."""
+    first, truncated = generation.generate_completions(
+        model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus
+    )
+    if not tools:
+        return Rollout(first, truncated)
+    ids, masks = [list(c) for c in first], [[1] * len(c) for c in first]
+    turns = [[{"role": "assistant", "content": tokenizer.decode(c, skip_special_tokens=True)}] for c in first]
+    calls, failures = [0] * len(ids), [0] * len(ids)
+    by_name = {tool.name: tool for tool in tools}
+    pending = list(range(len(ids)))
+    iteration = 0
+    while max_iterations is None or iteration < max_iterations:
+        iteration += 1
+        resumed = []
+        for row in pending:
+            asked = [] if truncated[row] else parse_tool_calls(turns[row][-1]["content"])
+            if not asked:
+                continue
+            answers = []
+            for call in asked:
+                text, failed = run_call(by_name, call, timeout)
+                answers.append(text)
+                calls[row] += 1
+                failures[row] += int(failed)
+            turns[row][-1]["tool_calls"] = [{"type": "function", "function": call} for call in asked]
+            suffix = continuation_ids(tokenizer, asked, answers)
+            room = settings.max_completion_length - len(ids[row]) - len(suffix)
+            if room < 1:  # no room to answer: the call stays unanswered, as TRL leaves it
+                truncated[row] = True
+                continue
+            turns[row] += [{"role": "tool", "name": c["name"], "content": a} for c, a in zip(asked, answers)]
+            ids[row] += suffix
+            masks[row] += [0] * len(suffix)
+            resumed.append((row, room))
+        width = most_pending(len(resumed))
+        if width == 0:
+            break
+        padded = resumed + [resumed[0] if resumed else (0, 1)] * (width - len(resumed))  # thrown away after
+        more = dataclasses.replace(settings, max_completion_length=max(room for _, room in padded))
+        continued, stopped_short = generation.generate_completions(
+            model,
+            tokenizer,
+            [prompt_ids[row] + ids[row] for row, _ in padded],
+            [(keys[row] * 1_000_003 + iteration) % 2**61 for row, _ in padded],
+            more,
+            synced_gpus=synced_gpus,
+        )
+        for (row, room), tokens, short in zip(resumed, continued, stopped_short):
+            kept = tokens[:room]
+            ids[row] += kept
+            masks[row] += [1] * len(kept)
+            truncated[row] = short or len(tokens) > room
+            turns[row].append({"role": "assistant", "content": tokenizer.decode(kept, skip_special_tokens=True)})
+        pending = [row for row, _ in resumed]
+    return Rollout(ids, truncated, masks, turns, list(zip(calls, failures)))
