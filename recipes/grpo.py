@@ -79,21 +79,25 @@ def main(argv: list[str] | None = None) -> None:
         functions = rewards.load_reward_functions(
             config.reward_funcs, config.reward_options(), device=accelerator.device
         )
-        tools = tools_lib.load_tools(config.tools)  # described to the model by the chat template
+        environment = config.environment_factory and tools_lib.load_environment(config.environment_factory)
+        tools = tools_lib.load_tools(config.tools) + (environment.tools if environment else [])  # shown to the model
         problem = tools and tools_lib.template_problem(tokenizer, tools)
         if problem:
             raise errors.ConfigError(f"tools: {problem}")
+        if environment and environment.rewards:  # the environment's get_reward, weight 1 (TRL's)
+            functions.append((environment.name, environment.reward_function()))
         raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
         split = config.dataset_train_split
         if split not in raw:
             raise errors.DataError(f"the data has no {split!r} split (it has: {', '.join(raw)})")
         room = config.max_length - config.max_completion_length
-        return functions, tools, prompts.load_prompts(
+        return functions, tools, environment, prompts.load_prompts(
             raw[split], tokenizer, max_prompt_length=room, split=split, column=config.dataset_prompt_column,
-            tools=[tool.schema for tool in tools],
+            tools=[tool.schema for tool in tools], reset=environment and (lambda row: environment.factory().reset(**row)),
         )  # fmt: skip
 
-    functions, tools, data = run.on_every_rank(prepare, main_process_first=True)
+    functions, tools, environment, data = run.on_every_rank(prepare, main_process_first=True)
+    weights = config.weights() + [1.0] * (len(functions) - len(config.reward_funcs))  # an environment's reward: 1
     prompts_per_round = completions_per_step // config.num_generations
     schedule = rollouts.PromptSchedule(len(data), prompts_per_round, seed=config.seed)
     if run.checkpoint is not None:  # the prompts dynamic sampling drew beyond their rounds shift the stream
@@ -163,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
                     schedule.more_prompts(prompts_per_round) if attempt else schedule.prompts_for_round(round_index)
                 )
                 slots = rollouts.rank_slots(indices, config.num_generations, rank=rank, world_size=world)
+                environments, row_tools = (
+                    environment.start([data.row(p) for p, _ in slots], [data.reset_texts[p] for p, _ in slots])
+                    if environment
+                    else (None, None)
+                )  # one per completion, reset with its row
                 with (
                     watch.phase("generation"),
                     generation.weights_gathered(
@@ -173,15 +182,15 @@ def main(argv: list[str] | None = None) -> None:
                         model, tokenizer, [data.prompt_ids[p] for p, _ in slots],
                         [rollouts.sampling_key(round_index, p, g, attempt) for p, g in slots], settings, tools,
                         max_iterations=config.max_tool_calling_iterations, timeout=config.tool_timeout,
-                        synced_gpus=world > 1, most_pending=run.most_over_ranks,
+                        synced_gpus=world > 1, most_pending=run.most_over_ranks, row_tools=row_tools,
                     )  # fmt: skip
                 with watch.phase("scoring"):
                     texts = tokenizer.batch_decode(rolled.completion_ids, skip_special_tokens=True)
                     indices = [p for p, _ in slots]
                     scores = run.on_every_rank(
                         functools.partial(
-                            rewards.score_completions, functions, config.weights(), data, indices,
-                            rolled.completion_ids, texts, rolled.conversations,
+                            rewards.score_completions, functions, weights, data, indices,
+                            rolled.completion_ids, texts, rolled.conversations, environments,
                         )
                     )  # fmt: skip
                     pool.add(

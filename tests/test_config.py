@@ -160,7 +160,7 @@ def test_every_groups_rules_run_and_every_problem_is_reported_at_once(tmp_path):
         parse_config(recipe_config_class("grpo"), ["--config", write(tmp_path, lines)])
     text = "\n".join(refused.value.problems)
     for expected in (
-        "reward_funcs is required",  # a field's check (online RL)
+        "reward_funcs is required",  # the online-RL group's rule (an environment may score instead)
         "num_generations must be >= 2",  # a field's check (online RL)
         "reward_weights has 1 values for 0 reward_funcs",  # the online-RL group's rule
         "max_completion_length must be >= 1 and < max_length",  # the online-RL group's rule

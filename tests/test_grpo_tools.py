@@ -155,3 +155,39 @@ def test_bad_tool_settings_are_refused_before_loading(
 ):
     values = tool_run_values(tool_files, pretrained_tiny_model, prompt_data, tmp_path / "out", **overrides)
     assert message in recipe_error_in_process("grpo", tmp_path, values, capsys)
+
+
+ENVIRONMENT_REWARD = """
+def saw_the_environments(prompts, completions, environments, **columns):
+    return [float(type(e).__name__ == "Reversal" and e.reversed is not None) for e in environments]
+"""
+
+
+def test_an_environment_gives_each_completion_its_own_tools_and_its_reward(
+    tmp_path, pretrained_tiny_model, prompt_data
+):
+    from fixtures.grpo import grpo_values
+    from helpers.paths import REPO
+
+    (tmp_path / "env_rewards.py").write_text(ENVIRONMENT_REWARD)
+    values = grpo_values(
+        pretrained_tiny_model, prompt_data, tmp_path / "out", chat_template=TOOLS_TEMPLATE, max_length=140,
+        max_completion_length=100, environment_factory=f"{REPO}/demo/environments/reversal.py:Reversal",
+        reward_funcs=[f"{tmp_path}/env_rewards.py:saw_the_environments"], reward_weights=None,
+    )  # fmt: skip
+    with scripted_generation():
+        run_recipe_in_process("grpo", tmp_path, "environment", values)
+    rounds = [row for row in read_metrics(tmp_path / "out") if "rewards/Reversal/mean" in row]
+    assert rounds and all(row["rewards/Reversal/mean"] == 1.0 for row in rounds)  # the tool reversed the answer
+    assert all(row["rewards/saw_the_environments/mean"] == 1.0 and row["reward"] == 2.0 for row in rounds)
+
+
+def test_an_environment_without_reset_or_tools_is_refused(tmp_path):
+    (tmp_path / "envs.py").write_text(
+        "class NoReset:\n    def act(self, x: int) -> int:\n        '''Acts.\n\n        Args:\n            x: a number\n"
+        "        '''\n        return x\n\n\nclass NoTools:\n    def reset(self, **row):\n        return None\n"
+    )
+    with pytest.raises(ConfigError, match="NoReset has no reset method"):
+        tools.load_environment(f"{tmp_path}/envs.py:NoReset")
+    with pytest.raises(ConfigError, match="NoTools has no public method"):
+        tools.load_environment(f"{tmp_path}/envs.py:NoTools")

@@ -15,6 +15,11 @@ class Prompts:
     prompt_ids: list[list[int]]  # tokenised (chat turns through the chat template, ready for the assistant's turn)
     columns: dict[str, list[Any]]  # the other columns, by name
     truncated: int  # prompts longer than the room left for them, which kept their end
+    reset_texts: list[str | None] | None = None  # an environment's reset() text, appended to each prompt's last turn
+
+    def row(self, index: int) -> dict[str, Any]:
+        """The data row of prompt `index`: its prompt and every other column, by name."""
+        return {"prompt": self.prompts[index], **{name: values[index] for name, values in self.columns.items()}}
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -33,7 +38,14 @@ def tokenize_prompt(prompt: Any, tokenizer, tools: list[dict] | None = None) -> 
 
 
 def load_prompts(
-    dataset, tokenizer, *, max_prompt_length: int, split: str, column: str = "prompt", tools: list[dict] | None = None
+    dataset,
+    tokenizer,
+    *,
+    max_prompt_length: int,
+    split: str,
+    column: str = "prompt",
+    tools: list[dict] | None = None,
+    reset=None,
 ) -> Prompts:
     """The prompts of `dataset` (a datasets.Dataset), tokenised; longer ones than `max_prompt_length` keep their end
     (counted in `truncated`). DataError when there is no prompt `column`, the data is empty, or a prompt is neither
@@ -52,7 +64,7 @@ def load_prompts(
         raise DataError(
             "the prompts are chat turns but the tokenizer has no chat template: set chat_template, or give text prompts"
         )
-    prompt_ids, truncated = [], 0
+    prompt_ids, truncated, reset_texts = [], 0, []
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             raise DataError(f"prompt {index} of the {split} split is {type(prompt).__name__}: text or chat turns")
@@ -61,6 +73,11 @@ def load_prompts(
                 f"prompt {index} of the {split} split is text: with tools the prompts must be chat turns, which the "
                 "chat template renders with the tools' descriptions"
             )
+        if reset is not None:  # an environment: its reset() text joins the last turn, as TRL appends it
+            text = reset({"prompt": prompt, **{name: dataset[index][name] for name in names if name != column}})
+            reset_texts.append(text)
+            if text:
+                prompt = [*prompt[:-1], {**prompt[-1], "content": str(prompt[-1]["content"]) + str(text)}]
         ids = tokenize_prompt(prompt, tokenizer, tools)
         if not ids:
             raise DataError(f"prompt {index} of the {split} split is empty once tokenised")
@@ -68,4 +85,4 @@ def load_prompts(
             ids, truncated = ids[-max_prompt_length:], truncated + 1
         prompt_ids.append(ids)
     columns = {name: list(dataset[name]) for name in names if name != column}
-    return Prompts(prompts, prompt_ids, columns, truncated)
+    return Prompts(prompts, prompt_ids, columns, truncated, reset_texts if reset is not None else None)

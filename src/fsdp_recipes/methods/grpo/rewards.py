@@ -277,10 +277,12 @@ def score_completions(
     completion_ids: list[list[int]],
     texts: list[str],
     conversations: list[list[dict]] | None = None,
+    environments: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`score` for completions of prompts of `data` (fsdp_recipes.methods.grpo.prompts.Prompts), by index: as TRL calls
     reward functions, completions of chat prompts as one assistant turn (with tools, the whole exchange: assistant
-    turns with their `tool_calls` and the `tool` messages), every other column by name."""
+    turns with their `tool_calls` and the `tool` messages), every other column by name, and with an environment
+    each completion's instance as `environments`."""
     completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else list(texts)
     if conversations is not None:
         completions = conversations
@@ -290,6 +292,7 @@ def score_completions(
         prompts=[data.prompts[p] for p in prompt_indices],
         completions=completions,
         completion_ids=completion_ids,
-        columns={name: [values[p] for p in prompt_indices] for name, values in data.columns.items()},
+        columns={name: [values[p] for p in prompt_indices] for name, values in data.columns.items()}
+        | ({"environments": environments} if environments is not None else {}),
         prompt_indices=list(prompt_indices),
     )

@@ -142,7 +142,6 @@ class OnlineRLFields:
         help="rewards: built-ins (exact_match, partial_match, numeric_answer, format, length_penalty), "
         "package.module:function, path/file.py:function, or a reward-model folder (one-label classifier)",
         resume="sensitive",
-        check=checks.required("name at least one (e.g. exact_match, or my_module:my_reward)"),
     )
     reward_weights: list[float] | None = setting(
         None, "one weight per reward function (null: all 1.0)", resume="sensitive"
@@ -160,6 +159,14 @@ class OnlineRLFields:
         help="functions the policy may call while it writes a completion (TRL's tools): path/file.py:function or "
         "package.module:function, each with type hints and a docstring, which the chat template shows the model; "
         "their results join the conversation and carry no loss",
+        resume="sensitive",
+    )
+    environment_factory: str | None = setting(
+        None,
+        "a class whose instances the policy's tool calls act on, one per completion (TRL's environment_factory): "
+        "path/file.py:Class or package.module:Class; reset(**row) starts a rollout (returned text joins the prompt's "
+        "last turn), its public methods are the tools, get_reward() (optional) adds a reward named after the class; "
+        "reward functions receive them as `environments`",
         resume="sensitive",
     )
     max_tool_calling_iterations: int | None = setting(
@@ -236,6 +243,11 @@ class OnlineRLFields:
             problems.append(
                 f"save_steps ({self.save_steps}) must be a multiple of num_iterations ({self.num_iterations}): a "
                 "checkpoint falls between generation rounds, so a resume regenerates nothing it had"
+            )
+        if not self.reward_funcs and not self.environment_factory:
+            problems.append(
+                "reward_funcs is required: name at least one (e.g. exact_match, or my_module:my_reward), or give an "
+                "environment_factory whose class has get_reward"
             )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             problems.append(

@@ -23,8 +23,9 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.methods.grpo.user_code import load_callable
 from fsdp_recipes.train import generation
 
@@ -60,6 +61,74 @@ def load_tools(specs: Sequence[str]) -> list[Tool]:
     if problems:
         raise ConfigError(problems)
     return tools
+
+
+@dataclasses.dataclass
+class Environment:
+    """A class of environments for tool-using rollouts (TRL's `environment_factory`): one instance per completion;
+    `reset(**row)` starts it (a returned string joins the prompt's last turn), its other public methods are the tools
+    the policy calls on it, and `get_reward()`, where it has one, scores the finished rollout."""
+
+    name: str
+    factory: Callable
+    tools: list[Tool]  # bound to a probe instance: their schemas, for the chat template
+    rewards: bool
+
+    def start(self, rows: list[dict], texts: list[str | None]) -> tuple[list[Any], list[dict[str, Tool]]]:
+        """An instance per row, reset with it, and the tools bound to each. The prompts were tokenised once, with the
+        text each reset returned when the data was read (`texts`): a reset that now returns another is a DataError."""
+        instances = [self.factory() for _ in rows]
+        for instance, row, text in zip(instances, rows, texts):
+            if instance.reset(**row) != text:
+                raise DataError(
+                    f"{self.name}.reset returned other text for the same row than when the data was read: the prompts "
+                    "are tokenised once, so reset's text must depend on the row alone (keep random state elsewhere)"
+                )
+        bound = [{t.name: Tool(t.name, getattr(i, t.name), t.schema) for t in self.tools} for i in instances]
+        return instances, bound
+
+    def reward_function(self) -> Callable:
+        """The reward column the environment adds (TRL's: named after the class, weight 1)."""
+
+        def reward(prompts, completions, environments, **columns):
+            return [float(environment.get_reward()) for environment in environments]
+
+        reward.__name__ = self.name
+        return reward
+
+
+def load_environment(spec: str) -> Environment:
+    """The `environment_factory` entry, built once to read its tools; ConfigError when it cannot be built, has no
+    `reset`, or no public method the model could call, or one that cannot be described to it."""
+    from transformers.utils import get_json_schema
+
+    name, factory = load_callable(spec, setting="environment_factory")
+    try:
+        probe = factory()
+    except Exception as error:  # noqa: BLE001 - the user's class
+        raise ConfigError(f"environment_factory: {spec} could not be built: {type(error).__name__}: {error}") from None
+    if not callable(getattr(probe, "reset", None)):
+        raise ConfigError(
+            f"environment_factory: {name} has no reset method: give it reset(self, **row) (it starts a rollout and "
+            "may return text to add to the prompt)"
+        )
+    names = [m for m in dir(probe) if not m.startswith("_") and m not in ("reset", "get_reward")]
+    names = [m for m in names if callable(getattr(probe, m))]
+    if not names:
+        raise ConfigError(f"environment_factory: {name} has no public method for the model to call as a tool")
+    tools, problems = [], []
+    for method in names:
+        try:
+            tools.append(Tool(method, getattr(probe, method), get_json_schema(getattr(probe, method))))
+        except Exception as error:  # noqa: BLE001 - transformers' reasons
+            problems.append(
+                f"environment_factory: {name}.{method} cannot be described to the model "
+                f"({' '.join(str(error).split())}): give it type hints and a docstring with an `Args:` line per "
+                "parameter, or make it private (_name)"
+            )
+    if problems:
+        raise ConfigError(problems)
+    return Environment(name, factory, tools, callable(getattr(probe, "get_reward", None)))
 
 
 def template_problem(tokenizer, tools: list[Tool]) -> str | None:
@@ -171,16 +240,18 @@ def generate_with_tools(
     timeout: float,
     synced_gpus: bool,
     most_pending: Callable[[int], int] = lambda count: count,
+    row_tools: list[dict[str, Tool]] | None = None,
 ) -> Rollout:
     """Collective under FSDP/TP (`synced_gpus`, `most_pending`: the largest of the ranks' counts). Each completion is
     generated; with `tools`, its tool calls are run and answered, and generation resumed after the answers, until a
     turn calls no tool, `max_iterations` rounds of calls were answered, or `max_completion_length` tokens (tool
     messages included) are reached. Every rank runs the same number of generation passes, padded with throw-away
-    rows, so ranks stay in step; a row's tokens depend only on its prompt, its key and the tools."""
+    rows, so ranks stay in step; a row's tokens depend only on its prompt, its key and the tools. `row_tools`: each
+    row's own tools (bound to its environment) instead of `tools`."""
     first, truncated = generation.generate_completions(
         model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus
     )
-    if not tools:
+    if not tools and not row_tools:
         return Rollout(first, truncated)
     ids, masks = [list(c) for c in first], [[1] * len(c) for c in first]
     turns = [[{"role": "assistant", "content": tokenizer.decode(c, skip_special_tokens=True)}] for c in first]
@@ -197,7 +268,7 @@ def generate_with_tools(
                 continue
             answers = []
             for call in asked:
-                text, failed = run_call(by_name, call, timeout)
+                text, failed = run_call(row_tools[row] if row_tools else by_name, call, timeout)
                 answers.append(text)
                 calls[row] += 1
                 failures[row] += int(failed)
