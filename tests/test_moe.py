@@ -222,28 +222,50 @@ def test_the_router_balance_is_transformers_aux_loss_over_the_global_batch_whate
 
 
 @pytest.mark.slow
-def test_two_ranks_train_an_moe_with_its_router_balance_as_one_process(tmp_path, small_chat_data):
-    """FSDP2 on 2 processes against one process with the same global batch: losses and the router's aux loss
-    (taken over the global batch, so the split does not change it) agree to float tolerance."""
-    from helpers.launch import run_launched
-    from helpers.paths import SFT
+def test_two_ranks_train_an_moe_with_its_router_balance_and_lora_on_its_experts_as_one_process(
+    tmp_path, small_chat_data
+):
+    """FSDP2 on 2 processes against one process with the same global batch, in one launch of two runs: full
+    fine-tuning, whose losses and router aux loss (taken over the global batch, so the split does not change it)
+    agree to float tolerance; and LoRA on the experts (peft's wrapper of the fused expert weights, sharded by FSDP2
+    with the rest), whose losses and saved adapters agree too."""
+    from safetensors.torch import load_file
+
+    from helpers.launch import launch, require_success
+    from helpers.paths import REPO
+    from helpers.recipes import recipe_config
 
     config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
     (tmp_path / "moe.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.1}))
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")
     common = dict(max_steps=3, logging_steps=1, exact_match_eval_samples=0, eval_steps=1000)
-    values = base_recipe_values(
-        tmp_path / "moe.json", small_chat_data, tmp_path / "two", per_device_train_batch_size=2, **common
-    )
-    run_launched(SFT, tmp_path, "two", values)
-    one = {**values, "output_dir": str(tmp_path / "one"), "per_device_train_batch_size": 4}
-    run_recipe_in_process("sft", tmp_path, "one", one)
-    twos, ones = (
-        [record for record in read_metrics(tmp_path / run) if "aux_loss" in record] for run in ("two", "one")
-    )  # fmt: skip
-    assert [r["step"] for r in twos] == [r["step"] for r in ones] == [1, 2, 3]
-    for two, single in zip(twos, ones):
-        assert two["loss"] == pytest.approx(single["loss"], rel=1e-5)
-        assert two["aux_loss"] == pytest.approx(single["aux_loss"], rel=1e-5)
+    runs = {
+        "full": base_recipe_values(
+            tmp_path / "moe.json", small_chat_data, tmp_path / "full_two", per_device_train_batch_size=2, **common
+        ),
+        "lora": base_recipe_values(
+            tmp_path / "unused.json", small_chat_data, tmp_path / "lora_two", model_config=None,
+            model_name_or_path=str(tmp_path / "base"), use_peft=True, lora_r=2, lora_dropout=0.0,
+            per_device_train_batch_size=2, learning_rate=1e-2, **common,
+        ),
+    }  # fmt: skip
+    arguments = []
+    for name, values in runs.items():
+        arguments += ["sft", str(recipe_config(tmp_path / f"{name}_two.yaml", **values))]
+    require_success(launch(REPO / "tests" / "scripts" / "recipes_in_sequence.py", arguments))
+    for name, values in runs.items():
+        one = {**values, "output_dir": str(tmp_path / f"{name}_one"), "per_device_train_batch_size": 4}
+        run_recipe_in_process("sft", tmp_path, f"{name}_one", one)
+        twos, ones = ([r for r in read_metrics(tmp_path / f"{name}_{side}") if "loss" in r] for side in ("two", "one"))
+        assert [r["step"] for r in twos] == [r["step"] for r in ones] == [1, 2, 3], name
+        for two, single in zip(twos, ones):
+            for key in ("loss", "aux_loss") if name == "full" else ("loss",):
+                assert two[key] == pytest.approx(single[key], rel=1e-5), (name, key)
+    adapters = [load_file(tmp_path / f"lora_{side}" / "adapter_model.safetensors") for side in ("two", "one")]
+    experts = [key for key in adapters[1] if ".experts." in key]
+    assert experts and adapters[0].keys() == adapters[1].keys()
+    for key in adapters[1]:
+        torch.testing.assert_close(adapters[0][key], adapters[1][key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.mark.parametrize("recipe", ["dpo", "kto"])
