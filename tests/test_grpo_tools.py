@@ -127,12 +127,22 @@ def test_the_round_trains_only_the_policys_tokens(tools_tokenizer):
     assert figures["completions/mean_length"] == 2.0  # the policy's tokens
 
 
-def test_grpo_with_a_tool_scores_the_exchange_logs_calls_and_failures_and_trains(
+def test_grpo_with_a_tool_scores_the_exchange_logs_calls_and_failures_trains_and_resumes_exactly(
     tmp_path, tool_files, pretrained_tiny_model, prompt_data
 ):
-    values = tool_run_values(tool_files, pretrained_tiny_model, prompt_data, tmp_path / "out")
+    values = tool_run_values(
+        tool_files, pretrained_tiny_model, prompt_data, tmp_path / "out", max_steps=4, save_steps=2
+    )
+    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
+    resumed = {**values, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": str(checkpoint)}
     with scripted_generation():
         run_recipe_in_process("grpo", tmp_path, "tools", values)
+        run_recipe_in_process("grpo", tmp_path, "resumed", resumed)
+    # the resumed run generates, calls, scores and trains what the uninterrupted one did
+    after = {r["step"]: r for r in read_metrics(tmp_path / "out") if r.get("loss") is not None and r["step"] > 2}
+    again = {r["step"]: r for r in read_metrics(tmp_path / "resumed") if r.get("loss") is not None}
+    assert sorted(after) == sorted(again) == [3, 4]
+    assert all(after[s]["loss"] == again[s]["loss"] for s in (3, 4))
     rounds = [row for row in read_metrics(tmp_path / "out") if "tools/call_frequency" in row]
     assert rounds and all(row["tools/call_frequency"] == 1.0 for row in rounds)
     for row in rounds:  # a failed call (strings starting with q) answers with its error, which is not the answer
