@@ -13,7 +13,7 @@ from setuptools.command.build_py import build_py
 BUNDLED = {
     "recipes": ["*.py", "configs/*/*"],
     "accelerate_configs": ["*"],
-    "demo": ["*.json", "assets/**/*"],
+    "demo": ["*.json", "assets/**/*", "chat_templates/*", "tools/*", "environments/*"],
     "benchmarks": ["*.json"],  # model configs named by recipe configs (gpu_check_1b.yaml)
 }
 

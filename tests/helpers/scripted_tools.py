@@ -3,13 +3,15 @@ string-reversal prompts its first turn calls the `reverse` tool on the prompt's 
 result answers with that result. `scripted_generation` replaces `fsdp_recipes.train.generation.generate_completions`;
 with `run_model` the model's own generation still runs first (every collective of a real rollout happens, so ranks
 must stay in step as they would) and only its tokens are replaced. `always_call`: every turn calls the tool again
-(for the iteration bound). The tools file and the chat template that renders tools are here too."""
+(for the iteration bound). The tools file is here too; the chat template that renders tools is the tool demo's."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import re
+
+from helpers.paths import REPO
 
 TOOLS_FILE = '''
 def reverse(text: str) -> str:
@@ -36,14 +38,7 @@ def used_the_tool(prompts, completions, **columns):
     ]
 '''
 
-TOOLS_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}<|end|>"
-    "{% endif %}{% for message in messages %}{% if message.role == 'tool' %}<|user|>result: {{ message.content }}"
-    "<|end|>{% elif message.tool_calls %}<|assistant|>{% for call in message.tool_calls %}<tool_call>"
-    "{{ call.function | tojson }}</tool_call>{% endfor %}<|end|>{% else %}"
-    "{{ '<|' + message.role + '|>' + message.content + '<|end|>' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+TOOLS_TEMPLATE = (REPO / "demo" / "chat_templates" / "tools.jinja").read_text().strip()  # the tool demo's template
 
 
 def scripted_turn(prompt_text: str, *, always_call: bool) -> str:

@@ -312,21 +312,34 @@ class Catalog:
         found: list[tuple[Path, str]] = []
         if config.launch and config.launch.accelerate_config:
             found.append((Path(config.launch.accelerate_config), "the Accelerate config its launch command names"))
-        for key, value in config.values.items():
-            if not isinstance(value, str) or Path(value).is_absolute() or ".." in Path(value).parts:
-                continue
-            if key == "output_dir" or Path(value).parts[:1] == (RUN_OUTPUTS,):
-                continue
-            source = self.root / value
-            if source.is_file():
-                found.append((Path(value), f"{config.name}.yaml names it as {key}"))
-            elif source.is_dir() and value.strip("./"):
-                found += [
-                    (path.relative_to(self.root), f"{config.name}.yaml names {value} as {key}")
-                    for path in sorted(source.rglob("*"))
-                    if path.is_file() and "__pycache__" not in path.parts
-                ]
+        for key, named in config.values.items():
+            for value in named if isinstance(named, list) else [named]:
+                found += self._named_files(config, key, value)
         return found
+
+    def _named_files(self, config: RecipeConfig, key: str, value) -> list[tuple[Path, str]]:
+        """The files one config value names: a path (a folder: every file in it), or user code given as
+        `path/file.py:name` (reward functions, tools, an environment): its file's folder, which may hold the data the
+        code reads."""
+        if not isinstance(value, str):
+            return []
+        where, _, name = value.rpartition(":")
+        if where.endswith(".py") and name:
+            value = str(Path(where).parent)
+        if Path(value).is_absolute() or ".." in Path(value).parts:
+            return []
+        if key == "output_dir" or Path(value).parts[:1] == (RUN_OUTPUTS,):
+            return []
+        source = self.root / value
+        if source.is_file():
+            return [(Path(value), f"{config.name}.yaml names it as {key}")]
+        if source.is_dir() and value.strip("./"):
+            return [
+                (path.relative_to(self.root), f"{config.name}.yaml names {value} as {key}")
+                for path in sorted(source.rglob("*"))
+                if path.is_file() and "__pycache__" not in path.parts
+            ]
+        return []
 
     def copy_plan(self, item: Recipe | RecipeConfig) -> list[tuple[Path, str, bool]]:
         """(path relative to the root, why, primary) for everything `cp` copies for `item`: a recipe with all its
