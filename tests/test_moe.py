@@ -13,37 +13,7 @@ from safetensors import safe_open
 
 from helpers.paths import TOKENIZER
 from helpers.recipes import base_recipe_values, read_metrics, recipe_error_in_process, run_recipe_in_process
-
-COMMON = dict(
-    vocab_size=103, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    tie_word_embeddings=False,
-)  # fmt: skip
-FAMILIES = {
-    "qwen3_moe": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8),
-    "qwen2_moe": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=16),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
-    "gpt_oss": dict(
-        num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["sliding_attention", "full_attention"],
-        sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    ),
-    "deepseek_v3": dict(
-        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1,
-        num_key_value_heads=4,  # multi-head latent attention: one key/value head per query head
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    ),
-}  # fmt: skip
-FUSED_ON_DISK = {"gpt_oss"}
-
-
-def tiny_moe(family: str, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], **overrides})
-    return AutoModelForCausalLM.from_config(config)
+from helpers.tiny_moe import COMMON, FAMILIES, FUSED_ON_DISK, tiny_moe
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -219,53 +189,6 @@ def test_the_router_balance_is_transformers_aux_loss_over_the_global_batch_whate
     from fsdp_recipes.models.experts import describe_experts
 
     assert "not added to this recipe's objective" in describe_experts(model.config)["router_aux_loss"]
-
-
-@pytest.mark.slow
-def test_two_ranks_train_an_moe_with_its_router_balance_and_lora_on_its_experts_as_one_process(
-    tmp_path, small_chat_data
-):
-    """FSDP2 on 2 processes against one process with the same global batch, in one launch of two runs: full
-    fine-tuning, whose losses and router aux loss (taken over the global batch, so the split does not change it)
-    agree to float tolerance; and LoRA on the experts (peft's wrapper of the fused expert weights, sharded by FSDP2
-    with the rest), whose losses and saved adapters agree too."""
-    from safetensors.torch import load_file
-
-    from helpers.launch import launch, require_success
-    from helpers.paths import REPO
-    from helpers.recipes import recipe_config
-
-    config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
-    (tmp_path / "moe.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.1}))
-    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")
-    common = dict(max_steps=3, logging_steps=1, exact_match_eval_samples=0, eval_steps=1000)
-    runs = {
-        "full": base_recipe_values(
-            tmp_path / "moe.json", small_chat_data, tmp_path / "full_two", per_device_train_batch_size=2, **common
-        ),
-        "lora": base_recipe_values(
-            tmp_path / "unused.json", small_chat_data, tmp_path / "lora_two", model_config=None,
-            model_name_or_path=str(tmp_path / "base"), use_peft=True, lora_r=2, lora_dropout=0.0,
-            per_device_train_batch_size=2, learning_rate=1e-2, **common,
-        ),
-    }  # fmt: skip
-    arguments = []
-    for name, values in runs.items():
-        arguments += ["sft", str(recipe_config(tmp_path / f"{name}_two.yaml", **values))]
-    require_success(launch(REPO / "tests" / "scripts" / "recipes_in_sequence.py", arguments))
-    for name, values in runs.items():
-        one = {**values, "output_dir": str(tmp_path / f"{name}_one"), "per_device_train_batch_size": 4}
-        run_recipe_in_process("sft", tmp_path, f"{name}_one", one)
-        twos, ones = ([r for r in read_metrics(tmp_path / f"{name}_{side}") if "loss" in r] for side in ("two", "one"))
-        assert [r["step"] for r in twos] == [r["step"] for r in ones] == [1, 2, 3], name
-        for two, single in zip(twos, ones):
-            for key in ("loss", "aux_loss") if name == "full" else ("loss",):
-                assert two[key] == pytest.approx(single[key], rel=1e-5), (name, key)
-    adapters = [load_file(tmp_path / f"lora_{side}" / "adapter_model.safetensors") for side in ("two", "one")]
-    experts = [key for key in adapters[1] if ".experts." in key]
-    assert experts and adapters[0].keys() == adapters[1].keys()
-    for key in adapters[1]:
-        torch.testing.assert_close(adapters[0][key], adapters[1][key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.mark.parametrize("recipe", ["dpo", "kto"])

@@ -3,7 +3,8 @@ string-reversal prompts its first turn calls the `reverse` tool on the prompt's 
 result answers with that result. `scripted_generation` replaces `fsdp_recipes.train.generation.generate_completions`;
 with `run_model` the model's own generation still runs first (every collective of a real rollout happens, so ranks
 must stay in step as they would) and only its tokens are replaced. `always_call`: every turn calls the tool again
-(for the iteration bound). The tools file is here too; the chat template that renders tools is the tool demo's."""
+(for the iteration bound); `direct_on_short`: strings of up to 3 letters are answered without the tool, so the
+ranks of a launch have different numbers of completions to resume (their padding to stay in step is then used). The tools file is here too; the chat template that renders tools is the tool demo's."""
 
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ def used_the_tool(prompts, completions, **columns):
 TOOLS_TEMPLATE = (REPO / "demo" / "chat_templates" / "tools.jinja").read_text().strip()  # the tool demo's template
 
 
-def scripted_turn(prompt_text: str, *, always_call: bool) -> str:
+def scripted_turn(prompt_text: str, *, always_call: bool, direct_on_short: bool = False) -> str:
     results = re.findall(r"result: (.*?)<\|end\|>", prompt_text)
     if results and not always_call:
         return results[-1]
     target = re.findall(r"reverse: (.*?)<\|end\|>", prompt_text)
+    if direct_on_short and target and len(target[-1]) <= 3:  # answered without the tool: ranks call unevenly
+        return target[-1][::-1]
     return (
         "<tool_call>"
         + json.dumps({"name": "reverse", "arguments": {"text": target[-1] if target else ""}})
@@ -54,7 +57,7 @@ def scripted_turn(prompt_text: str, *, always_call: bool) -> str:
 
 
 @contextlib.contextmanager
-def scripted_generation(*, run_model: bool = True, always_call: bool = False):
+def scripted_generation(*, run_model: bool = True, always_call: bool = False, direct_on_short: bool = False):
     from fsdp_recipes.train import generation
 
     real = generation.generate_completions
@@ -64,7 +67,7 @@ def scripted_generation(*, run_model: bool = True, always_call: bool = False):
             real(model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus)
         completions, truncated = [], []
         for prompt in prompt_ids:
-            text = scripted_turn(tokenizer.decode(prompt), always_call=always_call)
+            text = scripted_turn(tokenizer.decode(prompt), always_call=always_call, direct_on_short=direct_on_short)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             completions.append(ids[: settings.max_completion_length])
             truncated.append(len(ids) > settings.max_completion_length)

@@ -4,7 +4,8 @@ recipes accelerate's shared state is reset, so each recipe builds its accelerato
 group stays: each recipe's `accelerator.end_training()` would destroy it, and forming it again on the launcher's store
 races (a rank can hang in the rendezvous), so that is made a no-op until the last recipe has run. A recipe that fails
 stops the script (its traceback, a nonzero exit). `grpo+scripted_tools` runs GRPO with the scripted tool-calling policy
-of tests/helpers/scripted_tools.py (the model's own generation runs, then its tokens are replaced)."""
+of tests/helpers/scripted_tools.py (the model's own generation runs, then its tokens are replaced);
+`grpo+scripted_tools_mixed` with the policy that answers some prompts without the tool."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ def main(argv: list[str]) -> None:
     PartialState.destroy_process_group = lambda self, group=None: None
     for recipe, config in zip(argv[::2], argv[1::2]):
         recipe, _, option = recipe.partition("+")
-        if option == "scripted_tools":
+        if option.startswith("scripted_tools"):
             from helpers.scripted_tools import scripted_generation
 
-            context = scripted_generation()
+            context = scripted_generation(direct_on_short=option == "scripted_tools_mixed")
         else:
             context = contextlib.nullcontext()
         with context:

@@ -318,28 +318,16 @@ class Catalog:
         return found
 
     def _named_files(self, config: RecipeConfig, key: str, value) -> list[tuple[Path, str]]:
-        """The files one config value names: a path (a folder: every file in it), or user code given as
-        `path/file.py:name` (reward functions, tools, an environment): its file's folder, which may hold the data the
-        code reads."""
-        if not isinstance(value, str):
-            return []
-        where, _, name = value.rpartition(":")
-        if where.endswith(".py") and name:
-            value = str(Path(where).parent)
-        if Path(value).is_absolute() or ".." in Path(value).parts:
-            return []
-        if key == "output_dir" or Path(value).parts[:1] == (RUN_OUTPUTS,):
+        """A path a value names (a folder: its files); for user code (`file.py:name`), its file's folder."""
+        where, _, name = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+        value = str(Path(where).parent) if where.endswith(".py") and name else value
+        if not isinstance(value, str) or Path(value).is_absolute() or ".." in Path(value).parts or key == "output_dir":
             return []
         source = self.root / value
-        if source.is_file():
-            return [(Path(value), f"{config.name}.yaml names it as {key}")]
-        if source.is_dir() and value.strip("./"):
-            return [
-                (path.relative_to(self.root), f"{config.name}.yaml names {value} as {key}")
-                for path in sorted(source.rglob("*"))
-                if path.is_file() and "__pycache__" not in path.parts
-            ]
-        return []
+        if Path(value).parts[:1] == (RUN_OUTPUTS,) or not (source.is_file() or value.strip("./")):
+            return []
+        files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if "__pycache__" not in p.parts)
+        return [(p.relative_to(self.root), f"{config.name}.yaml names {value} as {key}") for p in files if p.is_file()]
 
     def copy_plan(self, item: Recipe | RecipeConfig) -> list[tuple[Path, str, bool]]:
         """(path relative to the root, why, primary) for everything `cp` copies for `item`: a recipe with all its

@@ -1,0 +1,72 @@
+"""Runs that need two FSDP2 ranks, each checked against one process with the same global batch, sharing one
+2-process launch (tests/scripts/recipes_in_sequence.py): a mixture of experts trained whole with its router's
+load-balancing loss; LoRA on its experts (peft's wrapper of the fused expert weights, sharded by FSDP2 with the rest);
+and GRPO with a tool where some completions call it and some do not, so the two ranks have different numbers of
+completions to resume after tool answers: they stay in step by padding their generation passes (else a rank would
+wait in a collective forever)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fixtures.grpo import tool_run_values
+from helpers.launch import launch, require_success
+from helpers.paths import REPO
+from helpers.recipes import base_recipe_values, read_metrics, recipe_config, run_recipe_in_process
+from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, scripted_generation
+from helpers.tiny_moe import COMMON, FAMILIES, tiny_moe
+
+SEQUENCE = REPO / "tests" / "scripts" / "recipes_in_sequence.py"
+
+
+@pytest.mark.slow
+def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use_equal_one_process(
+    tmp_path, small_chat_data, pretrained_tiny_model, prompt_data
+):
+    config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
+    (tmp_path / "moe.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.1}))
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")
+    (tmp_path / "my_tools.py").write_text(TOOLS_FILE)
+    (tmp_path / "my_rewards.py").write_text(CONVERSATION_REWARD)
+    common = dict(max_steps=3, logging_steps=1, exact_match_eval_samples=0, eval_steps=1000)
+    runs = {  # name: (the launched recipe, its 2-rank values, the batch size that gives one process the same batch)
+        "moe": ("sft", base_recipe_values(
+            tmp_path / "moe.json", small_chat_data, tmp_path / "moe_two", per_device_train_batch_size=2, **common
+        ), 4),
+        "lora": ("sft", base_recipe_values(
+            tmp_path / "unused.json", small_chat_data, tmp_path / "lora_two", model_config=None,
+            model_name_or_path=str(tmp_path / "base"), use_peft=True, lora_r=2, lora_dropout=0.0,
+            per_device_train_batch_size=2, learning_rate=1e-2, **common,
+        ), 4),
+        "tools": ("grpo+scripted_tools_mixed", tool_run_values(
+            tmp_path, pretrained_tiny_model, prompt_data, tmp_path / "tools_two", per_device_train_batch_size=4,
+        ), 8),
+    }  # fmt: skip
+    arguments = []
+    for name, (recipe, values, _) in runs.items():
+        arguments += [recipe, str(recipe_config(tmp_path / f"{name}_two.yaml", **values))]
+    require_success(launch(SEQUENCE, arguments))
+    for name, (recipe, values, one_batch) in runs.items():
+        one = {**values, "output_dir": str(tmp_path / f"{name}_one"), "per_device_train_batch_size": one_batch}
+        script, _, option = recipe.partition("+")
+        with scripted_generation(direct_on_short=True) if option else contextlib.nullcontext():
+            run_recipe_in_process(script, tmp_path, f"{name}_one", one)
+        twos, ones = ([r for r in read_metrics(tmp_path / f"{name}_{side}") if "loss" in r] for side in ("two", "one"))
+        assert [r["step"] for r in twos] == [r["step"] for r in ones] and twos, name
+        keys = {"moe": ("loss", "aux_loss"), "lora": ("loss",), "tools": ("loss", "tools/call_frequency")}[name]
+        for two, single in zip(twos, ones):
+            for key in keys:
+                if key in single:
+                    assert two[key] == pytest.approx(single[key], rel=1e-5), (name, key)
+    rounds = [r for r in read_metrics(tmp_path / "tools_two") if "tools/call_frequency" in r]
+    # seed 7's first round draws "hud" (answered directly) for rank 0 and "jcnhb" (a call) for rank 1
+    assert rounds and all(r["tools/call_frequency"] == 0.5 for r in rounds)
+    adapters = [load_file(tmp_path / f"lora_{side}" / "adapter_model.safetensors") for side in ("two", "one")]
+    assert [key for key in adapters[1] if ".experts." in key] and adapters[0].keys() == adapters[1].keys()
+    for key in adapters[1]:
+        torch.testing.assert_close(adapters[0][key], adapters[1][key], rtol=1e-4, atol=1e-5, msg=key)
