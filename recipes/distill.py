@@ -23,7 +23,7 @@ from fsdp_recipes.methods.distill import distillation, on_policy
 from fsdp_recipes.methods.sft import supervised
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import frozen_copy, generation, loop, losses, router_balance
+from fsdp_recipes.train import frozen_copy, loop, losses, router_balance
 
 
 @dataclasses.dataclass
@@ -152,13 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     teacher.gather_head()  # a collective under FSDP2: the teacher's output layer, whole on every rank
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    sampling = generation.GenerationSettings(
-        config.max_new_tokens, temperature=config.temperature, batch_size=config.per_device_eval_batch_size,
-        seed=config.seed,
-    )  # fmt: skip
-    reshard_after_forward = bool(
-        getattr(getattr(accelerator.state, "fsdp_plugin", None), "reshard_after_forward", True)
-    )
+    gkd = on_policy.OnPolicy.from_config(config, accelerator)  # lmbda, seq_kd: sampled completions
     training = run.begin(
         model,
         train_loader,
@@ -193,14 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
-        students_samples = on_policy.is_on_policy_step(config.lmbda, config.seed, step)  # GKD: drawn per step
-        if students_samples or config.seq_kd:  # the completions become the student's (else the teacher's) samples
-            sampler = model if students_samples else teacher.teacher
-            with generation.weights_gathered(sampler, enabled=True, reshard_after_forward=reshard_after_forward):
-                micro_batches = on_policy.with_sampled_completions(
-                    micro_batches, sampler, tokenizer, sampling, step=step, max_length=config.max_length,
-                    pad_token_id=tokenizer.pad_token_id, synced_gpus=accelerator.num_processes > 1,
-                )  # fmt: skip
+        micro_batches, students_samples = gkd.batches(  # GKD: the student's samples, the teacher's, or the data's
+            micro_batches, step, model, teacher.teacher, tokenizer, synced_gpus=accelerator.num_processes > 1
+        )
         kd_ratio = 1.0 if students_samples else None  # the student's own samples: KD alone
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)

@@ -11,7 +11,6 @@ completions do not depend on the rank split (`fsdp_recipes.methods.grpo`). docs/
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import sys
 
@@ -19,11 +18,10 @@ import torch
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, checks, errors
-from fsdp_recipes.data import files
-from fsdp_recipes.methods.grpo import completion_log, groups, prompts, rewards, rollouts
+from fsdp_recipes.methods.grpo import completion_log, groups, rollouts
 from fsdp_recipes.methods.grpo import policy_gradient as pg
 from fsdp_recipes.methods.grpo import settings as online_rl
-from fsdp_recipes.methods.grpo import tools as tools_lib
+from fsdp_recipes.methods.grpo import task as grpo_task
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
@@ -69,35 +67,16 @@ def main(argv: list[str] | None = None) -> None:
     world, rank = run.data_parallel_size, run.data_parallel_rank  # the ranks of a TP group share their slots
     completions_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * world
 
-    # --- rewards and prompts, before any weights ---------------------------------------------------------------------
-    def prepare():
-        if completions_per_step % config.num_generations:
-            raise errors.ConfigError(
-                f"num_generations ({config.num_generations}) must divide the global batch of completions "
-                f"(per_device_train_batch_size x processes x gradient_accumulation_steps = {completions_per_step})"
-            )
-        functions = rewards.load_reward_functions(
-            config.reward_funcs, config.reward_options(), device=accelerator.device
+    # --- rewards, tools and prompts, before any weights ---------------------------------------------------------------
+    if completions_per_step % config.num_generations:
+        raise errors.ConfigError(
+            f"num_generations ({config.num_generations}) must divide the global batch of completions "
+            f"(per_device_train_batch_size x processes x gradient_accumulation_steps = {completions_per_step})"
         )
-        environment = config.environment_factory and tools_lib.load_environment(config.environment_factory)
-        tools = tools_lib.load_tools(config.tools) + (environment.tools if environment else [])  # shown to the model
-        problem = tools and tools_lib.template_problem(tokenizer, tools)
-        if problem:
-            raise errors.ConfigError(f"tools: {problem}")
-        if environment and environment.rewards:  # the environment's get_reward, weight 1 (TRL's)
-            functions.append((environment.name, environment.reward_function()))
-        raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
-        split = config.dataset_train_split
-        if split not in raw:
-            raise errors.DataError(f"the data has no {split!r} split (it has: {', '.join(raw)})")
-        room = config.max_length - config.max_completion_length
-        return functions, tools, environment, prompts.load_prompts(
-            raw[split], tokenizer, max_prompt_length=room, split=split, column=config.dataset_prompt_column,
-            tools=[tool.schema for tool in tools], reset=environment and (lambda row: environment.factory().reset(**row)),
-        )  # fmt: skip
-
-    functions, tools, environment, data = run.on_every_rank(prepare, main_process_first=True)
-    weights = config.weights() + [1.0] * (len(functions) - len(config.reward_funcs))  # an environment's reward: 1
+    task = run.on_every_rank(
+        lambda: grpo_task.load_task(config, tokenizer, device=accelerator.device), main_process_first=True
+    )
+    data = task.data
     prompts_per_round = completions_per_step // config.num_generations
     schedule = rollouts.PromptSchedule(len(data), prompts_per_round, seed=config.seed)
     if run.checkpoint is not None:  # the prompts dynamic sampling drew beyond their rounds shift the stream
@@ -122,8 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     router = router_balance.RouterLogitsRecorder.for_model(accelerator, model)  # a mixture of experts' router loss
     settings = config.generation_settings(batch_size=config.per_device_eval_batch_size, seed=config.seed)
-    fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    reshard_after_forward = bool(getattr(fsdp_plugin, "reshard_after_forward", True))
 
     def reference_log_probs(batch):
         with torch.no_grad():
@@ -142,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             prompts_truncated=data.truncated,
             prompts_per_step=prompts_per_round,
             completions_per_step=completions_per_step,
-            reward_funcs=[name for name, _ in functions],
+            reward_funcs=[name for name, _ in task.functions],
             loss=config.describe_objective(),
             reference="none (beta 0)" if reference_mode is None else reference_mode,
             generation="transformers generate with KV cache; "
@@ -167,44 +144,26 @@ def main(argv: list[str] | None = None) -> None:
                     schedule.more_prompts(prompts_per_round) if attempt else schedule.prompts_for_round(round_index)
                 )
                 slots = rollouts.rank_slots(indices, config.num_generations, rank=rank, world_size=world)
-                environments, row_tools = (
-                    environment.start([data.row(p) for p, _ in slots], [data.reset_texts[p] for p, _ in slots])
-                    if environment
-                    else (None, None)
-                )  # one per completion, reset with its row
                 with (
                     watch.phase("generation"),
                     generation.weights_gathered(
-                        model, enabled=config.gather_weights_for_generation, reshard_after_forward=reshard_after_forward
+                        model,
+                        enabled=config.gather_weights_for_generation,
+                        reshard_after_forward=generation.reshard_after_forward(accelerator),
                     ),
-                ):
-                    rolled = tools_lib.generate_with_tools(  # the policy's completions, its tool calls answered
-                        model, tokenizer, [data.prompt_ids[p] for p, _ in slots],
-                        [rollouts.sampling_key(round_index, p, g, attempt) for p, g in slots], settings, tools,
-                        max_iterations=config.max_tool_calling_iterations, timeout=config.tool_timeout,
-                        synced_gpus=world > 1, most_pending=run.most_over_ranks, row_tools=row_tools,
+                ):  # the policy's completions, its tool calls answered
+                    rolled = task.generate(
+                        model, tokenizer, slots, round_index, attempt, settings, synced_gpus=world > 1,
+                        most_pending=run.most_over_ranks,
                     )  # fmt: skip
                 with watch.phase("scoring"):
-                    texts = tokenizer.batch_decode(rolled.completion_ids, skip_special_tokens=True)
-                    indices = [p for p, _ in slots]
-                    scores = run.on_every_rank(
-                        functools.partial(
-                            rewards.score_completions, functions, weights, data, indices,
-                            rolled.completion_ids, texts, rolled.conversations, environments,
-                        )
-                    )  # fmt: skip
-                    pool.add(
-                        groups.gather_scored(
-                            accelerator, indices, rolled.completion_ids, rolled.truncated, *scores,
-                            rolled.policy_masks, rolled.tool_calls,
-                        )
-                    )  # fmt: skip
+                    pool.add(task.score(accelerator, tokenizer, slots, rolled, run.on_every_rank))
                 if pool.full():
                     break
             chosen, kept_groups = pool.batch()
             micro, global_tokens, rollout, mine, advantages = rollouts.assemble_round(
                 chosen, pool.generated, data.prompt_ids, rank=rank, world_size=world, device=accelerator.device,
-                function_names=[name for name, _ in functions], num_generations=config.num_generations,
+                function_names=[name for name, _ in task.functions], num_generations=config.num_generations,
                 scale_rewards=config.scale_rewards, advantage_estimator=config.advantage_estimator,
                 mask_truncated_completions=config.mask_truncated_completions,
                 rows_per_micro_batch=config.per_device_train_batch_size, pad_token_id=tokenizer.pad_token_id,

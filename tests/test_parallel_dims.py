@@ -202,7 +202,9 @@ def test_ep_reaches_the_processes_from_the_launched_file_and_its_mesh_rules_are_
     )
     assert expert_parallel._is_accelerate_launch(["python", "-m", "accelerate.commands.launch"])
     assert not expert_parallel._is_accelerate_launch(["torchrun", "--nproc_per_node", "4", "recipes/sft.py"])
-    assert expert_parallel._option_value(["launch", "--config_file=a.yaml"], ("--config_file",)) == "a.yaml"
+    launched = ["/venv/bin/accelerate", "launch", "--config_file=a.yaml", "recipes/sft.py", "--config", "b.yaml"]
+    assert expert_parallel.launched_config_option(launched) == "a.yaml"
+    assert expert_parallel.launched_config_option(["accelerate", "launch", "recipes/sft.py"]) is None
     # transformers' mesh rules: ep a multiple of tp, dividing fsdp x tp
     path = config_with(tmp_path, "ep3.yaml", 4, dp_replicate=1, dp_shard=2, tp=2, cp=1, ep=3)
     message = errors_of(lint_config_file(path))[TP_KEY]

@@ -65,7 +65,7 @@ def launching_config_file(pid: int | None = None) -> Path | None:
         except (OSError, ValueError, IndexError):
             return None
         if _is_accelerate_launch(words):
-            named = _option_value(words, ("--config_file", "--config-file"))
+            named = launched_config_option(words)
             if named is not None:
                 return cwd / named
             from accelerate.commands.config import default_config_file
@@ -86,14 +86,16 @@ def _is_accelerate_launch(words: list[str]) -> bool:
     return False
 
 
-def _option_value(words: list[str], names: tuple[str, ...]) -> str | None:
-    for index, word in enumerate(words):
-        if word in names and index + 1 < len(words):
-            return words[index + 1]
-        for name in names:
-            if word.startswith(name + "="):
-                return word.split("=", 1)[1]
-    return None
+def launched_config_option(words: list[str]) -> str | None:
+    """The `--config_file` of an `accelerate launch` command line, read by accelerate's own parser."""
+    from accelerate.commands.launch import launch_command_parser
+
+    rest = (
+        words[words.index("launch") + 1 :]
+        if "launch" in words
+        else words[words.index("accelerate.commands.launch") + 1 :]
+    )
+    return launch_command_parser().parse_known_args(rest)[0].config_file
 
 
 def layout_problems(*, ep: int, tp: int, dp_shard: int) -> list[str]:

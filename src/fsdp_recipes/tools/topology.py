@@ -207,28 +207,21 @@ def _semantic_problems(topology: TopologyEntry) -> list[str]:
             )
     elif topology.hsdp_replicate is not None:
         problems.append(f"{where}: hsdp_replicate only applies to sharding: HYBRID_SHARD; remove it")
-    if topology.tp > 1:
-        if topology.world_size % topology.tp or topology.processes_per_node % topology.tp:
-            problems.append(f"{where}: tp {topology.tp} must divide the processes per node (TP stays within a node)")
-        if topology.fsdp_version != 2 or topology.sharding not in ("FULL_SHARD", "HYBRID_SHARD"):
-            problems.append(f"{where}: tp runs with FSDP2 FULL_SHARD or HYBRID_SHARD around it")
-        if topology.cpu_offload or topology.activation_checkpointing or topology.wrap_classes:
-            problems.append(
-                f"{where}: tp does not take cpu_offload, activation_checkpointing or wrap_classes "
-                "(fsdp_recipes.distributed.tensor_parallel says why)"
-            )
+    if topology.tp > 1 and (topology.world_size % topology.tp or topology.processes_per_node % topology.tp):
+        problems.append(f"{where}: tp {topology.tp} must divide the processes per node (TP stays within a node)")
     if topology.ep > 1:
-        data_parallel = topology.world_size // max(1, topology.tp)
-        shard = data_parallel // (topology.hsdp_replicate or 1)
+        shard = topology.world_size // max(1, topology.tp) // (topology.hsdp_replicate or 1)
         problems += [
-            f"{where}: {problem}"
-            for problem in expert_parallel.layout_problems(ep=topology.ep, tp=topology.tp, dp_shard=shard)
+            f"{where}: {p}" for p in expert_parallel.layout_problems(ep=topology.ep, tp=topology.tp, dp_shard=shard)
         ]
+    sharded_by_transformers = [name for name in ("tp", "ep") if getattr(topology, name) > 1]
+    if sharded_by_transformers:  # transformers' DistributedConfig route: what it cannot take
+        named = " and ".join(sharded_by_transformers)
         if topology.fsdp_version != 2 or topology.sharding not in ("FULL_SHARD", "HYBRID_SHARD"):
-            problems.append(f"{where}: ep runs with FSDP2 FULL_SHARD or HYBRID_SHARD around it")
+            problems.append(f"{where}: {named} runs with FSDP2 FULL_SHARD or HYBRID_SHARD around it")
         if topology.cpu_offload or topology.activation_checkpointing or topology.wrap_classes:
             problems.append(
-                f"{where}: ep does not take cpu_offload, activation_checkpointing or wrap_classes "
+                f"{where}: {named} does not take cpu_offload, activation_checkpointing or wrap_classes "
                 "(fsdp_recipes.distributed.tensor_parallel says why)"
             )
     if topology.wrap_policy == "SIZE_BASED_WRAP" and not topology.min_num_params:

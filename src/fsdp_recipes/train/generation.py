@@ -53,6 +53,11 @@ def describe_gathering(model: torch.nn.Module, *, enabled: bool) -> str:
     return "whole weights gathered once per generation pass (unshard; no reshard after forward until it ends)"
 
 
+def reshard_after_forward(accelerator) -> bool:
+    """The Accelerate config's `fsdp_reshard_after_forward` (True without FSDP), which `weights_gathered` restores."""
+    return bool(getattr(getattr(accelerator.state, "fsdp_plugin", None), "reshard_after_forward", True))
+
+
 @contextlib.contextmanager
 def weights_gathered(model: torch.nn.Module, *, enabled: bool, reshard_after_forward: bool = True) -> Iterator[None]:
     """Within it, every FSDP2 unit of `model` holds its whole parameters and keeps them across forwards, so a

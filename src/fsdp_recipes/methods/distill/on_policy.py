@@ -12,6 +12,7 @@ sampled completion replaces everything after it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 
@@ -78,3 +79,39 @@ def with_sampled_completions(
         made.append({key: value.to(batch["input_ids"].device) for key, value in collated.items()})
         start += count
     return made
+
+
+@dataclasses.dataclass
+class OnPolicy:
+    """A run's GKD settings (`lmbda`, `seq_kd`) and how it samples (at the KD temperature, `max_new_tokens`)."""
+
+    lmbda: float
+    seq_kd: bool
+    seed: int
+    max_length: int
+    settings: generation.GenerationSettings
+    reshard_after_forward: bool
+
+    @classmethod
+    def from_config(cls, config, accelerator) -> OnPolicy:
+        settings = generation.GenerationSettings(
+            config.max_new_tokens, temperature=config.temperature, batch_size=config.per_device_eval_batch_size,
+            seed=config.seed,
+        )  # fmt: skip
+        reshard = generation.reshard_after_forward(accelerator)
+        return cls(config.lmbda, config.seq_kd, config.seed, config.max_length, settings, reshard)
+
+    def batches(self, micro_batches, step: int, student, teacher, tokenizer, *, synced_gpus: bool):
+        """Collective when it samples. (The step's micro-batches, whether they hold the student's own samples):
+        the data's on a step that is neither on-policy nor `seq_kd`, else sampled by the student (a share `lmbda`
+        of the steps) or the teacher, each model's weights gathered once for the pass."""
+        students = is_on_policy_step(self.lmbda, self.seed, step)
+        if not (students or self.seq_kd):
+            return micro_batches, False
+        sampler = student if students else teacher
+        with generation.weights_gathered(sampler, enabled=True, reshard_after_forward=self.reshard_after_forward):
+            sampled = with_sampled_completions(
+                micro_batches, sampler, tokenizer, self.settings, step=step, max_length=self.max_length,
+                pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus,
+            )  # fmt: skip
+        return sampled, students

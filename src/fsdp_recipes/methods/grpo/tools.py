@@ -226,6 +226,7 @@ class Rollout:
     policy_masks: list[list[int]] | None = None
     conversations: list[list[dict]] | None = None
     tool_calls: list[tuple[int, int]] | None = None
+    environments: list | None = None  # an environment: each completion's instance, for the reward functions
 
 
 def generate_with_tools(
