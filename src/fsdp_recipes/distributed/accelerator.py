@@ -24,7 +24,7 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, gather_object
 
 from fsdp_recipes.common.errors import DistributedSetupError
-from fsdp_recipes.distributed import expert_parallel, tensor_parallel
+from fsdp_recipes.distributed import buffer_loading, expert_parallel, tensor_parallel
 
 T = TypeVar("T")
 
@@ -49,6 +49,7 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
     environment, i.e. from the Accelerate YAML, and should not be passed here).
     """
     expert_parallel.export_launched_size()  # the one size accelerate's launcher does not export
+    buffer_loading.install()  # checkpoint buffers (DeepSeek-V3's router bias) through accelerate's FSDP2 load
     layout = tensor_parallel.requested()
     if layout is not None:
         # transformers shards the model itself; accelerate must not build its own TP ParallelismConfig (whose
