@@ -91,3 +91,12 @@ def test_help_prints_every_flag_with_its_help(recipe, capsys, monkeypatch):
         if not text or not re.search(flag + re.escape(text), printed):
             missing.append(field.name)
     assert missing == [], f"--help does not print these flags with their help: {missing}"
+
+
+def test_the_tools_help_opens_with_what_the_command_is_for(capsys):
+    from fsdp_recipes.tools.cli import build_parser
+
+    build_parser().print_help()
+    opening = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert "estimate the memory per GPU" in opening and "export a training checkpoint" in opening
+    assert "decorated" not in opening and "argparse" not in opening

@@ -38,6 +38,8 @@ def test_two_ranks_print_each_line_and_progress_bar_once(reference_output):
         assert sum("100%" in part for part in finished) <= 1, finished
     assert reference_output.count("run summary:") == 1 and "[RANK 1]" not in reference_output
     assert reference_output.count("final metrics") == 1 and "peak_memory_gib_max: measured" in reference_output
+    # the loss, computed inside the output layer, is returned as no view: FSDP2's pre-backward hook stays attached
+    assert "returned a view tensor" not in reference_output
 
 
 def test_two_rank_losses_equal_one_process_with_the_same_global_batch(reference_run, one_process_run):

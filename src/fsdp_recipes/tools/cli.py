@@ -14,6 +14,15 @@ from fsdp_recipes.common.errors import ConfigError, UserError
 from fsdp_recipes.common.sizes import parse_size
 from fsdp_recipes.tools.estimator.arguments import add_estimate_arguments
 
+DESCRIPTION = (
+    "The tools around FSDP Recipes' training scripts: list, copy and adapt the recipes and their configs, check an "
+    "Accelerate config, estimate the memory per GPU of a model under a layout, export a training checkpoint, translate "
+    "a DeepSpeed config."
+)
+EPILOG = (
+    "Training itself is a launch of a recipe: accelerate launch --config_file accelerate_configs/<topology>.yaml "
+    "recipes/<recipe>.py --config recipes/configs/<recipe>/<config>.yaml"
+)
 Runner = Callable[[argparse.Namespace], int]
 _SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], Runner]]] = []
 
@@ -226,7 +235,7 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-recipes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fsdp-recipes", description=DESCRIPTION, epilog=EPILOG)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help, define in _SUBCOMMANDS:
         command_parser = commands.add_parser(name, help=help, description=help)

@@ -124,14 +124,22 @@ def chunked_token_losses(
     loss go through the output projection: prompt, padding and each example's last token cost nothing."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     keep = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
-    losses = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
     if keep.numel():
         kept = ChunkedCrossEntropy.apply(flat_hidden[keep], weight, bias, flat_targets[keep], chunk_size)
-        return losses.index_put((keep,), kept).reshape(targets.shape)
+        return _scattered(kept, keep, targets)
     # No target here (all prompt or padding): the result must still depend on hidden states and weights, since every
     # rank runs backward (FSDP reduce-scatters gradients from all of them); one token, weighted by zero.
     first = ChunkedCrossEntropy.apply(flat_hidden[:1], weight, bias, torch.zeros_like(flat_targets[:1]), chunk_size)
-    return (losses + 0.0 * first.sum()).reshape(targets.shape)
+    return torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device) + 0.0 * first.sum()
+
+
+def _scattered(kept: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`kept` at the flat positions `keep` of a zero tensor shaped like `targets`. The result is no view of another
+    tensor: it is what the output layer returns, and FSDP2 hangs its pre-backward hook on it, which an in-place op on
+    a view would detach (torch warns of that for every view an FSDP2 module returns)."""
+    losses = torch.zeros(targets.shape, dtype=torch.float32, device=kept.device)
+    losses.view(-1).index_put_((keep,), kept)
+    return losses
 
 
 def torch_kernel_options(chunk_size: int):
@@ -163,8 +171,7 @@ def torch_kernel_token_losses(hidden, weight, bias, targets, chunk_size: int) ->
         reduction="none",
         options=torch_kernel_options(chunk_size),
     ).float()
-    losses = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
-    return losses.index_put((keep,), kept * weight_of_kept).reshape(targets.shape)
+    return _scattered(kept * weight_of_kept, keep, targets)
 
 
 class TokenLoss:
