@@ -8,6 +8,7 @@ template ignores tools. The tests' tiny models write no tool calls, so a scripte
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -20,6 +21,29 @@ from fsdp_recipes.train.generation import GenerationSettings
 from helpers.paths import TOKENIZER
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, TOOLS_TEMPLATE, scripted_generation
+
+
+ODD_TOOLS = '''
+import sys
+
+
+def leaves(code: int) -> str:
+    """Exits.
+
+    Args:
+        code: the exit status
+    """
+    sys.exit(code)
+
+
+def counts(text: str) -> dict:
+    """Counts letters, answering with a dict (sent back as its str, as TRL does).
+
+    Args:
+        text: the text
+    """
+    return {"letters": len(text)}
+'''
 
 
 @pytest.fixture
@@ -42,9 +66,10 @@ def tools_tokenizer():
 
 
 def test_calls_are_parsed_run_and_every_failure_is_answered_as_text(tool_files):
-    loaded = {
-        tool.name: tool for tool in tools.load_tools([f"{tool_files}/my_tools.py:{n}" for n in ("reverse", "slow")])
-    }
+    (tool_files / "odd_tools.py").write_text(ODD_TOOLS)
+    specs = [f"{tool_files}/my_tools.py:{n}" for n in ("reverse", "slow")]
+    specs += [f"{tool_files}/odd_tools.py:{n}" for n in ("leaves", "counts")]
+    loaded = {tool.name: tool for tool in tools.load_tools(specs)}
     assert loaded["reverse"].schema["function"]["parameters"]["properties"]["text"]["type"] == "string"
     text = '<tool_call>{"name": "reverse", "arguments": {"text": "ab"}}</tool_call> and <tool_call>{oops}</tool_call>'
     assert tools.parse_tool_calls(text) == [{"name": "reverse", "arguments": {"text": "ab"}}]  # bad JSON: no call
@@ -55,7 +80,7 @@ def test_calls_are_parsed_run_and_every_failure_is_answered_as_text(tool_files):
         "wrong arguments": tools.run_call(loaded, {"name": "reverse", "arguments": {"txt": "a"}}, 5),
     }
     assert answers["raises"] == ("error: ValueError: strings starting with q are not supported", True)
-    assert answers["unknown"] == ("error: no tool named 'search' (tools: reverse, slow)", True)
+    assert answers["unknown"] == ("error: no tool named 'search' (tools: counts, leaves, reverse, slow)", True)
     assert answers["wrong arguments"][1] and answers["wrong arguments"][0].startswith("error: TypeError")
     started = time.monotonic()
     assert tools.run_call(loaded, {"name": "slow", "arguments": {"seconds": 5}}, 0.2) == (
@@ -63,6 +88,13 @@ def test_calls_are_parsed_run_and_every_failure_is_answered_as_text(tool_files):
         True,
     )
     assert time.monotonic() - started < 2  # the call is not waited for
+    # and its thread cannot keep the process from exiting when the run ends (a joined worker would hang it)
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("tool "))
+    assert tools.run_call(loaded, {"name": "leaves", "arguments": {"code": 3}}, 5) == (
+        "error: leaves called sys.exit(3); a tool must return its answer",
+        True,
+    )  # a rank that exited alone would leave the others waiting in a collective
+    assert tools.run_call(loaded, {"name": "counts", "arguments": {"text": "abc"}}, 5) == ("{'letters': 3}", False)
 
 
 def test_a_tool_the_model_cannot_be_told_about_or_a_template_without_tools_is_refused(tool_files, tools_tokenizer):
@@ -201,3 +233,33 @@ def test_an_environment_without_reset_or_tools_is_refused(tmp_path):
         tools.load_environment(f"{tmp_path}/envs.py:NoReset")
     with pytest.raises(ConfigError, match="NoTools has no public method"):
         tools.load_environment(f"{tmp_path}/envs.py:NoTools")
+
+
+PICKY_ENVIRONMENT = '''
+class Picky:
+    def reset(self, **row):
+        return row["level"]
+
+    def act(self, x: int) -> int:
+        """Acts.
+
+        Args:
+            x: a number
+        """
+        return x
+'''
+
+
+def test_an_environment_whose_reset_raises_is_refused_naming_the_prompt_before_loading(
+    tmp_path, capsys, pretrained_tiny_model, prompt_data
+):
+    from fixtures.grpo import grpo_values
+
+    (tmp_path / "envs.py").write_text(PICKY_ENVIRONMENT)
+    values = grpo_values(
+        pretrained_tiny_model, prompt_data, tmp_path / "out", chat_template=TOOLS_TEMPLATE, max_length=140,
+        max_completion_length=100, environment_factory=f"{tmp_path}/envs.py:Picky",
+    )  # fmt: skip
+    error = recipe_error_in_process("grpo", tmp_path, values, capsys)
+    assert "environment_factory: Picky.reset raised KeyError: 'level' on prompt 0 of the train split" in error
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -74,7 +74,8 @@ def load_prompts(
                 "chat template renders with the tools' descriptions"
             )
         if reset is not None:  # an environment: its reset() text joins the last turn, as TRL appends it
-            text = reset({"prompt": prompt, **{name: dataset[index][name] for name in names if name != column}})
+            row = {"prompt": prompt, **{name: dataset[index][name] for name in names if name != column}}
+            text = reset(row, f"prompt {index} of the {split} split")
             reset_texts.append(text)
             if text:
                 prompt = [*prompt[:-1], {**prompt[-1], "content": str(prompt[-1]["content"]) + str(text)}]

@@ -79,7 +79,7 @@ def load_task(config, tokenizer, *, device) -> Task:
     data = prompts.load_prompts(
         raw[split], tokenizer, max_prompt_length=config.max_length - config.max_completion_length, split=split,
         column=config.dataset_prompt_column, tools=[tool.schema for tool in tools],
-        reset=environment and (lambda row: environment.factory().reset(**row)),
+        reset=environment and (lambda row, place: environment.reset(environment.factory(), row, place)),
     )  # fmt: skip
     weights = config.weights() + [1.0] * (len(functions) - len(config.reward_funcs))
     return Task(data, functions, weights, tools, environment, config.max_tool_calling_iterations, config.tool_timeout)

@@ -18,10 +18,10 @@ generation continues; only the policy's own tokens are trained.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,13 +79,24 @@ class Environment:
         text each reset returned when the data was read (`texts`): a reset that now returns another is a DataError."""
         instances = [self.factory() for _ in rows]
         for instance, row, text in zip(instances, rows, texts):
-            if instance.reset(**row) != text:
+            if self.reset(instance, row, "a prompt of this step") != text:
                 raise DataError(
                     f"{self.name}.reset returned other text for the same row than when the data was read: the prompts "
                     "are tokenised once, so reset's text must depend on the row alone (keep random state elsewhere)"
                 )
         bound = [{t.name: Tool(t.name, getattr(i, t.name), t.schema) for t in self.tools} for i in instances]
         return instances, bound
+
+    def reset(self, instance: Any, row: dict, place: str) -> Any:
+        """`instance.reset(**row)`; DataError naming `place` when the user's reset raises (it runs on every prompt
+        as the data is read, before the model loads, so a reset that cannot take a row stops the run there)."""
+        try:
+            return instance.reset(**row)
+        except Exception as error:  # noqa: BLE001 - the user's class
+            raise DataError(
+                f"environment_factory: {self.name}.reset raised {type(error).__name__}: {error} on {place}: reset "
+                f"receives each row's columns as keyword arguments ({', '.join(row)}); make it accept every row"
+            ) from None
 
     def reward_function(self) -> Callable:
         """The reward column the environment adds (TRL's: named after the class, weight 1)."""
@@ -185,15 +196,26 @@ def run_call(tools: dict[str, Tool], call: dict, timeout: float) -> tuple[str, b
     tool = tools.get(call["name"])
     if tool is None:
         return f"error: no tool named {call['name']!r} (tools: {', '.join(sorted(tools))})", True
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        return str(executor.submit(tool.function, **call["arguments"]).result(timeout=timeout)), False
-    except concurrent.futures.TimeoutError:
+    # A daemon thread of its own: a tool that never returns is abandoned at the timeout and cannot keep the process
+    # from exiting at the end of the run (a ThreadPoolExecutor's workers are joined at exit: the run would hang).
+    outcome: dict[str, Any] = {}
+
+    def call_tool() -> None:
+        try:
+            outcome["result"] = tool.function(**call["arguments"])
+        except SystemExit as exiting:  # sys.exit in a tool would end this rank alone: the others would wait forever
+            outcome["error"] = f"error: {tool.name} called sys.exit({exiting.code!r}); a tool must return its answer"
+        except Exception as error:  # noqa: BLE001 - the tool's own failure goes back to the model as text
+            outcome["error"] = f"error: {type(error).__name__}: {error}"
+
+    worker = threading.Thread(target=call_tool, name=f"tool {tool.name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
         return f"error: {tool.name} did not return within {timeout:g} s", True
-    except Exception as error:  # noqa: BLE001 - the tool's own failure goes back to the model as text
-        return f"error: {type(error).__name__}: {error}", True
-    finally:
-        executor.shutdown(wait=False, cancel_futures=True)
+    if "error" in outcome:
+        return outcome["error"], True
+    return str(outcome["result"]), False
 
 
 def continuation_ids(tokenizer, calls: list[dict], results: list[str]) -> list[int]:
