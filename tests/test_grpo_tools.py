@@ -22,7 +22,6 @@ from helpers.paths import TOKENIZER
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, TOOLS_TEMPLATE, scripted_generation
 
-
 ODD_TOOLS = '''
 import sys
 
