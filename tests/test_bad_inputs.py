@@ -163,7 +163,35 @@ def sft_binary_chat_template(given, values):
     ]
 
 
+def sft_resume_after_preemption_whose_checkpoint_was_deleted(given, values):
+    (given.tmp / "out" / "checkpoints").mkdir(parents=True)
+    (given.tmp / "out" / "checkpoints" / "PREEMPTED").write_text("step-00000008\n")
+    return [
+        "was preempted and saved step-00000008, which is no longer in checkpoints/",
+        "restore it to resume, set resume_from_checkpoint to an older checkpoint folder, or remove checkpoints/PREEMPTED",
+    ]
+
+
+def sft_skip_nonfinite_steps_negative(given, values):
+    values["skip_nonfinite_steps"] = -1
+    return ["skip_nonfinite_steps"]
+
+
+def sft_preemption_signals_naming_no_signal(given, values):
+    values["preemption_signals"] = ["SIGTERM", "SIGNOPE"]
+    return ["preemption_signals names 'SIGNOPE', not signals (e.g. SIGTERM, SIGUSR1, SIGUSR2)"]
+
+
+def sft_preemption_on_sigkill(given, values):
+    values["preemption_signals"] = ["SIGKILL"]
+    return ["preemption_signals: SIGKILL and SIGSTOP cannot be caught"]
+
+
 SFT_CASES = [
+    sft_resume_after_preemption_whose_checkpoint_was_deleted,
+    sft_skip_nonfinite_steps_negative,
+    sft_preemption_signals_naming_no_signal,
+    sft_preemption_on_sigkill,
     sft_model_path_missing,
     sft_hub_id_offline,
     sft_folder_without_a_tokenizer,

@@ -140,3 +140,18 @@ def test_the_preemption_watch_notes_the_first_signal_and_gives_the_handlers_back
     thread.start()
     thread.join()
     assert elsewhere and elsewhere[0].received is None
+
+
+def test_a_preempted_runs_deleted_checkpoint_is_named_when_an_older_one_is_resumed(tmp_path):
+    from fsdp_recipes.train import preemption
+
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step-00000004").mkdir(parents=True)
+    (checkpoints / "step-00000004" / "progress.json").write_text("{}")
+    (checkpoints / "latest").write_text("step-00000004\n")
+    assert preemption.automatic_resume(tmp_path) is None  # neither preempted nor restarted: no resume by itself
+    (checkpoints / "PREEMPTED").write_text("step-00000004\n")
+    assert preemption.automatic_resume(tmp_path).endswith("was preempted: resuming from step-00000004")
+    (checkpoints / "PREEMPTED").write_text("step-00000008\n")  # saved, then deleted by hand
+    reason = preemption.automatic_resume(tmp_path)
+    assert "the checkpoint it saved (step-00000008) is gone: resuming from step-00000004" in reason

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.train.checkpoint import CHECKPOINTS, latest_checkpoint
 
 MARKER = "PREEMPTED"  # in output_dir/checkpoints: the checkpoint a preempted run saved; removed when a run finishes
@@ -76,9 +77,23 @@ def automatic_resume(output_dir: str | Path) -> str | None:
     """Why this start resumes from the latest checkpoint although resume_from_checkpoint is unset, or None: the run
     in output_dir was preempted, or the launcher restarts a run that failed or was requeued."""
     latest = latest_checkpoint(output_dir)
+    marker = Path(output_dir) / CHECKPOINTS / MARKER
+    saved = marker.read_text().strip() if marker.is_file() else None
+    if saved and not (Path(output_dir) / CHECKPOINTS / saved).is_dir():
+        if latest is None:  # starting over in place would write a new run over the preempted one's folder
+            raise ConfigError(
+                f"the run in {output_dir} was preempted and saved {saved}, which is no longer in {CHECKPOINTS}/ (and "
+                f"{CHECKPOINTS}/latest names no checkpoint that is there): restore it to resume, set "
+                f"resume_from_checkpoint to an older checkpoint folder, or remove {CHECKPOINTS}/{MARKER} (or choose "
+                "another output_dir) to start the run over"
+            )
+        return (
+            f"the run in {output_dir} was preempted, but the checkpoint it saved ({saved}) is gone: resuming from "
+            f"{latest.name}, the latest left (the steps after it are trained again)"
+        )
     if latest is None:
         return None
-    if (Path(output_dir) / CHECKPOINTS / MARKER).is_file():
+    if saved is not None:
         return f"the run in {output_dir} was preempted: resuming from {latest.name}"
     for variable in RESTART_COUNTS:
         if os.environ.get(variable, "0") not in ("", "0"):
