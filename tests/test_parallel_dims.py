@@ -233,3 +233,32 @@ def test_ep_on_a_dense_model_or_one_whose_experts_it_does_not_divide_is_refused_
     six.write_text(DEMO_MOE.read_text().replace('"num_local_experts": 8', '"num_local_experts": 6'))
     message = errors_of(lint_config_file(path, model=str(six)))[EP_KEY]
     assert "parallelism_config_ep_size 4 does not divide Qwen3Moe's 6 routed experts" in message
+
+
+def test_lora_an_adapter_or_an_unsplittable_model_under_a_running_tp_or_ep_layout_is_refused_with_the_fix(
+    monkeypatch, tiny_model_config
+):
+    """The check every recipe runs on its ranks before loading (run.starting.check_tensor_parallel), on the layout a
+    TP/EP launch attaches; each problem is named with its way out."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.distributed.tensor_parallel import NdLayout
+    from fsdp_recipes.run import starting
+
+    dense = AutoConfig.from_pretrained(tiny_model_config)
+    layouts = {"tp": NdLayout(dp_replicate=1, dp_shard=1, tp=2, ep=1), "ep": NdLayout(1, 2, 1, 2)}
+
+    def problems(layout, config, **options):
+        monkeypatch.setattr(starting.tensor_parallel, "layout_of", lambda accelerator: layouts[layout])
+        with pytest.raises(ConfigError) as refused:
+            starting.check_tensor_parallel(None, config, dense, "causal-lm", **options)
+        return str(refused.value)
+
+    assert "use_peft under" in problems("tp", SimpleNamespace(use_peft=True)) and "train LoRA with FSDP alone" in (
+        problems("tp", SimpleNamespace(use_peft=True))
+    )
+    assert "merge it first (fsdp-recipes export)" in problems("tp", SimpleNamespace(), adapter=True)
+    assert "a dense model (no routed experts)" in problems("ep", SimpleNamespace())
