@@ -15,7 +15,8 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from fsdp_recipes.data.chat import TemplatePrefixError, has_generation_markers, tokenize_dataset, tokenize_example
+from fsdp_recipes.data.chat import tokenize_dataset, tokenize_example
+from fsdp_recipes.data.chat_masks import TemplatePrefixError, has_generation_markers
 from helpers.data import write_jsonl
 from helpers.paths import TOKENIZER
 from helpers.recipes import base_recipe_values, run_recipe_in_process

@@ -9,7 +9,6 @@ Every example becomes `input_ids` plus `loss_mask` (1 where the token is a train
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from datasets import Dataset
@@ -18,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data import files
+from fsdp_recipes.data.chat_masks import TemplatePrefixError, conversation_tokens
 
 
 def detect_format(column_names: list[str]) -> str:
@@ -33,11 +33,6 @@ def detect_format(column_names: list[str]) -> str:
 
 
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class TemplatePrefixError(DataError):
-    """The chat template renders a conversation's start differently once more turns follow it, so the tokens of a
-    turn cannot be told apart: a class of its own so that other recipes can name their own fix."""
 
 
 def example_problem(example: dict[str, Any], data_format: str) -> str | None:
@@ -117,152 +112,6 @@ def _preview(turn: dict[str, Any]) -> str:
     return f"content {text[:60]!r}" + ("..." if len(text) > 60 else "")
 
 
-def _conversation_tokens(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, Any]],
-    loss_roles: set[str] | None,
-    first_trained: int,
-    *,
-    rewriting_templates: bool = False,
-) -> tuple[list[int], list[int]]:
-    """Tokens of a whole conversation, as the model's own chat template renders it, and a mask over those of messages
-    at index >= first_trained whose role is in loss_roles (every token if loss_roles is None).
-
-    A message's tokens are found by rendering growing prefixes of the conversation: the template applied to
-    messages[:i] (plus the generation prompt when message i is the assistant's) must be a prefix of the template
-    applied to messages[:i+1]. Most chat templates satisfy this. With `rewriting_templates`, two more ways, so that
-    the model keeps the template it came with: a template with `{% generation %}` markers says itself which tokens are
-    the assistant's (transformers' assistant mask); one that renders earlier turns differently once more follow
-    (Qwen3's empty think block on the last turn only, an end-of-text token after the last turn) is located by
-    rendering (`_mask_from_fenced_contents`). What none of them can locate is reported, not guessed at."""
-    full = tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
-    if loss_roles is None:
-        return full, [1] * len(full)
-    if rewriting_templates and has_generation_markers(tokenizer):
-        return full, _mask_from_generation_markers(tokenizer, messages, full, first_trained)
-    try:
-        return full, _mask_from_prefixes(tokenizer, messages, full, loss_roles, first_trained)
-    except TemplatePrefixError:
-        if not rewriting_templates:
-            raise
-        return full, _mask_from_fenced_contents(tokenizer, messages, full, loss_roles, first_trained)
-
-
-def _mask_from_prefixes(tokenizer, messages, full, loss_roles, first_trained) -> list[int]:
-    mask = [0] * len(full)
-    for index, message in enumerate(messages):
-        if index < first_trained or message.get("role") not in loss_roles:
-            continue
-        head = tokenizer.apply_chat_template(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
-        upto = tokenizer.apply_chat_template(messages[: index + 1], tokenize=True)["input_ids"]
-        if full[: len(head)] != head or full[: len(upto)] != upto:
-            raise TemplatePrefixError(
-                "the chat template renders a conversation differently from its prefixes, so the tokens of each "
-                "assistant turn cannot be located for the loss mask. Use a template that only appends text turn "
-                "by turn (set chat_template), or set assistant_only_loss: false to train on every token."
-            )
-        for position in range(len(head), len(upto)):
-            mask[position] = 1
-    return mask
-
-
-_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# Fences around each trained assistant content: text no conversation holds, that no template rewrites.
-_OPEN, _CLOSE = "\u2063\u27e6fsdp-recipes-turn\u27e7", "\u2063\u27e6/fsdp-recipes-turn\u27e7"
-
-
-def has_generation_markers(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the chat template marks the assistant's tokens itself (`{% generation %}`, as SmolLM3's does)."""
-    return bool(_GENERATION_MARKER.search(str(tokenizer.chat_template or "")))
-
-
-def _mask_from_generation_markers(tokenizer, messages, full, first_trained) -> list[int]:
-    """transformers' assistant mask (the tokens inside `{% generation %}` blocks), without the assistant turns that
-    come before `first_trained` (a conversational prompt's own assistant turns)."""
-    rendered = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    mask = list(rendered["assistant_masks"])
-    if list(rendered["input_ids"]) != list(full) or len(mask) != len(full):
-        raise TemplatePrefixError("the chat template renders differently when asked for its assistant mask")
-    untrained_turns = sum(1 for message in messages[:first_trained] if message.get("role") == "assistant")
-    position = 0
-    for _ in range(untrained_turns):  # each assistant turn is one run of ones: clear the prompt's
-        while position < len(mask) and not mask[position]:
-            position += 1
-        while position < len(mask) and mask[position]:
-            mask[position] = 0
-            position += 1
-    return mask
-
-
-def _mask_from_fenced_contents(tokenizer, messages, full, loss_roles, first_trained) -> list[int]:
-    """For templates that rewrite earlier turns: the model's own template renders a copy of the conversation whose
-    trained contents are fenced by marker strings; with the fences removed, that text must be the conversation's
-    rendering exactly, and the fences say where each content lies in it. A turn's tokens run from the end of the
-    generation prompt (when the rendering before it ends with one; else from its content) through the text that
-    closes the turn (what follows the content when the turn ends the conversation, e.g. `<|im_end|>`). Needs a fast
-    tokenizer (its offsets map characters to tokens)."""
-    trained = [
-        index
-        for index, message in enumerate(messages)
-        if index >= first_trained and message.get("role") in loss_roles and isinstance(message.get("content"), str)
-    ]
-    refused = TemplatePrefixError(
-        "the chat template renders earlier turns differently once more follow and rewrites the assistant's text, "
-        "so the tokens of each assistant turn cannot be located for the loss mask. Use a template with "
-        "{% generation %} markers (or one that only appends text turn by turn) in chat_template, or set "
-        "assistant_only_loss: false to train on every token."
-    )
-    if not trained or not getattr(tokenizer, "is_fast", False):
-        raise refused
-    fenced = [
-        {**message, "content": _OPEN + message["content"] + _CLOSE} if index in trained else message
-        for index, message in enumerate(messages)
-    ]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    plain, contents = _unfence(tokenizer.apply_chat_template(fenced, tokenize=False))
-    if plain != text or len(contents) != len(trained):
-        raise refused
-    spans = []
-    for index, (start, end) in zip(trained, contents):
-        _, alone = _unfence(tokenizer.apply_chat_template(fenced[: index + 1], tokenize=False))
-        closing_text = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)[alone[-1][1] :]
-        closing = len(_common_prefix(text[end:], closing_text))
-        head = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        spans.append((len(head) if text.startswith(head) and len(head) <= start else start, end + closing))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(encoding["input_ids"]) != list(full):
-        raise refused
-    # Whole tokens only: a closing found character by character may end inside the next turn's first token.
-    return [
-        int(any(start <= first and last <= end for start, end in spans)) for first, last in encoding["offset_mapping"]
-    ]
-
-
-def _unfence(text: str) -> tuple[str, list[tuple[int, int]]]:
-    """The text without the fences, and the (start, end) of each fenced content in it."""
-    plain, spans, cursor = [], [], 0
-    while (opening := text.find(_OPEN, cursor)) != -1:
-        closing = text.find(_CLOSE, opening)
-        if closing == -1:
-            break
-        plain.append(text[cursor:opening])
-        start = sum(map(len, plain))
-        plain.append(text[opening + len(_OPEN) : closing])
-        spans.append((start, start + closing - opening - len(_OPEN)))
-        cursor = closing + len(_CLOSE)
-    plain.append(text[cursor:])
-    return "".join(plain), spans
-
-
-def _common_prefix(left: str, right: str) -> str:
-    length = 0
-    while length < min(len(left), len(right)) and left[length] == right[length]:
-        length += 1
-    return left[:length]
-
-
 def tokenize_example(
     example: dict[str, Any],
     tokenizer: PreTrainedTokenizerBase,
@@ -274,16 +123,16 @@ def tokenize_example(
     rewriting_templates: bool = False,
 ) -> dict[str, Any]:
     """`rewriting_templates`: also locate the assistant's tokens with templates that mark them or that rewrite
-    earlier turns (see _conversation_tokens); off, such templates are refused (TemplatePrefixError)."""
+    earlier turns (see chat_masks.conversation_tokens); off, such templates are refused (TemplatePrefixError)."""
     if data_format == "conversational":
         loss_roles = {"assistant"} if assistant_only_loss else None
-        ids, mask = _conversation_tokens(
+        ids, mask = conversation_tokens(
             tokenizer, example["messages"], loss_roles, first_trained=0, rewriting_templates=rewriting_templates
         )
     elif isinstance(example["prompt"], list):  # conversational prompt/completion
         messages = list(example["prompt"]) + list(example["completion"])
         loss_roles = {"assistant"} if completion_only_loss else None
-        ids, mask = _conversation_tokens(
+        ids, mask = conversation_tokens(
             tokenizer,
             messages,
             loss_roles,
@@ -319,6 +168,8 @@ def _checked_tokenize_example(
         except TemplateError as error:
             problem = f"the chat template refused it: {error}"
             fix += ", or set chat_template to a template that accepts it"
+        except TemplatePrefixError as error:  # the template's reason, with the example that showed it
+            raise TemplatePrefixError(f"example {files.row_place(carving, index, name)}: {error}") from None
     raise DataError(f"example {files.row_place(carving, index, name)}: {problem}. {fix}.")
 
 

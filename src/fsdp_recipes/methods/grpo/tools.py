@@ -12,8 +12,10 @@ generation continues; only the policy's own tokens are trained.
   the error as text (`error: ...`), never a crash; calls and failures are counted and logged. A result goes back as
   `str(result)`, as TRL sends it.
 - The tokens between the policy's turn and its next one (the tool messages and the next assistant header) are what the
-  template renders after the call, found as TRL finds them: the conversation rendered with and without them. They
-  count toward `max_completion_length` and carry no loss.
+  template renders after a call's end-of-sequence token, appended to the generated tokens without rendering the
+  policy's turn again (as TRL appends them). They count toward `max_completion_length` and carry no loss.
+- Before loading, one real round is rendered (tools shown, a call read back, a result appended): a template that
+  ignores tools, writes calls in another format, or drops tool messages is refused with the reason.
 """
 
 from __future__ import annotations
@@ -143,24 +145,34 @@ def load_environment(spec: str) -> Environment:
 
 
 def template_problem(tokenizer, tools: list[Tool]) -> str | None:
-    """Why the tokenizer's chat template cannot run these tools (None: it can): it must show the tools to the model
-    and render a tool exchange (an assistant turn with `tool_calls`, then a `tool` message)."""
+    """Why the tokenizer's chat template cannot run these tools (None: it can), found by rendering one real round:
+    the tools shown to the model, a call written in the format the calls are read in, a `tool` message with its
+    result, and the next generation prompt appended after the call's end-of-sequence token."""
     probe = [{"role": "user", "content": "hi"}]
     schemas = [tool.schema for tool in tools]
+    call = {"name": tools[0].name, "arguments": {}}
     try:
         shown = tokenizer.apply_chat_template(probe, tools=schemas, add_generation_prompt=True, tokenize=False)
         plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
-        exchange = tokenizer.apply_chat_template(
-            probe + tool_exchange(tools[0].name, [_PROBE_RESULT]), add_generation_prompt=True, tokenize=False
-        )
+        if shown == plain:
+            return (
+                "the tokenizer's chat template ignores `tools`, so the model would never see them: use a tokenizer "
+                "whose template renders tools (Qwen2.5, Qwen3) or set chat_template to one that does"
+            )
+        calling = _calling_turn(tokenizer, [call])
+        if parse_tool_calls(calling) != [call]:
+            return (
+                f"the tokenizer's chat template writes a tool call as {calling.strip()[:120]!r}, not in the "
+                '<tool_call>{"name": ..., "arguments": ...}</tool_call> format the calls are read in, so the model '
+                "would be shown calls it cannot make: use a template with Hermes-style calls (Qwen2.5, Qwen3) in "
+                "chat_template"
+            )
+        continuation = tokenizer.decode(continuation_ids(tokenizer, [call], [_PROBE_RESULT]))
+    except ConfigError as error:
+        return str(error)
     except Exception as error:  # noqa: BLE001 - a template that fails on tools says why
         return f"the tokenizer's chat template cannot render tools ({type(error).__name__}: {error})"
-    if shown == plain:
-        return (
-            "the tokenizer's chat template ignores `tools`, so the model would never see them: use a tokenizer whose "
-            "template renders tools (Qwen2.5, Qwen3, Llama 3.1) or set chat_template to one that does"
-        )
-    if _PROBE_RESULT not in exchange:
+    if _PROBE_RESULT not in continuation:
         return "the tokenizer's chat template does not render `tool` messages: the tool's result would be lost"
     return None
 
@@ -168,12 +180,16 @@ def template_problem(tokenizer, tools: list[Tool]) -> str | None:
 def tool_exchange(name: str, results: list[str], calls: list[dict] | None = None) -> list[dict]:
     """The messages of one tool round: the assistant's calls, then one `tool` message per result."""
     calls = calls or [{"name": name, "arguments": {}} for _ in results]
+    ids = [f"call{index:05d}" for index in range(len(calls))]  # 9 letters and digits: Mistral's templates need ids
     assistant = {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"type": "function", "function": call} for call in calls],
+        "tool_calls": [{"type": "function", "id": i, "function": call} for i, call in zip(ids, calls)],
     }
-    return [assistant] + [{"role": "tool", "name": call["name"], "content": r} for call, r in zip(calls, results)]
+    return [assistant] + [
+        {"role": "tool", "name": call["name"], "tool_call_id": i, "content": r}
+        for i, call, r in zip(ids, calls, results)
+    ]
 
 
 def parse_tool_calls(text: str) -> list[dict]:
@@ -219,22 +235,47 @@ def run_call(tools: dict[str, Tool], call: dict, timeout: float) -> tuple[str, b
 
 
 def continuation_ids(tokenizer, calls: list[dict], results: list[str]) -> list[int]:
-    """The tokens the template puts after the policy's turn (which generation ended at its end-of-sequence token)
-    and before its next one: the `tool` messages and the next assistant header. Found as TRL finds them: the
-    exchange rendered without and with them, the first cut after its last end-of-sequence token."""
-    base = [{"role": "user", "content": "hi"}, tool_exchange("", [], calls)[0]]
-    before = tokenizer.apply_chat_template(base, tokenize=False)
-    after = tokenizer.apply_chat_template(
-        base + tool_exchange("", results, calls)[1:], add_generation_prompt=True, tokenize=False
-    )
-    end = before.rfind(tokenizer.eos_token) if tokenizer.eos_token else -1
-    prefix = before[: end + len(tokenizer.eos_token)] if end >= 0 else before
-    if not after.startswith(prefix):
+    """The tokens the template puts after the policy's calling turn (generation stopped at its end-of-sequence token)
+    and before its next one: the `tool` messages and the next generation prompt. Read from the template's rendering
+    of a call round: what follows the calling turn's end-of-sequence token. The calling turn is never rendered again
+    from its parsed calls: Qwen3's template writes it with an empty think block while it is the last turn and
+    without one once a tool message follows, so rendering the conversation twice would not line up (TRL appends the
+    same way)."""
+    head, exchange = _rendered_round(tokenizer, calls, results)
+    end = exchange.find(tokenizer.eos_token, len(head)) if tokenizer.eos_token else -1
+    if end < 0:
         raise ConfigError(
-            "the tokenizer's chat template renders an assistant turn differently once tool messages follow it, so the "
-            "tool results cannot be appended to the generated tokens: use a template that keeps earlier turns as they are"
+            f"the tokenizer's chat template does not end an assistant turn that calls tools with the end-of-sequence "
+            f"token ({tokenizer.eos_token!r}) that generation stops at, so the tool results cannot be appended where "
+            "the policy stopped: set the tokenizer's eos_token to the template's end-of-turn token"
         )
-    return tokenizer(after[len(prefix) :], add_special_tokens=False)["input_ids"]
+    return tokenizer(exchange[end + len(tokenizer.eos_token) :], add_special_tokens=False)["input_ids"]
+
+
+def _rendered_round(tokenizer, calls: list[dict], results: list[str]) -> tuple[str, str]:
+    """(the generation prompt of a one-turn conversation, that conversation followed by one call round and the
+    next generation prompt); ConfigError when the round does not start with the prompt."""
+    probe = [{"role": "user", "content": "hi"}]
+    head = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    exchange = tokenizer.apply_chat_template(
+        probe + tool_exchange("", results, calls), add_generation_prompt=True, tokenize=False
+    )
+    if not exchange.startswith(head):
+        raise ConfigError(
+            "the tokenizer's chat template renders the conversation before a tool call differently once the call "
+            "follows, so the tool results cannot be appended to the generated tokens: use a template that keeps "
+            "earlier turns as they are"
+        )
+    return head, exchange
+
+
+def _calling_turn(tokenizer, calls: list[dict]) -> str:
+    """The text of an assistant turn that makes `calls` as the template renders it (as the last turn: its end is
+    where generation would stop)."""
+    probe = [{"role": "user", "content": "hi"}]
+    head = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    turn = tokenizer.apply_chat_template(probe + tool_exchange("", [], calls)[:1], tokenize=False)
+    return turn[len(head) :] if turn.startswith(head) else turn
 
 
 @dataclasses.dataclass

@@ -26,7 +26,8 @@ from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data import files
-from fsdp_recipes.data.chat import TemplatePrefixError, conversation_problem, tokenize_example
+from fsdp_recipes.data.chat import conversation_problem, tokenize_example
+from fsdp_recipes.data.chat_masks import TemplatePrefixError
 from fsdp_recipes.data.rows import collate_rows, shifted_targets
 
 FORMATS = {"explicit": ("prompt", "chosen", "rejected"), "implicit": ("chosen", "rejected")}
@@ -96,6 +97,7 @@ def tokenize_side(
         assistant_only_loss=True,
         completion_only_loss=True,
         max_length=1 << 30,
+        rewriting_templates=True,
     )
     ids, mask = tokens["input_ids"], tokens["loss_mask"]
     prompt_length = next((i for i, keep in enumerate(mask) if keep), len(mask))
