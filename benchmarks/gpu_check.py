@@ -250,6 +250,14 @@ def main() -> None:
     base = check.out / "sft_bf16"
     if wanted("sft_bf16"):
         base = check.sft("sft_bf16", "fsdp_8gpu.yaml", steps=steps_base)
+    # FlexAttention for the packed rows (what auto takes on CUDA; the check's config pins sdpa): alone and compiled.
+    # On the CPU dry run flex cannot train (no backward there): the steps run with auto (sdpa) to rehearse the rest.
+    flex = [] if args.dry_run else ["--attn_implementation", "flex_attention"]
+    if wanted("sft_flex"):
+        check.sft("sft_flex", "fsdp_8gpu.yaml", *flex, steps=steps_variant, loop_only=True)
+    if wanted("sft_flex_compile"):
+        check.sft("sft_flex_compile", "fsdp_8gpu.yaml", *flex, "--torch_compile", "true", steps=steps_variant,
+                  loop_only=True)  # fmt: skip
     if wanted("loss_kernels"):
         check.loss_kernels()
     if wanted("sft_bf16_ac"):

@@ -63,6 +63,9 @@ class PretrainConfig(config_lib.TrainingConfig):
         check=checks.at_least(1, or_null=True),
     )
 
+    def packs_examples(self) -> bool:
+        return not self.cross_document_attention
+
     def cross_field_problems(self) -> list[str]:
         problems = []
         if self.cross_document_attention and self.packing_strategy != "wrapped":

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.models.attention import resolve_attn_implementation
@@ -84,21 +94,51 @@ def test_packed_examples_do_not_see_each_other(architecture, explicit):
 
 def test_an_explicit_implementation_is_kept():
     assert resolve_attn_implementation(CONFIGS["llama"](), "eager") == ("eager", "eager (requested)")
-    assert resolve_attn_implementation(CONFIGS["gemma2"](), "flex_attention") == (
+    assert resolve_attn_implementation(CONFIGS["gemma2"](), "flex_attention", device_type="cuda") == (
         "flex_attention",
         "flex_attention (requested)",
     )
+    assert resolve_attn_implementation(CONFIGS["llama"](), "auto") == AUTO["llama"]  # auto is the default's name
+
+
+def test_flex_attention_is_refused_for_training_on_a_cpu_and_kept_for_evaluation():
+    with pytest.raises(ConfigError, match=r"flex_attention cannot train on cpu: torch .*FlexAttention has no backward"):
+        resolve_attn_implementation(CONFIGS["llama"](), "flex_attention")
+    assert resolve_attn_implementation(CONFIGS["llama"](), "flex_attention", training=False)[0] == "flex_attention"
+
+
+FLEX_NOTE = "flex_attention (auto: packed rows on CUDA, and LlamaForCausalLM supports it: a block mask keeps the "
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        (dict(device_type="cuda", packs_examples=True), FLEX_NOTE),
+        (dict(device_type="cpu", packs_examples=True), "sdpa (auto: LlamaForCausalLM supports it)"),
+        (dict(device_type="cuda", packs_examples=False), "sdpa (auto: LlamaForCausalLM supports it)"),
+        (dict(device_type="cuda", packs_examples=True, tensor_parallel=True), "sdpa (auto: "),
+        (dict(device_type="cuda", packs_examples=True, generates=True), "sdpa (auto: "),
+    ],
+)
+def test_auto_takes_flex_attention_for_packed_rows_on_a_cuda_gpu(where, expected):
+    implementation, note = resolve_attn_implementation(CONFIGS["llama"](), None, **where)
+    assert note.startswith(expected) and implementation == note.split(" ")[0]
+
+
+def test_auto_keeps_sdpa_for_packed_rows_where_the_model_has_no_flex_attention():
+    implementation, note = resolve_attn_implementation(CONFIGS["gpt2"](), None, device_type="cuda", packs_examples=True)
+    assert implementation == "sdpa" and "GPT2LMHeadModel does not support flex_attention" in note
 
 
 def test_an_implementation_the_model_class_does_not_support():
     with pytest.raises(ConfigError, match=r"'sdpa': Gemma2ForCausalLM does not support it \(it supports eager, "):
         resolve_attn_implementation(CONFIGS["gemma2"](), "sdpa")
     with pytest.raises(ConfigError, match=r"'flex_attention': GPT2LMHeadModel does not support it"):
-        resolve_attn_implementation(CONFIGS["gpt2"](), "flex_attention")
+        resolve_attn_implementation(CONFIGS["gpt2"](), "flex_attention", device_type="cuda")
 
 
 def test_an_unknown_implementation():
-    with pytest.raises(ConfigError, match=r"'flash' is not one .* flash_attention_2, flash_attention_3, or leave it"):
+    with pytest.raises(ConfigError, match=r"'flash' is not one .* flash_attention_2, flash_attention_3, or auto"):
         resolve_attn_implementation(CONFIGS["llama"](), "flash")
 
 
@@ -157,3 +197,76 @@ def test_packing_is_refused_for_models_that_ignore_position_ids():
         with pytest.raises(ConfigError, match="packing: false"):
             check_packing_is_isolated(config)
     check_packing_is_isolated(LlamaConfig())
+
+
+# ---------------------------------------------------------------------------------------- packed rows, every route
+PACKED_MODELS = {
+    "llama": lambda: LlamaConfig(**SHAPE),
+    "qwen3": lambda: Qwen3Config(**SHAPE, head_dim=8),
+    "gemma3 (sliding window 4)": lambda: Gemma3TextConfig(
+        **SHAPE, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    ),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**SHAPE, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                        num_experts_per_tok=2),
+}  # fmt: skip
+
+
+def token_losses(model, examples, *, packed: bool, restart_positions: bool = True):
+    """Per-token cross-entropy of each example predicting its next tokens: the examples packed in one row (position
+    ids restarting per example, or running on with restart_positions=False: a leak), or each run alone."""
+    if not packed:
+        return torch.cat([_next_token_losses(model, e[None], torch.arange(len(e))[None]) for e in examples])
+    ids = torch.cat(examples)[None]
+    positions = (
+        torch.cat([torch.arange(len(e)) for e in examples]) if restart_positions else torch.arange(ids.shape[1])
+    )[None]
+    losses, start = _next_token_losses(model, ids, positions, whole=True), 0
+    kept = []
+    for example in examples:  # each example's last position would predict the next example's first token
+        kept.append(losses[start : start + len(example) - 1])
+        start += len(example)
+    return torch.cat(kept)
+
+
+def _next_token_losses(model, ids, positions, whole=False):
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float()
+    losses = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
+    return torch.cat([losses, losses.new_zeros(1)]) if whole else losses
+
+
+def gradients(model, losses):
+    model.zero_grad()
+    losses.sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("architecture", sorted(PACKED_MODELS))
+def test_packed_rows_give_every_token_the_loss_and_gradients_it_has_alone(architecture):
+    """sdpa (what auto takes on CPU) trains on packed rows exactly as on the examples alone; a leak between the
+    examples (positions that do not restart) is caught by the same comparison."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(PACKED_MODELS[architecture](), attn_implementation="sdpa")
+    examples = [torch.randint(3, VOCAB, (n,)) for n in (7, 12, 9)]
+    alone = token_losses(model, examples, packed=False)
+    alone_grads = gradients(model, alone)
+    packed = token_losses(model, examples, packed=True)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    for name, grad in gradients(model, packed).items():
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        leaked = token_losses(model, examples, packed=True, restart_positions=False)
+    assert (leaked - alone).abs().max() > 1e-3
+
+
+def test_flex_attention_gives_packed_rows_the_losses_they_have_alone():
+    """FlexAttention (what auto takes for packed rows on CUDA) has no backward on CPU: its forward is checked here,
+    on every architecture above, against each example run alone with sdpa."""
+    for architecture, make_config in PACKED_MODELS.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(make_config(), attn_implementation="sdpa").eval()
+        examples = [torch.randint(3, VOCAB, (n,)) for n in (7, 12, 9)]
+        with torch.no_grad():
+            alone = token_losses(model, examples, packed=False)
+            model.set_attn_implementation("flex_attention")
+            packed = token_losses(model, examples, packed=True)
+        torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4, msg=architecture)

@@ -31,20 +31,41 @@ _FLASH = {
 
 
 def resolve_attn_implementation(
-    model_config: PretrainedConfig, requested: str | None, *, task: str = "causal-lm", trust_remote_code: bool = False
+    model_config: PretrainedConfig,
+    requested: str | None,
+    *,
+    task: str = "causal-lm",
+    trust_remote_code: bool = False,
+    device_type: str = "cpu",
+    packs_examples: bool = False,
+    training: bool = True,
+    tensor_parallel: bool = False,
+    generates: bool = False,
 ) -> tuple[str, str]:
     """(the attention implementation to pass to from_pretrained / from_config, a line for the run summary).
 
-    None means auto: sdpa where the model class supports it, else eager, as transformers itself falls back. An
-    explicit implementation that cannot run here is a ConfigError, raised before any weights load. The check is
-    transformers' own, made by building the model on the meta device (no memory, a fraction of a second)."""
+    None (or "auto") chooses: flex_attention for packed rows on a CUDA GPU where the model class supports it (a block
+    mask keeps the examples apart; sdpa is given them as a dense 4-D mask, which rules out its flash kernel and
+    repeats grouped keys/values to every head), else sdpa where the class supports it, else eager, as transformers
+    itself falls back. Flex is not chosen on CPU (torch's FlexAttention has no backward there), under tensor
+    parallelism (transformers' TP plans are tested with sdpa), nor for a recipe that generates as it trains (GRPO,
+    on-policy distillation: decoding with flex rebuilds its block mask every token). An explicit implementation that cannot run here is a
+    ConfigError, raised before any weights load. The check is transformers' own, made by building the model on the
+    meta device (no memory, a fraction of a second)."""
+    if requested == "auto":
+        requested = None
     if requested is not None and requested not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(
             f"attn_implementation {requested!r} is not one this recipe can use: choose one of "
-            f"{', '.join(ATTN_IMPLEMENTATIONS)}, or leave it unset to choose automatically."
+            f"{', '.join(ATTN_IMPLEMENTATIONS)}, or auto (the default) to choose automatically."
         )
     if requested in _FLASH:
         _check_flash_attention(requested)
+    if requested == "flex_attention" and training and device_type != "cuda":
+        raise ConfigError(
+            f"attn_implementation flex_attention cannot train on {device_type}: torch {torch.__version__.split('+')[0]}'s "
+            "FlexAttention has no backward pass there. Use sdpa here (auto does), and flex_attention on a CUDA GPU."
+        )
     try:
         model = meta_model(model_config, task=task, attn_implementation=requested, trust_remote_code=trust_remote_code)
     except (ValueError, ImportError) as error:  # what transformers raises for an implementation it cannot use
@@ -66,8 +87,15 @@ def resolve_attn_implementation(
     name = type(model).__name__
     if requested is not None:
         return chosen, f"{chosen} (requested)"
+    flex_wanted = packs_examples and device_type == "cuda" and not tensor_parallel and not generates
+    if flex_wanted and "flex_attention" in _supported_attn_implementations(model):
+        return "flex_attention", (
+            f"flex_attention (auto: packed rows on CUDA, and {name} supports it: a block mask keeps the examples "
+            "apart without sdpa's dense mask)"
+        )
     if chosen == "sdpa":
-        return chosen, f"sdpa (auto: {name} supports it)"
+        why = "" if not flex_wanted else f"; {name} does not support flex_attention, which packed rows would use"
+        return chosen, f"sdpa (auto: {name} supports it{why})"
     return chosen, f"{chosen} (auto: {name} does not support sdpa)"
 
 

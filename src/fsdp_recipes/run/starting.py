@@ -165,8 +165,17 @@ def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task
     wrap_classes = resolve_wrap_classes(
         accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code
     )
+    training = hasattr(config, "packs_examples")  # a training recipe's config (RecipeTraits); eval's is not
     attn_implementation, attention_note = resolve_attn_implementation(
-        model_config, config.attn_implementation, task=task, trust_remote_code=config.trust_remote_code
+        model_config,
+        config.attn_implementation,
+        task=task,
+        trust_remote_code=config.trust_remote_code,
+        device_type=accelerator.device.type,
+        packs_examples=training and config.packs_examples(),
+        training=training,
+        tensor_parallel=tensor_parallel.layout_of(accelerator) is not None,
+        generates=training and config.generation_footprint()[0] > 0,
     )
     return dict(wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
 

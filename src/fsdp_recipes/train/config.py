@@ -45,8 +45,9 @@ class RunConfig(RunCompatFields):
     )
     attn_implementation: str | None = setting(
         None,
-        "null: sdpa where the model supports it, else eager (the run summary says which). eager (slow, "
-        "exact), flash_attention_2 (GPU, needs flash-attn), flex_attention",
+        "null or auto: flex_attention for packed rows on a CUDA GPU where the model supports it, else sdpa, else "
+        "eager (the run summary says which and why). sdpa, eager (slow, exact), flex_attention (CUDA for "
+        "training; compiles its kernel at the first step), flash_attention_2/3 (GPU, needs flash-attn)",
         resume="free",
     )
     # --- data ---------------------------------------------------------------------------------------------------------

@@ -214,6 +214,9 @@ class OnlineRLFields:
     def generation_footprint(self) -> tuple[int, int, bool]:
         return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
 
+    def packs_examples(self) -> bool:
+        return self.padding_free
+
     def reference_mode(self) -> str | None:
         """What the KL term compares with: None (beta 0), the policy with its LoRA adapters off, or a frozen copy."""
         if self.beta == 0:

@@ -39,7 +39,7 @@ def workload_for(config: TrainingConfig) -> Workload:
     return Workload(
         int(config.row_length()),
         int(config.micro_batch_rows()),
-        str(config.attn_implementation or "sdpa"),
+        str(config.attn_implementation if config.attn_implementation not in (None, "auto") else "sdpa"),
         int(config.gradient_accumulation_steps),
         str(config.loss_implementation),
         int(config.loss_chunk_size),
