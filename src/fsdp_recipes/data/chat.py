@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data import files
-from fsdp_recipes.data.chat_masks import TemplatePrefixError, conversation_tokens
+from fsdp_recipes.data.chat_masks import TemplatePrefixError, conversation_tokens, prepared_turns
 
 
 def detect_format(column_names: list[str]) -> str:
@@ -232,10 +232,14 @@ def generation_examples(dataset, tokenizer, limit: int) -> list[dict[str, Any]]:
         if "messages" in record:
             messages = record["messages"]
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            prompt_ids = tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True)["input_ids"]
+            prompt_ids = tokenizer.apply_chat_template(prepared_turns(messages[:last]), add_generation_prompt=True)[
+                "input_ids"
+            ]
             reference = messages[last]["content"]
         elif isinstance(record["prompt"], list):
-            prompt_ids = tokenizer.apply_chat_template(record["prompt"], add_generation_prompt=True)["input_ids"]
+            prompt_ids = tokenizer.apply_chat_template(prepared_turns(record["prompt"]), add_generation_prompt=True)[
+                "input_ids"
+            ]
             reference = record["completion"][-1]["content"]
         else:
             prompt_ids = tokenizer(record["prompt"])["input_ids"]

@@ -45,7 +45,10 @@ def prepared_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     OpenAI-style data writes it) gets an empty content. transformers drops keys whose value is None, and templates
     such as Qwen3's then fail on the missing content; every published template renders "" as no text."""
     return [
-        {**turn, "content": ""} if turn.get("content") is None and turn.get("tool_calls") else turn for turn in messages
+        {**turn, "content": ""}
+        if isinstance(turn, dict) and turn.get("content") is None and turn.get("tool_calls")
+        else turn
+        for turn in messages
     ]
 
 

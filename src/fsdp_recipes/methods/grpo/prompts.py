@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.chat_masks import prepared_turns
 
 
 @dataclasses.dataclass
@@ -32,7 +33,9 @@ class Prompts:
 def tokenize_prompt(prompt: Any, tokenizer, tools: list[dict] | None = None) -> list[int]:
     """A prompt's tokens: chat turns through the chat template (with the tools' schemas, which it shows the model)."""
     if isinstance(prompt, list):
-        ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            prepared_turns(prompt), tools=tools or None, add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer(str(prompt))["input_ids"]
 
