@@ -43,7 +43,7 @@ def has_generation_markers(tokenizer: PreTrainedTokenizerBase) -> bool:
 def prepared_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation as templates expect it: an assistant turn that only calls tools (`content: null`, as
     OpenAI-style data writes it) gets an empty content. transformers drops keys whose value is None, and templates
-    such as Qwen3's then fail on the missing content; every published template renders "" as no text."""
+    such as Qwen3's then fail on the missing content, while "" renders as no text (tests/test_real_chat_templates.py)."""
     return [
         {**turn, "content": ""}
         if isinstance(turn, dict) and turn.get("content") is None and turn.get("tool_calls")
