@@ -239,6 +239,22 @@ def test_the_optimizer_step_is_the_peak_once_checkpointing_shrinks_activations(l
     assert offloaded.optimizer_step == 0  # the step runs on the host
 
 
+def test_auto_attention_is_estimated_as_the_gpu_run_takes_it(llama8b):
+    """auto: flex for packed rows (keys and values saved at the KV heads' size), sdpa under TP or unpacked rows (repeated
+    to every query head), as models/attention.py chooses on a CUDA GPU."""
+    one_node = LaunchLayout(world_size=8, shard_size=8, mixed_precision="bf16")
+    packed = Workload(2048, 4, attn_implementation="auto", packs_examples=True)
+    activations = lambda layout, work: estimate(llama8b, layout, work).activations_used  # noqa: E731
+    flex = activations(one_node, dataclasses.replace(packed, attn_implementation="flex_attention"))
+    sdpa = activations(one_node, dataclasses.replace(packed, attn_implementation="sdpa"))
+    assert flex < sdpa and activations(one_node, packed) == flex
+    assert activations(one_node, dataclasses.replace(packed, packs_examples=False)) == sdpa
+    tensor_parallel = dataclasses.replace(one_node, tp_size=2)
+    assert activations(tensor_parallel, packed) == activations(
+        tensor_parallel, dataclasses.replace(packed, attn_implementation="sdpa")
+    )
+
+
 # ------------------------------------------------------------------------------------------------ activations
 def test_activation_formula(llama8b):
     work = Workload(row_length=2048, micro_batch_rows=4, loss_implementation="full_logits")

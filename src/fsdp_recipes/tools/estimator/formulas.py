@@ -5,7 +5,7 @@ unsharded buffers, and their sum against the GPU's memory (`Estimate`). Formulas
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
@@ -299,6 +299,15 @@ class Estimate:
         }
 
 
+def resolved_attention(workload: Workload, layout: LaunchLayout) -> Workload:
+    """The attention a GPU run takes for `auto` (models/attention.py): flex for packed rows unless the launch splits
+    the model by tensor parallelism or the recipe generates as it trains, else sdpa."""
+    if workload.attn_implementation != "auto":
+        return workload
+    flex = workload.packs_examples and layout.tp_size == 1 and workload.generation_sequences == 0
+    return replace(workload, attn_implementation="flex_attention" if flex else "sdpa")
+
+
 def estimate(
     info: ModelInfo,
     layout: LaunchLayout,
@@ -315,6 +324,7 @@ def estimate(
     reference model). `frozen_models`: other models kept frozen beside it (a distillation teacher), each sharded like
     it at the compute dtype, with its output layer also whole on every rank (distillation needs it during the
     student's step)."""
+    workload = resolved_attention(workload, layout)
     units = plan_units(info, layout)
     compute = layout.compute_bytes
     if adapters is None:

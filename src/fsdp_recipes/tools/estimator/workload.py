@@ -27,6 +27,7 @@ class Workload:
     generation_tokens: int = 0  # ... and tokens each
     generation_gathers_weights: bool = False  # the whole model held on every rank for that pass
     loss_chunk_buffers: int = 1  # chunked loss: fp32 chunk x vocabulary tensors held at its peak (distillation: 7)
+    packs_examples: bool = False  # rows hold several examples (auto attention takes flex for them on a GPU)
 
     @property
     def tokens(self) -> int:
@@ -39,12 +40,13 @@ def workload_for(config: TrainingConfig) -> Workload:
     return Workload(
         int(config.row_length()),
         int(config.micro_batch_rows()),
-        str(config.attn_implementation if config.attn_implementation not in (None, "auto") else "sdpa"),
+        str(config.attn_implementation or "auto"),
         int(config.gradient_accumulation_steps),
         str(config.loss_implementation),
         int(config.loss_chunk_size),
         *config.generation_footprint(),
         loss_chunk_buffers=int(config.loss_chunk_buffers()),
+        packs_examples=bool(config.packs_examples()),
     )
 
 
