@@ -218,3 +218,67 @@ def test_sft_on_qwen3s_template_trains_tool_turns_and_exports_the_template_byte_
     if exported is None:
         exported = (tmp_path / "out" / "chat_template.jinja").read_text()
     assert exported == template_text("qwen3")
+
+
+def trained_pieces(tokenizer, encoded) -> list[str]:
+    pieces, current = [], []
+    for token, keep in zip(encoded["input_ids"], encoded["loss_mask"]):
+        if keep:
+            current.append(token)
+        elif current:
+            pieces, current = pieces + [tokenizer.decode(current)], []
+    return pieces + ([tokenizer.decode(current)] if current else [])
+
+
+def test_qwen3_agent_traces_train_each_reply_never_the_tool_output():
+    """Reasoning on a calling turn is dropped once a later user turn follows: the later replies still start where
+    their own generation prompt ends, not where the renderings first disagree (inside the calling turn)."""
+    qwen = family_tokenizer("qwen3")
+    trace = tool_conversation(None)
+    trace[1]["reasoning_content"] = "call the tool"
+    trace += [{"role": "user", "content": "thanks"}, {"role": "assistant", "content": "Welcome."}]
+    assert trained_pieces(qwen, sft_encode(qwen, {"messages": trace})) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n',
+        "It is sunny.<|im_end|>\n",
+        "<think>\n\n</think>\n\nWelcome.<|im_end|>\n",
+    ]
+
+
+@pytest.mark.parametrize("answer", ["a", "final", "message"])
+def test_gpt_oss_finds_a_short_earlier_answer_in_its_own_place(answer):
+    """An answer that is also a letter or word of the template's own (`<|channel|>final<|message|>`) is trained
+    where the reply holds it."""
+    oss = family_tokenizer("gpt-oss")
+    conversation = copy.deepcopy(CONVERSATION)
+    conversation[1].update(content=answer, reasoning_content="pick one")
+    assert trained_pieces(oss, sft_encode(oss, {"messages": conversation})) == [
+        f"<|channel|>final<|message|>{answer}",
+        "<|channel|>final<|message|>yx<|return|>",
+    ]
+
+
+def test_consecutive_replies_under_generation_markers_are_refused_not_dropped():
+    smol = family_tokenizer("smollm3")
+    example = {"prompt": CONVERSATION[:2], "completion": [{"role": "assistant", "content": "more"}]}
+    with pytest.raises(DataError, match=r"\{% generation %\} blocks \(1\) do not match the assistant turns \(2\)"):
+        sft_encode(smol, example)
+
+
+def test_preference_pairs_name_the_templates_own_reason():
+    columns = {"prompt": [tool_conversation(None)[:1]], "chosen": [tool_conversation(None)[1:2]],
+               "rejected": [[{"role": "assistant", "content": "no idea"}]]}  # fmt: skip
+    with pytest.raises(DataError) as refused:
+        paired.tokenize_pairs(Dataset.from_dict(columns), family_tokenizer("phi-4"), max_length=4096)
+    assert str(refused.value).startswith("pair 0 of the train split: turn 1 (assistant): the tokens the chat template")
+    assert "its call of 'get_weather'" in str(refused.value)
+
+
+def test_a_tools_column_is_shown_to_the_model_and_bad_tools_are_refused_naming_the_example():
+    qwen = family_tokenizer("qwen3")
+    schema = json.dumps([REVERSE_SCHEMA])
+    encoded = sft_encode(qwen, {"messages": CONVERSATION, "tools": schema})
+    assert '"name": "reverse"' in qwen.decode(encoded["input_ids"])  # Qwen3's system block lists the tools
+    assert trained_text(qwen, encoded) == TRAINED["qwen3"]
+    data = Dataset.from_list([{"messages": CONVERSATION, "tools": schema}, {"messages": CONVERSATION, "tools": "[{"}])
+    with pytest.raises(DataError, match=r"example 1 of the train split: 'tools' is not valid JSON"):
+        tokenize_dataset(data, qwen, assistant_only_loss=True, completion_only_loss=True, max_length=4096)

@@ -9,6 +9,7 @@ Every example becomes `input_ids` plus `loss_mask` (1 where the token is a train
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from datasets import Dataset
@@ -38,6 +39,14 @@ ROLES = ("system", "user", "assistant", "tool")
 def example_problem(example: dict[str, Any], data_format: str) -> str | None:
     """What makes an example unusable for its format, or None: checked before the chat template sees it, whose own
     errors (or silence) would not say which example or what is wrong with it."""
+    tools = example.get("tools")
+    if tools is not None:
+        try:
+            tools = json.loads(tools) if isinstance(tools, str) and tools.strip() else tools
+        except json.JSONDecodeError as error:
+            return f"'tools' is not valid JSON ({error})"
+        if tools and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+            return f"'tools' is {_a(_kind(tools))}, not a list of tool schemas (JSON objects)"
     if data_format == "conversational":
         return conversation_problem(example["messages"], "messages")
     prompt, completion = example["prompt"], example["completion"]
@@ -112,6 +121,15 @@ def _preview(turn: dict[str, Any]) -> str:
     return f"content {text[:60]!r}" + ("..." if len(text) > 60 else "")
 
 
+def example_tools(example: dict[str, Any]) -> list[dict] | None:
+    """The tool schemas of an example's `tools` column (a list of JSON schemas, or its JSON text, as TRL's SFT
+    reads it), for the chat template to show the model; None without one."""
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools) if tools.strip() else None
+    return tools or None
+
+
 def tokenize_example(
     example: dict[str, Any],
     tokenizer: PreTrainedTokenizerBase,
@@ -124,10 +142,11 @@ def tokenize_example(
 ) -> dict[str, Any]:
     """`rewriting_templates`: also locate the assistant's tokens with templates that mark them or that rewrite
     earlier turns (see chat_masks.conversation_tokens); off, such templates are refused (TemplatePrefixError)."""
+    tools = example_tools(example)
     if data_format == "conversational":
         loss_roles = {"assistant"} if assistant_only_loss else None
         ids, mask = conversation_tokens(
-            tokenizer, example["messages"], loss_roles, first_trained=0, rewriting_templates=rewriting_templates
+            tokenizer, example["messages"], loss_roles, 0, rewriting_templates=rewriting_templates, tools=tools
         )
     elif isinstance(example["prompt"], list):  # conversational prompt/completion
         messages = list(example["prompt"]) + list(example["completion"])
@@ -136,8 +155,9 @@ def tokenize_example(
             tokenizer,
             messages,
             loss_roles,
-            first_trained=len(example["prompt"]),
+            len(example["prompt"]),
             rewriting_templates=rewriting_templates,
+            tools=tools,
         )
     else:
         prompt = tokenizer(example["prompt"], add_special_tokens=True)["input_ids"]

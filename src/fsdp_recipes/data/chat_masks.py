@@ -14,6 +14,7 @@ says which of them are a reply's. Three ways, the first that applies (docs/chat-
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -24,7 +25,12 @@ from fsdp_recipes.common.errors import DataError
 
 class TemplatePrefixError(DataError):
     """The chat template renders a conversation's start differently once more turns follow it, so the tokens of a
-    turn cannot be told apart: a class of its own so that other recipes can name their own fix."""
+    turn cannot be told apart: a class of its own so that other recipes can name their own fix (`reason`: the
+    message without SFT's fix)."""
+
+    def __init__(self, reason: str, fix: str = ""):
+        super().__init__(f"{reason}. {fix}." if fix else reason)
+        self.reason = reason
 
 
 _FIX = (
@@ -59,37 +65,39 @@ def conversation_tokens(
     first_trained: int,
     *,
     rewriting_templates: bool = False,
+    tools: list[dict] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Tokens of a whole conversation, as the model's own chat template renders it, and a mask over those of messages
-    at index >= first_trained whose role is in loss_roles (every token if loss_roles is None). Without
-    `rewriting_templates` only the rendered prefixes are trusted (DPO's prompt must be a shared prefix of both
-    answers); what no way can locate is refused (TemplatePrefixError), never guessed at."""
+    """Tokens of a whole conversation, as the model's own chat template renders it (with `tools`, the schemas the
+    template shows the model, as TRL passes a dataset's `tools` column), and a mask over those of messages at index
+    >= first_trained whose role is in loss_roles (every token if loss_roles is None). Without `rewriting_templates`
+    only the rendered prefixes are trusted; what no way can locate is refused (TemplatePrefixError), never guessed."""
     messages = prepared_turns(messages)
-    full = tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+    render = functools.partial(tokenizer.apply_chat_template, tools=tools) if tools else tokenizer.apply_chat_template
+    full = render(messages, tokenize=True)["input_ids"]
     if loss_roles is None:
         return full, [1] * len(full)
     if rewriting_templates and has_generation_markers(tokenizer):
-        return full, _mask_from_generation_markers(tokenizer, messages, full, first_trained)
+        return full, _mask_from_generation_markers(tokenizer, render, messages, full, first_trained)
     try:
-        return full, _mask_from_prefixes(tokenizer, messages, full, loss_roles, first_trained)
+        return full, _mask_from_prefixes(tokenizer, render, messages, full, loss_roles, first_trained)
     except TemplatePrefixError:
         if not rewriting_templates:
             raise
-        return full, _mask_from_turn_renderings(tokenizer, messages, full, loss_roles, first_trained)
+        return full, _mask_from_turn_renderings(tokenizer, render, messages, full, loss_roles, first_trained)
 
 
-def _mask_from_prefixes(tokenizer, messages, full, loss_roles, first_trained) -> list[int]:
+def _mask_from_prefixes(tokenizer, render, messages, full, loss_roles, first_trained) -> list[int]:
     mask = [0] * len(full)
     for index, message in enumerate(messages):
         if index < first_trained or message.get("role") not in loss_roles:
             continue
-        head = tokenizer.apply_chat_template(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
-        upto = tokenizer.apply_chat_template(messages[: index + 1], tokenize=True)["input_ids"]
+        head = render(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
+        upto = render(messages[: index + 1], tokenize=True)["input_ids"]
         if full[: len(head)] != head or full[: len(upto)] != upto:
             raise TemplatePrefixError(
                 "the chat template renders a conversation differently from its prefixes, so the tokens of each "
-                "assistant turn cannot be located for the loss mask. Use a template that only appends text turn "
-                "by turn (set chat_template), or set assistant_only_loss: false to train on every token."
+                "assistant turn cannot be located for the loss mask",
+                _FIX,
             )
         _refuse_if_missing(index, message, tokenizer.decode(full[len(head) : len(upto)]))
         for position in range(len(head), len(upto)):
@@ -97,27 +105,25 @@ def _mask_from_prefixes(tokenizer, messages, full, loss_roles, first_trained) ->
     return mask
 
 
-def _mask_from_generation_markers(tokenizer, messages, full, first_trained) -> list[int]:
+def _mask_from_generation_markers(tokenizer, render, messages, full, first_trained) -> list[int]:
     """transformers' assistant mask (the tokens inside `{% generation %}` blocks), less what the generation prompt
     already holds (SmolLM3 marks the `<|im_start|>assistant` header too, which the model is given, not asked to
-    write) and less the assistant turns that come before `first_trained` (a conversational prompt's own)."""
-    rendered = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
+    write) and less the assistant turns that come before `first_trained` (a conversational prompt's own). Each
+    reply must be one marked block of its own, else the template is refused."""
+    rendered = render(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     mask = list(rendered["assistant_masks"])
     if list(rendered["input_ids"]) != list(full) or len(mask) != len(full):
-        raise TemplatePrefixError("the chat template renders differently when asked for its assistant mask")
-    runs, position = [], 0  # each assistant turn is one run of ones
-    while position < len(mask):
-        if mask[position]:
-            start = position
-            while position < len(mask) and mask[position]:
-                position += 1
-            runs.append((start, position))
-        position += 1
+        raise TemplatePrefixError("the chat template renders differently when asked for its assistant mask", _FIX)
     replies = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
+    runs = [(start, end) for start, end in _runs_of_ones(mask)]
+    if len(runs) != len(replies):  # consecutive replies: the second's marked header joins the first's block
+        raise TemplatePrefixError(
+            f"the chat template's {{% generation %}} blocks ({len(runs)}) do not match the assistant turns "
+            f"({len(replies)}) one to one, so each turn's tokens cannot be told apart",
+            _FIX,
+        )
     for (start, end), index in zip(runs, replies):
-        head = tokenizer.apply_chat_template(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
+        head = render(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
         given = len(head) if full[: len(head)] == head else start
         for position in range(start, end if index < first_trained else min(given, end)):
             mask[position] = 0
@@ -126,35 +132,50 @@ def _mask_from_generation_markers(tokenizer, messages, full, first_trained) -> l
     return mask
 
 
-def _mask_from_turn_renderings(tokenizer, messages, full, loss_roles, first_trained) -> list[int]:
+def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
+    runs, position = [], 0
+    while position < len(mask):
+        if mask[position]:
+            start = position
+            while position < len(mask) and mask[position]:
+                position += 1
+            runs.append((start, position))
+        position += 1
+    return runs
+
+
+def _mask_from_turn_renderings(tokenizer, render, messages, full, loss_roles, first_trained) -> list[int]:
     """For templates that render a turn differently once more follow. A reply starts where the conversation before
-    it, with the generation prompt, stops agreeing with the whole rendering (so Qwen3's think block on the last
-    reply is trained, as the model generates it). It runs as far as the reply rendered as the last turn agrees with
-    the whole rendering: from its start (gpt-oss's earlier replies: their content, not the `<|end|>` that stands
-    where the model wrote `<|return|>`), or up to its end (Qwen3's earlier replies: without the think block the
-    template gives the last turn only). The reply's text and each tool call's name must lie in what was found, else
-    the template is refused with the turn that failed. Needs a fast tokenizer (its offsets map characters to
-    tokens)."""
+    it, with the generation prompt, stops agreeing with the whole rendering, the two aligned at the end of the last
+    earlier turn's text (so Qwen3's think block on the last reply is trained, as the model writes it, and reasoning
+    the template drops from an earlier turn does not move the start). It runs as far as the reply rendered as the
+    last turn agrees with the whole rendering: from its start (gpt-oss's earlier replies: their channel and content,
+    not the `<|end|>` that stands where the model wrote `<|return|>`), up to its end (Qwen3's earlier replies,
+    without the think block the template gives the last turn only), or through its answer, found in its own context.
+    A reply must start after the one before it ends, and its text and each tool call's name must lie in what was
+    found, else the template is refused with the turn that failed. Needs a fast tokenizer (its offsets map
+    characters to tokens)."""
     if not getattr(tokenizer, "is_fast", False):
         raise TemplatePrefixError(
             "the chat template renders earlier turns differently once more follow, and locating the assistant's "
-            "tokens in such a rendering needs a fast tokenizer (character offsets). Use a fast tokenizer, a template "
-            "with {% generation %} markers in chat_template, or set assistant_only_loss: false."
+            "tokens in such a rendering needs a fast tokenizer (character offsets)",
+            _FIX,
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
+    text = render(messages, tokenize=False)
+    spans, previous_end = [], 0
     for index, message in enumerate(messages):
         if index < first_trained or message.get("role") not in loss_roles:
             continue
-        head = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        alone = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
-        start, start_alone = _shared_length(text, head), _shared_length(alone, head)
-        if not _holds_the_prompt(text[:start], messages[:index]):
+        head = render(messages[:index], tokenize=False, add_generation_prompt=True)
+        alone = render(messages[: index + 1], tokenize=False)
+        start = _reply_start(text, head, messages[:index], previous_end)
+        if start is None:
             raise TemplatePrefixError(
                 f"the chat template renders the turns before turn {index} (assistant) differently once that turn "
-                f"follows them, so the reply's tokens cannot be told from its prompt's. {_FIX}"
+                "follows them (it drops or moves their text), so the reply's tokens cannot be told from its prompt's",
+                _FIX,
             )
-        turn, turn_alone = text[start:], alone[start_alone:]
+        turn, turn_alone = text[start:], alone[_shared_length(alone, head) :]
         length = max(
             _shared_length(turn, turn_alone),
             _shared_tail_length(turn, turn_alone),
@@ -162,11 +183,13 @@ def _mask_from_turn_renderings(tokenizer, messages, full, loss_roles, first_trai
         )
         _refuse_if_missing(index, message, turn[:length])
         spans.append((start, start + length))
+        previous_end = start + length
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if list(encoding["input_ids"]) != list(full):
         raise TemplatePrefixError(
             "the chat template's text does not tokenize to its own token ids (apply_chat_template with tokenize=True "
-            "and False disagree), so the assistant's tokens cannot be located. Set assistant_only_loss: false."
+            "and False disagree), so the assistant's tokens cannot be located",
+            "Set assistant_only_loss: false",
         )
     # Whole tokens only: a reply's end found character by character may lie inside the next turn's first token.
     return [
@@ -174,10 +197,41 @@ def _mask_from_turn_renderings(tokenizer, messages, full, loss_roles, first_trai
     ]
 
 
-def _answer(message: dict[str, Any]) -> str:
-    """The reply's answer: its content after any inline reasoning, which templates move or drop."""
+def _reply_start(text: str, head: str, before: list[dict[str, Any]], previous_end: int) -> int | None:
+    """Where the reply after `before` starts in the whole rendering `text`. `head` is those turns with the generation
+    prompt: where the text starts with it, the reply starts at its end. Else the two are aligned at the end of the
+    last earlier turn's text (found after the previous reply, `previous_end`), and the reply starts after what they
+    share from there: the generation prompt, or the part of it the template keeps in history (DeepSeek-R1's drops
+    its `<think>`). None when that turn's text is not there, or when the rest of the generation prompt follows a
+    little later (the template put text of its own between the prompt and the reply: the reply's tokens would
+    start inside the prompt)."""
+    if text.startswith(head) and len(head) >= previous_end:
+        return len(head)
+    last = next((_visible(m) for m in reversed(before) if _visible(m)), "")
+    if not last:
+        return None
+    in_text = text.rfind(last, previous_end, _shared_length(text, head) + len(last))  # the copy the head agrees to
+    in_text = in_text if in_text >= 0 else text.find(last, previous_end)
+    in_head = head.rfind(last)
+    if in_text < 0 or in_head < 0:
+        return None
+    in_text, in_head = in_text + len(last), in_head + len(last)
+    shared = _shared_length(text[in_text:], head[in_head:])
+    rest, start = head[in_head + shared :], in_text + shared
+    if rest.strip() and rest.strip() in text[start : start + len(rest) + 64]:
+        return None
+    return start
+
+
+def _visible(message: dict[str, Any]) -> str:
+    """A turn's text as templates keep it in history: its content after any inline reasoning, stripped."""
     content = message.get("content")
     return content.split(_THINK_END)[-1].strip() if isinstance(content, str) else ""
+
+
+def _answer(message: dict[str, Any]) -> str:
+    """The reply's answer: its content after any inline reasoning, which templates move or drop."""
+    return _visible(message)
 
 
 def _refuse_if_missing(index: int, message: dict[str, Any], found: str) -> None:
@@ -197,15 +251,9 @@ def _refuse_if_missing(index: int, message: dict[str, Any], found: str) -> None:
         raise TemplatePrefixError(
             f"turn {index} (assistant): the tokens the chat template renders for it do not hold {missing}, so that "
             "turn cannot be trained as written (a template that does not render `tool_calls`, or that rewrites the "
-            f"reply). {_FIX}, or remove such turns from the data."
+            "reply)",
+            f"{_FIX}, or remove such turns from the data",
         )
-
-
-def _holds_the_prompt(prompt: str, messages: list[dict[str, Any]]) -> bool:
-    """Whether the text before a reply holds the last earlier turn's text (a template that moves text into the
-    reply's place would have the reply's tokens start inside the prompt)."""
-    last = next((m["content"] for m in reversed(messages) if isinstance(m.get("content"), str) and m["content"]), "")
-    return "".join(last.split()) in "".join(prompt.split())
 
 
 def _shared_length(left: str, right: str) -> int:
@@ -227,9 +275,16 @@ def _shared_tail_length(text: str, turn: str) -> int:
 def _through_answer_length(text: str, turn: str, answer: str) -> int:
     """How far `text` holds the reply through its answer and what closes it in `turn` (the reply as the last turn):
     for templates that change both what comes before the answer and what closes it (gpt-oss drops the analysis
-    channel of earlier replies and ends them with `<|end|>`, not `<|return|>`)."""
-    at, at_alone = text.find(answer), turn.find(answer)
-    if not answer or at < 0 or at_alone < 0:
+    channel of earlier replies and ends them with `<|end|>`, not `<|return|>`). The answer is looked for with the
+    text that leads to it in `turn` (as much as `text` shares), within the length of `turn`: a reply is never longer
+    in history than as the last turn, and a short answer ("a") is not taken for a letter of the template's own."""
+    at_alone = turn.rfind(answer)
+    if not answer or at_alone < 0:
         return 0
-    end = at + len(answer)
-    return end + _shared_length(text[end:], turn[at_alone + len(answer) :])
+    bound = len(turn)
+    for lead in range(min(at_alone, 64), -1, -1):
+        at = text.find(turn[at_alone - lead : at_alone + len(answer)], 0, bound)
+        if at >= 0:
+            end = at + lead + len(answer)
+            return end + _shared_length(text[end:], turn[at_alone + len(answer) :])
+    return 0

@@ -33,6 +33,7 @@ from fsdp_recipes.train import generation
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _PROBE_RESULT = "fsdp-recipes-probe-result"
+_RESULT_MARKER = "\u2063fsdp-recipes-result\u2063"
 
 
 @dataclasses.dataclass
@@ -242,7 +243,14 @@ def continuation_ids(tokenizer, calls: list[dict], results: list[str]) -> list[i
     without one once a tool message follows, so rendering the conversation twice would not line up (TRL appends the
     same way)."""
     head, exchange = _rendered_round(tokenizer, calls, results)
-    end = exchange.find(tokenizer.eos_token, len(head)) if tokenizer.eos_token else -1
+    # The calling turn ends at the last end-of-sequence token before the first result (a call's arguments may spell
+    # the token out too): found where a marker result stands, the rendering before it being the same.
+    _, marked = _rendered_round(tokenizer, calls, [_RESULT_MARKER] * len(results))
+    before_results = marked.find(_RESULT_MARKER, len(head))
+    before_results = before_results if before_results >= 0 else len(marked)  # a template that drops tool messages
+    end = marked.rfind(tokenizer.eos_token, len(head), before_results) if tokenizer.eos_token else -1
+    if end >= 0 and not exchange.startswith(marked[: end + len(tokenizer.eos_token)]):
+        end = -1
     if end < 0:
         raise ConfigError(
             f"the tokenizer's chat template does not end an assistant turn that calls tools with the end-of-sequence "

@@ -135,11 +135,10 @@ def tokenize_pair(
             ]
         except TemplateError as error:
             problem = f"the chat template refused it: {error}"
-        except TemplatePrefixError:
+        except TemplatePrefixError as error:  # the template's reason, with the fix that applies here
             raise DataError(
-                f"{where}: the chat template renders the prompt differently once an answer "
-                "follows it, so the answer's tokens cannot be told from the prompt's. Use a template that only "
-                "appends text turn by turn (set chat_template in the recipe config to a Jinja template)."
+                f"{where}: {error.reason}. Use a template that renders each turn as written (set chat_template in "
+                "the recipe config to a Jinja template), or fix or remove that pair."
             ) from None
     if problem is not None:
         raise DataError(f"{where}: {problem}. Fix or remove that pair.")
