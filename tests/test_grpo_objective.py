@@ -12,6 +12,7 @@ import torch
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.methods.grpo import policy_gradient as pg
 from fsdp_recipes.methods.grpo import rewards, rollouts
+from fsdp_recipes.methods.preference import paired
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 3.0, 4.0, 1.0])
 
@@ -180,10 +181,16 @@ def test_a_reward_model_folder_scores_prompt_and_completion(tmp_path, tokenizer)
     prompts = [[{"role": "user", "content": "reverse: abc"}]] * 2
     completions = [[{"role": "assistant", "content": "cba"}], [{"role": "assistant", "content": "abc"}]]
     scores = function(prompts, completions)
-    text = tokenizer.apply_chat_template([*prompts[0], completions[0][0]], tokenize=False)
-    with torch.no_grad():
-        direct = model(**tokenizer([text], return_tensors="pt")).logits[0, 0].item()
-    assert name == "rm" and len(scores) == 2 and scores[0] == pytest.approx(direct, rel=1e-5) and scores[0] != scores[1]
+    text_scores = function(["reverse: abc => "] * 2, ["cba", "abc"])
+
+    def as_trained(prompt, answer):  # the row recipes/reward.py scores: text answers end with the eos token
+        ids, _ = paired.tokenize_side(tokenizer, prompt, answer, max_length=1 << 20, max_prompt_length=None)
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+
+    assert name == "rm" and len(scores) == 2 and scores[0] != scores[1]
+    assert scores[0] == pytest.approx(as_trained(prompts[0], completions[0]), rel=1e-5)
+    assert text_scores[1] == pytest.approx(as_trained("reverse: abc => ", "abc"), rel=1e-5)
     config.num_labels = 2
     AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "two")
     tokenizer.save_pretrained(tmp_path / "two")

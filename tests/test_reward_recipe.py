@@ -223,6 +223,7 @@ def test_exported_reward_model_scores_pairs_as_the_trained_model_did(reward_dist
         direct = model(**ids).logits[0, 0].item()
     assert answer["label"] == "reward" and answer["score"] == pytest.approx(direct, rel=1e-5)
     card = (out / "README.md").read_text()
+    assert "ids = tokenizer(prompt + answer + tokenizer.eos_token" in card  # how to score as trained
     meta = yaml.safe_load(card.split("---")[1])
     entries = meta["model-index"][0]["results"]
     values = {metric["type"]: metric["value"] for entry in entries for metric in entry["metrics"]}

@@ -208,6 +208,17 @@ from transformers import {{ model_class }}, AutoTokenizer
 model = {{ model_class }}.from_pretrained("{{ model_path }}")
 tokenizer = AutoTokenizer.from_pretrained("{{ model_path }}")
 ```
+{% endif %}{% if recipe == "reward" %}
+Score a prompt and an answer as they were trained: chat turns through the chat template, plain text as prompt +
+answer + the end-of-sequence token (the score is read at the last token; without it a text answer is scored at its
+last letter).
+
+```python
+turns = [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]
+ids = tokenizer.apply_chat_template(turns, return_tensors="pt", return_dict=True)["input_ids"]
+# plain text: ids = tokenizer(prompt + answer + tokenizer.eos_token, return_tensors="pt")["input_ids"]
+score = model(input_ids=ids).logits[0, 0].item()
+```
 {% endif %}"""
 
 

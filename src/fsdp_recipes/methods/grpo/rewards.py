@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.data import chat
 from fsdp_recipes.methods.grpo.user_code import load_callable
 
 RewardFunction = Callable[..., list]
@@ -157,24 +158,34 @@ class RewardModel:
             )
         self.__name__ = Path(folder).name
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.tokenizer.padding_side = "right"  # as the reward recipe's rows: the model pools the last real token
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(folder).to(device).eval()
         self.model.requires_grad_(False)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device, self.batch_size = device, batch_size
 
-    def _text(self, prompt: Any, completion: Any) -> str:
+    def _ids(self, prompt: Any, completion: Any) -> list[int]:
+        """The tokens recipes/reward.py trains and evaluates on for this prompt and answer (chat turns through the
+        template; text as prompt + answer + the end-of-sequence token): a score read anywhere else is not the one
+        the model learned (without the end token, a text answer is scored at its last letter)."""
         if isinstance(prompt, list):
             turns = [*prompt, {"role": "assistant", "content": completion_text(completion)}]
-            return self.tokenizer.apply_chat_template(turns, tokenize=False)
-        return str(prompt) + completion_text(completion)
+            example, data_format = {"messages": turns}, "conversational"
+        else:
+            example = {"prompt": str(prompt), "completion": completion_text(completion)}
+            data_format = "prompt_completion"
+        options = dict(assistant_only_loss=False, completion_only_loss=False, max_length=1 << 30)
+        return chat.tokenize_example(example, self.tokenizer, data_format, **options)["input_ids"]
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **columns) -> list[float]:
-        texts = [self._text(p, c) for p, c in zip(prompts, completions)]
+        rows = [self._ids(p, c) for p, c in zip(prompts, completions)]
         scores = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True)
+        for start in range(0, len(rows), self.batch_size):
+            batch = self.tokenizer.pad({"input_ids": rows[start : start + self.batch_size]}, return_tensors="pt")
             scores += self.model(**batch.to(self.device)).logits[:, 0].float().tolist()
         return scores
 
