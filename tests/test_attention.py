@@ -258,9 +258,18 @@ def test_packed_rows_give_every_token_the_loss_and_gradients_it_has_alone(archit
     assert (leaked - alone).abs().max() > 1e-3
 
 
-def test_flex_attention_gives_packed_rows_the_losses_they_have_alone():
+def test_flex_attention_gives_packed_rows_the_losses_they_have_alone(monkeypatch):
     """FlexAttention (what auto takes for packed rows on CUDA) has no backward on CPU: its forward is checked here,
-    on every architecture above, against each example run alone with sdpa."""
+    on every architecture above, against each example run alone with sdpa. The kernel and the block mask's
+    construction run uncompiled (compiling changes their speed, not their result; on this CPU a compile per shape
+    costs seconds); the block mask is the one transformers builds from the restarting positions."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from transformers import masking_utils
+    from transformers.integrations import flex_attention as integration
+
+    monkeypatch.setattr(integration, "compile_friendly_flex_attention", lambda q, k, v, training=False, **kw: (
+        flex_attention(q, k, v, **kw)))  # fmt: skip
+    monkeypatch.setattr(masking_utils, "create_block_mask", lambda *a, _compile=True, **kw: create_block_mask(*a, **kw))
     for architecture, make_config in PACKED_MODELS.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(make_config(), attn_implementation="sdpa").eval()
@@ -269,4 +278,6 @@ def test_flex_attention_gives_packed_rows_the_losses_they_have_alone():
             alone = token_losses(model, examples, packed=False)
             model.set_attn_implementation("flex_attention")
             packed = token_losses(model, examples, packed=True)
+            leaked = token_losses(model, examples, packed=True, restart_positions=False)
         torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4, msg=architecture)
+        assert (leaked - alone).abs().max() > 1e-3, architecture
