@@ -15,9 +15,9 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from fsdp_recipes.data.chat import tokenize_dataset, tokenize_example
+from fsdp_recipes.data.chat import tokenize_dataset
 from fsdp_recipes.data.chat_masks import TemplatePrefixError, has_generation_markers
-from helpers.data import write_jsonl
+from helpers.data import encode_chat, trained_text, write_jsonl
 from helpers.paths import TOKENIZER
 from helpers.recipes import base_recipe_values, run_recipe_in_process
 
@@ -54,20 +54,8 @@ def with_template(tokenizer, template: str):
     return copied
 
 
-def trained_text(tokenizer, encoded) -> str:
-    return tokenizer.decode([t for t, keep in zip(encoded["input_ids"], encoded["loss_mask"]) if keep])
-
-
 def encode(tokenizer, example, **options):
-    return tokenize_example(
-        example,
-        tokenizer,
-        "conversational" if "messages" in example else "prompt_completion",
-        assistant_only_loss=True,
-        completion_only_loss=True,
-        max_length=512,
-        **options,
-    )
+    return encode_chat(tokenizer, example, max_length=512, **options)
 
 
 def test_a_qwen3_like_template_trains_each_reply_as_the_model_renders_it(tokenizer):

@@ -12,12 +12,12 @@ import pytest
 from datasets import Dataset
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data.chat import tokenize_dataset, tokenize_example
+from fsdp_recipes.data.chat import tokenize_dataset
 from fsdp_recipes.methods.grpo import tools
 from fsdp_recipes.methods.preference import paired
 from fsdp_recipes.train import generation
 from fsdp_recipes.train.generation import GenerationSettings
-from helpers.data import write_jsonl, write_tiny_model_config
+from helpers.data import encode_chat, trained_text, write_jsonl, write_tiny_model_config
 from helpers.real_templates import FAMILIES, family_tokenizer, template_text
 from helpers.recipes import base_recipe_values, run_recipe_in_process
 
@@ -67,19 +67,7 @@ TOOL_TURNS_TRAINED = {
 
 
 def sft_encode(tokenizer, example):
-    return tokenize_example(
-        example,
-        tokenizer,
-        "conversational" if "messages" in example else "prompt_completion",
-        assistant_only_loss=True,
-        completion_only_loss=True,
-        max_length=1 << 20,
-        rewriting_templates=True,
-    )
-
-
-def trained_text(tokenizer, encoded) -> str:
-    return tokenizer.decode([t for t, keep in zip(encoded["input_ids"], encoded["loss_mask"]) if keep])
+    return encode_chat(tokenizer, example, rewriting_templates=True)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -31,3 +31,19 @@ def write_tiny_model_config(path: Path, tokenizer, **overrides) -> Path:
     settings.update(overrides)
     LlamaConfig(**settings).to_json_file(path)
     return path
+
+
+def encode_chat(tokenizer, example: dict, *, max_length: int = 1 << 20, **options) -> dict:
+    """An SFT example's tokens and loss mask (assistant / completion tokens only), as recipes/sft.py makes them."""
+    from fsdp_recipes.data.chat import tokenize_example
+
+    data_format = "conversational" if "messages" in example else "prompt_completion"
+    return tokenize_example(
+        example, tokenizer, data_format, assistant_only_loss=True, completion_only_loss=True, max_length=max_length,
+        **options,
+    )  # fmt: skip
+
+
+def trained_text(tokenizer, encoded: dict) -> str:
+    """The text of the tokens an encoded example trains on."""
+    return tokenizer.decode([t for t, keep in zip(encoded["input_ids"], encoded["loss_mask"]) if keep])

@@ -35,6 +35,8 @@ class Family:
     plain: tuple[str, ...] = ()  # added tokens that are not special (decoding keeps them), as the family has them
 
 
+LLAMA_3_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                    "<|python_tag|>")  # fmt: skip
 FAMILIES = {
     "qwen3": Family(
         "Qwen-Qwen3-0.6B@a55ee1.jinja",
@@ -50,8 +52,7 @@ FAMILIES = {
         "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",
         "meta-llama/Llama-3.1-8B-Instruct",
         "Llama 3.1 Community License",
-        ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
-         "<|python_tag|>"),
+        LLAMA_3_SPECIALS,
         eos="<|eot_id|>",
         bos="<|begin_of_text|>",
     ),
@@ -60,8 +61,7 @@ FAMILIES = {
         "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4",
         "meta-llama/Llama-3.2-3B-Instruct",
         "Llama 3.2 Community License",
-        ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
-         "<|python_tag|>"),
+        LLAMA_3_SPECIALS,
         eos="<|eot_id|>",
         bos="<|begin_of_text|>",
     ),
