@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         examples = run.sum_over_ranks(sum(batch["label"].numel() for batch in micro_batches))
-        desirable = run.sum_over_ranks(sum(int(batch["label"].sum()) for batch in micro_batches))
+        desirable = run.sum_over_ranks(sum(batch["label"].sum() for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, examples)
         with torch.no_grad():  # both rows' reference values; the policy's on the KL rows, for the estimate
             reference_values = [references["train"](batch).chunk(2) for batch in micro_batches]
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             if objective.uses_kl:
                 for batch, (_, reference_kl) in zip(micro_batches, reference_values):
                     policy_kl = losses.sequence_log_probs(token_loss.token_losses(model, kto.kl_rows(batch)))
-                    kl_sum += (policy_kl - reference_kl).sum().item()
+                    kl_sum += (policy_kl - reference_kl).sum()  # on the device, like every count of the step
         kl = kto.kl_estimate(run.sum_over_ranks(kl_sum), examples) if objective.uses_kl else 0.0
         examples_only = [kto.example_rows(batch) for batch in micro_batches]  # MoE: the router balance's rows
         balance = router_balance.for_step(accelerator, model, examples_only, token_loss.router_logits_of)
@@ -176,15 +176,15 @@ def main(argv: list[str] | None = None) -> None:
                 scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
             accelerator.backward(scaled)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
-            sums = kto.figure_sums(result, policy, batch["label"], examples=examples, desirable=desirable)
-            for name, value in sums.items():
+            for name, value in kto.class_sums(result, policy, batch["label"]).items():
                 figures[name] = figures.get(name, 0.0) + value
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
         aux = {} if balance is None else {"aux_loss": balance.aux_loss}
         training.metrics.log_step(
-            step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, sums=figures, kl=kl, **aux
-        )
+            step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, kl=kl, **aux,
+            sums=lambda: kto.figure_sums(figures, examples=examples, desirable=desirable),  # read when logged
+        )  # fmt: skip
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

@@ -145,10 +145,10 @@ def test_weighted_loss_is_the_global_mean_whatever_the_split():
     ]
     total = sum(classifier.weight_sum(batch, weights) for batch in halves)
     scale = losses.global_mean_scale(_TwoRanks(), total)
-    averaged = sum(float(classifier.loss_sum(model, batch, weights)) * scale for batch in halves) / 2
+    averaged = sum(float(classifier.loss_sum(model, batch, weights)) * float(scale) for batch in halves) / 2
     assert averaged == pytest.approx(expected, rel=1e-6)
-    assert losses.global_mean_scale(_TwoRanks(), 0.0) == 0.0
-    assert losses.global_mean_scale(_TwoRanks(), 0.5) == 4.0  # class weights can sum to less than 1
+    assert float(losses.global_mean_scale(_TwoRanks(), torch.tensor(0.0))) == 0.0
+    assert float(losses.global_mean_scale(_TwoRanks(), torch.tensor(0.5))) == 4.0  # class weights can sum below 1
 
 
 def test_class_weights_and_columns_are_validated_with_the_config(tmp_path):

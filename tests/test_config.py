@@ -168,3 +168,30 @@ def test_every_groups_rules_run_and_every_problem_is_reported_at_once(tmp_path):
         "hub_strategy 'checkpoint' uploads resumable checkpoints",  # publishing's field check
     ):
         assert expected in text, expected
+
+
+@pytest.mark.parametrize(
+    "value, device, max_steps, expected",
+    [
+        ("true", "cpu", 10, "on (torch_compile: true)"),
+        ("True", "cpu", 10, "on (torch_compile: true)"),
+        ("false", "cuda", 5000, "off (torch_compile: false)"),
+        ("auto", "cpu", 5000, "off (auto: the device is cpu"),
+        ("auto", "cuda", 50, "off (auto: max_steps 50 is under"),
+        ("auto", "cuda", -1, "on (auto: a CUDA device"),
+        ("auto", "cuda", 300, "on (auto: a CUDA device"),
+    ],
+)
+def test_torch_compile_auto_compiles_where_the_pause_is_repaid(tmp_path, value, device, max_steps, expected):
+    from fsdp_recipes.train.compilation import compile_choice
+
+    config = parse_config(
+        SFTConfig, ["--config", write(tmp_path, BASE), "--torch_compile", value, f"--max_steps={max_steps}"]
+    )
+    on, reason = compile_choice(config.torch_compile, device_type=device, max_steps=config.max_steps)
+    assert reason.startswith(expected) and on == reason.startswith("on")
+
+
+def test_an_unknown_torch_compile_value_is_refused_with_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"torch_compile 'sometimes' is not one of true, false, auto"):
+        parse_config(SFTConfig, ["--config", write(tmp_path, BASE + "torch_compile: sometimes\n")])

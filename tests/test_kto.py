@@ -96,9 +96,9 @@ LABELS = [True, False, True, False]
 
 def test_the_kto_loss_and_kl_estimate_equal_the_formulas():
     beta, good_weight, bad_weight = 0.5, 1.5, 0.8
-    kl = kto.kl_estimate(sum(p - r for p, r in zip(POLICY_KL, REFERENCE_KL)), 4)
+    kl = float(kto.kl_estimate(sum(p - r for p, r in zip(POLICY_KL, REFERENCE_KL)), 4))
     assert kl == pytest.approx((0.4 + 0.3 - 0.1 + 0.2) / 4)
-    assert kto.kl_estimate(-1.0, 4) == 0  # clamped at 0
+    assert float(kto.kl_estimate(-1.0, 4)) == 0  # clamped at 0
     objective = kto.KTOLoss("kto", beta, good_weight, bad_weight)
     result = objective(torch.tensor(POLICY), torch.tensor(REFERENCE), torch.tensor(LABELS), kl)
 
@@ -123,9 +123,9 @@ def test_per_class_figures_are_class_means_once_divided_by_all_examples():
     labels = torch.tensor(LABELS)
     halves = [  # two ranks' shares of one global batch of 4 (2 good answers)
         kto.figure_sums(
-            kto.KTOResult(result.loss[part], result.rewards[part]),
-            torch.tensor(POLICY)[part],
-            labels[part],
+            kto.class_sums(
+                kto.KTOResult(result.loss[part], result.rewards[part]), torch.tensor(POLICY)[part], labels[part]
+            ),
             examples=4,
             desirable=2,
         )
@@ -136,7 +136,8 @@ def test_per_class_figures_are_class_means_once_divided_by_all_examples():
     assert means["rewards/rejected"] == pytest.approx(0.5 * ((-1.0 - 1.0) / 2))
     assert means["rewards/margins"] == pytest.approx(means["rewards/chosen"] - means["rewards/rejected"])
     assert means["logps/chosen"] == pytest.approx(-3.5) and means["logps/rejected"] == pytest.approx(-6.0)
-    one_class = kto.figure_sums(result, torch.tensor(POLICY), torch.ones(4, dtype=torch.bool), examples=4, desirable=4)
+    only_good = kto.class_sums(result, torch.tensor(POLICY), torch.ones(4, dtype=torch.bool))
+    one_class = kto.figure_sums(only_good, examples=4, desirable=4)
     assert set(one_class) == {"rewards/chosen", "logps/chosen"}
 
 
@@ -168,7 +169,7 @@ def test_the_kl_rows_log_probs_are_those_of_prompt_with_the_partners_completion(
         rows = kto.kl_rows(batch)
         policy_kl = losses.sequence_log_probs(losses.TokenLoss(policy).token_losses(policy, rows))
         reference_kl = losses.sequence_log_probs(losses.TokenLoss(reference).token_losses(reference, rows))
-    estimate = kto.kl_estimate((policy_kl - reference_kl).sum().item(), 4)
+    estimate = float(kto.kl_estimate((policy_kl - reference_kl).sum(), 4))
     assert estimate == pytest.approx(max(expected_sum / 4, 0.0), abs=1e-4)
     assert (policy_kl - reference_kl).sum().item() == pytest.approx(expected_sum, abs=1e-4)
 

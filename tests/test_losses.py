@@ -229,3 +229,28 @@ def test_under_regional_compilation_the_loss_is_not_recompiled_per_batch():
             batch["targets"][:, :prompt_length] = IGNORE_INDEX
             expected = TokenLoss(tiny_llama(), "full_logits").loss_sum(tiny_llama(), batch)
             torch.testing.assert_close(loss.loss_sum(compiled, batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_layers_recompile_once_for_a_new_row_width_then_never(monkeypatch):
+    """`accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False, and accelerate's plugin took it: every new row
+    width (unpacked rows, group_by_length) was a new graph of each layer until dynamo's recompile limit (8) left them
+    uncompiled. The run's plugin (`compile_plugin`) under that environment recompiles once, to a graph for any width."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import compile_regions_fsdp2
+    from torch._dynamo.utils import counters
+
+    from fsdp_recipes.run.starting import compile_plugin
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")  # what the launcher exports
+    plugin = compile_plugin(SimpleNamespace(torch_compile_backend="eager", torch_compile_mode=None))
+    model = compile_regions_fsdp2(tiny_llama(), **plugin.to_kwargs())
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for width in (6, 8, 10, 12, 14):
+        model(input_ids=torch.randint(0, 50, (2, width)))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] > graphs[0]  # compiled, then once more for the second width
+    assert graphs[-1] == graphs[1], graphs  # and never again
+    torch._dynamo.reset()

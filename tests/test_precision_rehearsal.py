@@ -20,6 +20,8 @@ import pytest
 import torch
 import yaml
 
+from fixtures.every_recipe import TRAINING_RECIPES
+from helpers.host_reads import host_reads_recorded
 from helpers.paths import REPO, TOKENIZER
 from helpers.recipes import base_recipe_values, launch_environment_of, read_metrics, run_recipe_launched_here
 
@@ -110,16 +112,35 @@ def bf16_output(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("recipe", ["pretrain", "dpo", "kto", "grpo", "reward", "distill", "classify"])
-def test_every_training_recipe_runs_its_first_steps_under_bf16(recipe, bf16_output, short_run_values):
-    """Each recipe's own loss path under the shipped bf16 (SFT is the config test above): finite losses, the export
-    verified by the recipe itself."""
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES)
+def test_every_training_recipe_runs_bf16_and_compiled_without_recompiling_or_waiting_for_the_device(
+    recipe, bf16_output, short_run_values, monkeypatch
+):
+    """Each recipe's own loss path under the shipped bf16, its decoder layers compiled (traced by dynamo; the eager
+    backend skips code generation, which is all that differs on a GPU): 3 finite losses, the export verified by the
+    recipe itself. (That a new row width recompiles a layer once, not per batch, under a launch's environment:
+    tests/test_losses.py.) The same run shows that the hot path reads no tensor value on the host (each such read on
+    a GPU waits for every kernel queued before it): step 2 (for GRPO the second step of a generation round) reads
+    only whether the gradient norm is finite, which must be known before the update. Logging steps, generation, saves
+    and the end read by design (tests/helpers/host_reads.py)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     values_for = short_run_values(recipe)
-    output = bf16_output(recipe, values_for)
+    torch._dynamo.reset()
+    counters.clear()
+    with host_reads_recorded(monkeypatch) as reads:
+        output = bf16_output(
+            recipe,
+            lambda out: {**values_for(out), "max_steps": 3, "torch_compile": True, "torch_compile_backend": "eager"},
+        )
     summary = json.loads((output / "run_summary.json").read_text())
     assert (summary["distributed_type"], summary["mixed_precision"]) == ("FSDP", "bf16")
+    assert summary["torch_compile"] == "on (torch_compile: true)" and counters["stats"]["unique_graphs"] > 0
     trained = losses(output)
-    assert len(trained) == 2 and all(math.isfinite(loss) for loss in trained)
+    assert len(trained) == 3 and all(math.isfinite(loss) for loss in trained)
+    assert dict(reads.by_step[2]) == {"the finite-norm guard": 1}, dict(reads.by_step[2])
+    torch._dynamo.reset()
 
 
 def test_the_eval_recipe_scores_under_bf16(bf16_output, pretrained_tiny_model, small_chat_data):

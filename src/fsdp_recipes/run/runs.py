@@ -18,7 +18,7 @@ from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs, tensor_parallel
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
-from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_over_ranks, values_of_all_ranks
+from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_tensor_over_ranks, values_of_all_ranks
 from fsdp_recipes.models import adapter_export, adapters, experts
 from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import (
@@ -71,9 +71,14 @@ class StartedRun:
         for a library's exception caused by the input (`fsdp_recipes.common.steps`)."""
         return on_every_rank_together(self.accelerator, step, main_process_first=main_process_first, what=what)
 
-    def sum_over_ranks(self, value: float) -> float:
-        """Collective: the sum of `value` over the data-parallel ranks (e.g. the target tokens of a global batch)."""
-        return sum_over_ranks(self.accelerator, value)
+    def sum_over_ranks(self, value: torch.Tensor | float) -> torch.Tensor:
+        """Collective: the sum of `value` (a tensor or a number) over the data-parallel ranks, e.g. the target tokens
+        of a global batch: a float64 tensor on the device, never read here, so the step does not wait for it."""
+        if isinstance(value, torch.Tensor):
+            total = value.to(device=self.accelerator.device, dtype=torch.float64)
+        else:  # filled on the device: a tensor made from a host value would be a copy the step waits for
+            total = torch.full((), float(value), dtype=torch.float64, device=self.accelerator.device)
+        return sum_tensor_over_ranks(self.accelerator, total)
 
     def most_over_ranks(self, value: int) -> int:
         """Collective: the largest of every rank's `value` (e.g. the rows each rank still has to generate for)."""
@@ -152,6 +157,7 @@ class Run(StartedRun):
     config_changes: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # resumed: allowed, old -> new
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     total_steps: int = 0
+    compile_note: str = ""  # whether the decoder layers are compiled, and why (train/compilation.py)
     uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
 
     @property
@@ -251,7 +257,7 @@ class Run(StartedRun):
             optimizer_steps=total_steps,
             global_batch_rows=self.global_batch_rows,
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
-            torch_compile=config.torch_compile,
+            torch_compile=self.compile_note,
             optim=config.optim,
             export_dtype=dtype_name(self.export_dtype),
             device_name=device_name(accelerator.device),

@@ -37,6 +37,7 @@ from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
 from fsdp_recipes.train import compat, preemption
+from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
 
@@ -46,12 +47,15 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     check that needs no weights, run on all ranks together so that a problem stops all of them before anything
     expensive: the Accelerate config, the checkpoint to resume (same global batch, same model), output_dir, the Hub
     token, tokenizer and model config, the wrap classes, activation checkpointing, the attention implementation."""
-    accelerator = accelerator_for(config, compile_layers=config.torch_compile)
+    accelerator = accelerator_for(config, compiles=True)
+    _, compile_note = compile_choice(
+        config.torch_compile, device_type=accelerator.device.type, max_steps=config.max_steps
+    )
     if not config.resume_from_checkpoint and (reason := preemption.automatic_resume(config.output_dir)):
         logs.info(reason)
         config.resume_from_checkpoint = "latest"
     checks = on_every_rank_together(accelerator, lambda: _checks_before_loading(accelerator, config, task))
-    return Run(config=config, name=name, task=task, accelerator=accelerator, **checks)
+    return Run(config=config, name=name, task=task, accelerator=accelerator, compile_note=compile_note, **checks)
 
 
 def start_evaluation(
@@ -103,11 +107,24 @@ def start_evaluation(
     return EvaluationRun(config=config, name=name, accelerator=accelerator, **started)
 
 
-def accelerator_for(config: RunConfig, *, compile_layers: bool = False) -> Accelerator:
+def compile_plugin(config: TrainingConfig) -> TorchDynamoPlugin:
+    """Each decoder layer compiled in place before FSDP2 wraps it (accelerate's regional compilation: one layer's
+    compile serves every layer), with the config's backend and mode."""
+    mode = {"mode": config.torch_compile_mode} if config.torch_compile_mode else {}
+    plugin = TorchDynamoPlugin(backend=config.torch_compile_backend, use_regional_compilation=True, **mode)
+    # `accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False, which the plugin takes: every new row width
+    # was then a new graph, until dynamo's recompile limit left the layers uncompiled. None: torch's own automatic
+    # dynamic shapes, one recompile at the first new width and none after (packed rows keep one width: no recompile).
+    plugin.dynamic = None
+    return plugin
+
+
+def accelerator_for(config: RunConfig, *, compiles: bool = False) -> Accelerator:
     """The Accelerate config as exported checked (its errors stop every rank here, its warnings are printed), the
     accelerator built from it with the config's trackers and process-group timeout, logging set up (`log_level`),
     and the seed set. bf16/fp16 must agree with the Accelerate config's mixed_precision; run without one, they set
-    it (as Trainer does)."""
+    it (as Trainer does). `compiles`: the decoder layers are compiled where `torch_compile` says so for this device
+    (train/compilation.py)."""
     launch_warnings = check_launch_environment()
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by accelerate launch from its config
     problem = compat.precision_problem(config, launch_precision)
@@ -118,10 +135,14 @@ def accelerator_for(config: RunConfig, *, compile_layers: bool = False) -> Accel
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         log_with=config.trackers() or None,
         project_dir=config.output_dir,
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if compile_layers else None,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
         **precision,
     )
+    if (
+        compiles
+        and compile_choice(config.torch_compile, device_type=accelerator.device.type, max_steps=config.max_steps)[0]
+    ):
+        accelerator.state.dynamo_plugin = compile_plugin(config)  # read by prepare: the device decides `auto`
     logs.configure(accelerator, config.log_level)
     set_seed(config.seed)
     for warning in launch_warnings:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,9 +59,12 @@ class Training:
             desc=self.run.name,
         )
         watch = preemption.PreemptionWatch(config.preemption_signals)
+        started = time.perf_counter()
         try:
             for step in range(self.first_step, self.total_steps + 1):
                 yield step
+                if step == self.first_step:  # the start-up a launch pays once: compile, allocator, first batch
+                    self.log.log({"step": step, "first_step_time_s": time.perf_counter() - started})
                 if step % self.save_multiple == 0 and watch.requested(accelerator):
                     self._stop_for_preemption(step, watch.received)
         finally:

@@ -21,6 +21,7 @@ from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
 from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields, check_warmup_steps
+from fsdp_recipes.train.compilation import COMPILE_REPAID_AFTER_STEPS, compile_setting_problem
 from fsdp_recipes.train.losses import LOSS_IMPLEMENTATIONS
 from fsdp_recipes.train.preemption import check_signal_names
 from fsdp_recipes.train.publishing import PublishingFields
@@ -306,8 +307,28 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         resume="free",
         check=checks.one_of(("adamw_torch", "adamw_torch_fused"), note=": the optimizers supported here"),
     )
-    torch_compile: bool = setting(
-        False, "compile each decoder layer: faster steps after a compile pause at start-up", resume="free"
+    torch_compile: str = setting(
+        "false",
+        "true: compile each decoder layer (accelerate's regional compilation): faster steps after a compile pause in "
+        "the first step (first_step_time_s in the final metrics); auto: on where the pause is repaid, a CUDA device "
+        f"and a run not set below {COMPILE_REPAID_AFTER_STEPS} steps (max_steps), else off. The run summary says "
+        "which and why",
+        resume="free",
+        check=compile_setting_problem,
+    )
+    torch_compile_backend: str = setting(
+        "inductor",
+        "torch.compile's backend: inductor generates fused kernels; eager and aot_eager only trace (no speed-up: "
+        "for checking that a model compiles and does not recompile)",
+        resume="free",
+        check=checks.one_of(("inductor", "eager", "aot_eager", "cudagraphs")),
+    )
+    torch_compile_mode: str | None = setting(
+        None,
+        "inductor's mode: null (default), reduce-overhead (CUDA graphs: less launch overhead, more memory), "
+        "max-autotune (a longer compile for faster kernels), max-autotune-no-cudagraphs",
+        resume="free",
+        check=checks.one_of(("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), or_null=True),
     )
     gradient_checkpointing: bool = setting(
         False,

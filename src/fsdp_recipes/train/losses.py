@@ -16,8 +16,9 @@ from fsdp_recipes.data.rows import IGNORE_INDEX
 from fsdp_recipes.distributed import tensor_parallel
 
 
-def count_targets(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["targets"] != IGNORE_INDEX).sum())
+def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's target tokens, on its device (reading the count would make the step wait for the device)."""
+    return (batch["targets"] != IGNORE_INDEX).sum()
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -40,14 +41,17 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
 
 
-def global_mean_scale(accelerator: Accelerator, global_total: float) -> float:
+def global_mean_scale(accelerator: Accelerator, global_total: torch.Tensor) -> torch.Tensor:
     """Factor turning a rank's summed loss into its share of the global mean: FSDP/DDP average gradients over
     ranks, so each rank scales by the data-parallel size / (what the mean divides by in the whole optimizer step, all ranks and
     micro-batches: targets, pairs, examples, or a sum of class weights, which may be under 1). The result is the same
     gradient whatever the split of the global batch into ranks and micro-batches. A step with nothing to average
-    (all prompt, every class weighted 0) has a zero loss sum: its scale is 0."""
+    (all prompt, every class weighted 0) has a zero loss sum: its scale is 0. `global_total` is a tensor on the
+    device (`Run.sum_over_ranks`) and so is the scale, in float32: no step waits for the count to reach the host."""
     ranks = tensor_parallel.data_parallel_size(accelerator)  # the ranks of a TP group share one batch
-    return ranks / global_total if global_total > 0 else 0.0
+    total = torch.as_tensor(global_total, dtype=torch.float64)
+    counted = total > 0
+    return torch.where(counted, ranks / torch.where(counted, total, 1.0), 0.0).float()
 
 
 # ---------------------------------------------------------------------------------------------- chunked cross-entropy

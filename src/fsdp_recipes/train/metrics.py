@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fsdp_recipes.common.tables import format_value
 from fsdp_recipes.models.experts import is_routed_expert_parameter
 from fsdp_recipes.train.cadence import Cadence
@@ -99,8 +101,6 @@ def peak_flops_per_device(device_name: str, override: float | None = None) -> fl
 
 
 def device_name(device) -> str:
-    import torch
-
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
@@ -118,8 +118,6 @@ def flops_per_token(config, *, non_embedding_parameters: int, sequence_length: f
 def peak_memory_bytes(device) -> int:
     """GPU: the most memory PyTorch has had reserved; CPU: the process's peak resident set size."""
     import resource
-
-    import torch
 
     if device.type == "cuda":
         return int(torch.cuda.max_memory_reserved(device))
@@ -158,7 +156,7 @@ class ThroughputWindow:
 
     def add_batch(self, batch) -> None:
         rows, width = batch["input_ids"].shape
-        self.real_tokens += int(batch["real_tokens"].sum())
+        self.real_tokens = self.real_tokens + batch["real_tokens"].sum()  # on the device until a logging step reads it
         self.slots += rows * width
         self.width_sum += width
         self.batches += 1
@@ -234,8 +232,6 @@ def throughput_record(
         "peak_memory_gib_per_rank": [round(m / 2**30, 4) for m in memory],
     }
     if accelerator.device.type == "cuda":  # what tensors held, beside what the allocator kept: the estimator's measure
-        import torch
-
         allocated = values_of_all_ranks(accelerator, int(torch.cuda.max_memory_allocated(accelerator.device)))
         record["peak_allocated_gib_per_rank"] = [round(m / 2**30, 4) for m in allocated]
     return record
@@ -278,20 +274,23 @@ class StepLogger:
         loss_sum,
         target_count: float | None = None,
         grad_norm=None,
-        sums: dict | None = None,
+        sums: dict | Callable[[], dict] | None = None,
         **fields,
     ) -> None:
         """Collective at logging steps (all ranks call it every step). `loss_sum` is this rank's summed loss over the
         step's `target_count` targets (or examples) of all ranks; each of `sums` is this rank's sum of a per-example
         figure, logged as its mean over the step's global batch. Without `target_count`, `loss_sum` and `sums` are
         this rank's shares of means already taken over the global batch (GRPO's token weights), summed over ranks.
-        Values may be tensors on the device: they are read here, at logging steps only."""
+        Values may be tensors on the device, and `sums` a function giving them: they are read here, at logging steps
+        only, so that no step waits for the device to report a figure that is not logged."""
         from fsdp_recipes.distributed.collectives import sum_over_ranks
 
         self.window.steps += 1
         if not self.cadence.due(step):
             return
-        means, divisor = {}, 1.0 if target_count is None else max(target_count, 1.0)
+        means, divisor = {}, 1.0 if target_count is None else max(float(target_count), 1.0)
+        sums = sums() if callable(sums) else sums
+        fields = {name: float(value) if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
         if sums:
             names = sorted(sums)
             totals = [sum_over_ranks(self.accelerator, sums[name]) for name in names]  # a few scalars: cheap
@@ -327,8 +326,10 @@ class StepLogger:
         return self.cadence.due(step)
 
     def final_metrics(self) -> dict:
-        """Means of the speed figures over the logged windows (warm-up left out) and the peak memory."""
+        """Means of the speed figures over the logged windows (warm-up left out), the peak memory, and apart from the
+        steady state, the first step of the last launch (its compile pause included)."""
         keys = (
+            "step_time_s",
             "tokens_per_second",
             "tokens_per_second_per_device",
             "padding_fraction",
@@ -338,6 +339,7 @@ class StepLogger:
         )
         return {
             **{key: self.log.mean(key) for key in keys},
+            "first_step_time_s": self.log.last("first_step_time_s"),
             "peak_memory_gib_max": max(self.log.last("peak_memory_gib_per_rank") or [0.0]),
         }
 
@@ -348,7 +350,6 @@ def held_state_bytes(model, optimizer, frozen: dict | None = None, *, split_expe
     `frozen` ({name: a frozen model, or None where the run holds none}) its parameter shards. Call it after an
     optimizer step, before the gradients are zeroed. `split_experts`: also the routed experts' share of the parameters
     (a mixture of experts trained whole; the estimator predicts the same split)."""
-    import torch
 
     def local(tensor):
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -64,11 +64,13 @@ def loss_sum(
     return F.cross_entropy(logits.float(), batch["labels"], weight=weights, reduction="sum")
 
 
-def weight_sum(batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> float:
-    """The denominator of the batch's share of the mean: its examples, or the sum of their class weights."""
+def weight_sum(batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor | float:
+    """The denominator of the batch's share of the mean: its examples (a number), or the sum of their class weights
+    (a tensor on the labels' device, not read)."""
     if weights is None:
         return float(batch["labels"].numel())
-    return float(weights[batch["labels"].cpu()].double().sum())
+    labels = batch["labels"]
+    return weights.to(labels.device)[labels].double().sum()
 
 
 @torch.no_grad()

@@ -58,9 +58,12 @@ def kl_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def kl_estimate(kl_sum: float, count: float) -> float:
-    """TRL's KL estimate from the global sum of the KL rows' log-ratios and their number: their mean, at least 0."""
-    return max(kl_sum / max(count, 1.0), 0.0)
+def kl_estimate(kl_sum: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
+    """TRL's KL estimate from the global sum of the KL rows' log-ratios and their number: their mean, at least 0 (a
+    float64 tensor where `kl_sum` is: the step uses it on the device without reading it)."""
+    kl_sum = torch.as_tensor(kl_sum, dtype=torch.float64)
+    count = torch.as_tensor(count, dtype=torch.float64, device=kl_sum.device)
+    return (kl_sum / count.clamp(min=1.0)).clamp(min=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,19 +100,29 @@ class KTOLoss:
         return KTOResult(loss, (self.beta * ratio).detach())
 
 
-def figure_sums(
-    result: KTOResult, policy: torch.Tensor, labels: torch.Tensor, *, examples: float, desirable: float
-) -> dict[str, torch.Tensor]:
-    """This rank's sums of TRL's per-class figures, scaled so that the metrics log (which divides every sum by the
-    step's `examples`, all ranks) shows each as its mean over its class: `desirable` good answers in the step, all
-    ranks. A class the step lacks is left out (every rank knows the global counts, so all leave out the same)."""
+def class_sums(result: KTOResult, policy: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This rank's sums of the rewards and policy log-probabilities of each class (`chosen`: the good answers), on
+    the device; `figure_sums` turns the step's totals into what the log shows."""
+    desirable = labels.bool()
     sums = {}
-    for name, mask, count in (("chosen", labels.bool(), desirable), ("rejected", ~labels.bool(), examples - desirable)):
+    for name, mask in (("chosen", desirable), ("rejected", ~desirable)):
+        # multiplied by the mask, not indexed with it: boolean indexing waits for the device
+        sums[f"rewards/{name}"] = (result.rewards.detach() * mask).sum()
+        sums[f"logps/{name}"] = (policy.detach() * mask).sum()
+    return sums
+
+
+def figure_sums(class_totals: dict, *, examples, desirable) -> dict[str, torch.Tensor]:
+    """TRL's per-class figures from `class_sums` totals, scaled so that the metrics log (which divides every sum by the
+    step's `examples`, all ranks) shows each as its mean over its class: `desirable` good answers in the step, all
+    ranks. A class the step lacks is left out (every rank knows the global counts, so all leave out the same). Reads
+    the counts: called at logging steps and in evaluation only."""
+    examples, desirable = float(examples), float(desirable)
+    sums = {}
+    for name, count in (("chosen", desirable), ("rejected", examples - desirable)):
         if count:
-            scale = examples / count
-            # multiplied by the mask, not indexed with it: boolean indexing waits for the device
-            sums[f"rewards/{name}"] = (result.rewards.detach() * mask).sum() * scale
-            sums[f"logps/{name}"] = (policy.detach() * mask).sum() * scale
+            for figure in ("rewards", "logps"):
+                sums[f"{figure}/{name}"] = class_totals[f"{figure}/{name}"] * (examples / count)
     if desirable and examples - desirable:
         sums["rewards/margins"] = sums["rewards/chosen"] - sums["rewards/rejected"]
     return sums
@@ -144,10 +157,11 @@ class KTOEvaluator(Evaluation):
         finally:
             self.model.train(was_training)
         policy, policy_kl, reference, reference_kl, labels = torch.cat(parts).double().unbind(1)
-        kl = kl_estimate((policy_kl - reference_kl).sum().item(), labels.numel()) if self.objective.uses_kl else 0.0
+        kl = float(kl_estimate((policy_kl - reference_kl).sum(), labels.numel())) if self.objective.uses_kl else 0.0
         result = self.objective(policy, reference, labels, kl)
         examples, desirable = float(labels.numel()), float(labels.sum())
-        figures = figure_sums(result, policy, labels, examples=examples, desirable=desirable)
+        totals = class_sums(result, policy, labels)
+        figures = figure_sums(totals, examples=examples, desirable=desirable)
         results = {name: float(value) / examples for name, value in figures.items()}
         results.update(loss=result.loss.mean().item(), kl=kl, samples=labels.numel())
         return {f"eval_{name}": value for name, value in results.items()}
