@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-gpu.txt pyproject.toml | cksum | cut -d' ' -f1)
+# CUDA builds of torch bring triton; the CPU build does not, and liger-kernel imports it
+TRITON := triton==3.9.0
 DEMO_OUTPUT := outputs/demo_reverse/$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: demo test test-fast lint format venv clean
@@ -14,10 +16,14 @@ unexport PYTHONDONTWRITEBYTECODE
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# --no-compile: bytecode is written on first import, for the modules actually used (~40 s less CPU here)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
+	# the GPU kernels' packages in their own folder, which only the tests that need them put on their path
+	rm -rf $(VENV)/kernels
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+		--target $(VENV)/kernels -r requirements-gpu.txt $(TRITON)
 	rm -f $(VENV)/.installed-*
 	touch $@
 

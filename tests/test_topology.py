@@ -26,6 +26,7 @@ from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.linter import lint_config_file
 from fsdp_recipes.tools.topology import CONFIG_DIR, cluster_config, load_topologies, stale_files
 from helpers.data import write_tiny_model_config
+from helpers.kernels import kernel_packages_on_path
 from helpers.paths import REPO
 
 TOPOLOGIES = load_topologies()
@@ -34,6 +35,12 @@ CPU_CONFIG = CONFIG_DIR / "fsdp_2proc_cpu.yaml"
 
 # What each shipped file must make the launcher export: written by hand, not derived from topologies.yaml.
 EXPECTED_ENVIRONMENT = {
+    "fsdp_8gpu_float8.yaml": {
+        "ACCELERATE_MIXED_PRECISION": "fp8",
+        "ACCELERATE_FP8_BACKEND": "AO",
+        "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER": "1",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+    },
     "fsdp_8gpu.yaml": {
         "WORLD_SIZE": "8",
         "FSDP_VERSION": "2",
@@ -124,6 +131,8 @@ def test_each_file_starts_with_its_launch_command_and_round_trips_through_accele
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_ENVIRONMENT))
 def test_each_file_makes_the_launcher_export_the_expected_environment(name):
+    if name == "fsdp_8gpu_float8.yaml":
+        kernel_packages_on_path()  # the launcher requires torchao for fp8
     environment = exported_environment(CONFIG_DIR / name)
     for key, value in EXPECTED_ENVIRONMENT[name].items():
         assert environment.get(key) == value, (key, environment)
@@ -218,6 +227,8 @@ def test_every_shipped_file_passes_the_linter_without_a_finding(name, tmp_path, 
         moe = json.loads((REPO / "demo" / "tiny_qwen3_moe.json").read_text())
         moe |= {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8}
         (model := tmp_path / "moe.json").write_text(json.dumps(moe))
+    if BY_FILE[name].mixed_precision == "fp8":
+        kernel_packages_on_path()  # the launcher requires torchao for fp8
     assert lint_config_file(CONFIG_DIR / name, model=str(model)) == []
 
 

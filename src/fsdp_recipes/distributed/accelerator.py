@@ -24,7 +24,7 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, gather_object
 
 from fsdp_recipes.common.errors import DistributedSetupError
-from fsdp_recipes.distributed import buffer_loading, expert_parallel, tensor_parallel
+from fsdp_recipes.distributed import buffer_loading, expert_parallel, float8, tensor_parallel
 
 T = TypeVar("T")
 
@@ -206,6 +206,7 @@ def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes:
         "distributed_type": accelerator.distributed_type.value,
         "device": str(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
+        **({"float8_linear_layers": float8.converted_layers(model)} if accelerator.mixed_precision == "fp8" else {}),
         "parameters_total": total,
         "parameters_per_rank": per_rank,
         "parameter_placements": sorted({str(getattr(p, "placements", "unsharded")) for p in model.parameters()}),

@@ -22,7 +22,7 @@ from unittest import mock
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.yaml_json import load_yaml_mapping
-from fsdp_recipes.distributed import expert_parallel, parallel_dims, tensor_parallel
+from fsdp_recipes.distributed import expert_parallel, float8, parallel_dims, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
 ERROR, WARNING = "error", "warning"
@@ -242,7 +242,10 @@ def exported_environment(config_file: str | Path) -> dict[str, str]:
     environment = {"WORLD_SIZE": str(args.num_processes)}
     if args.use_fsdp or args.multi_gpu:
         with mock.patch.object(launch_utils, "is_port_in_use", return_value=False):  # nothing is started here
-            exported = launch_utils.prepare_multi_gpu_env(args)
+            try:
+                exported = launch_utils.prepare_multi_gpu_env(args)
+            except RuntimeError as error:  # mixed_precision fp8 without a float8 library
+                raise ValueError(f"{error} For torchao: {float8.INSTALL}") from None
         prefixes = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
         environment |= {k: v for k, v in exported.items() if k.startswith(prefixes) and os.environ.get(k) != v}
         if environment.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":

@@ -40,6 +40,8 @@ def export_model_folder(
     """Collective: every rank must call it. Returns the folder on the main process, None elsewhere. `dtype`: the
     floating weights are written (and read back, and named in config.json) in it; None: as trained (fp32)."""
     state_dict = accelerator.get_state_dict(model)  # full tensors on the main process, on CPU
+    # torchao's float8 training keeps each converted weight in a subclass around the trained (high-precision) tensor
+    state_dict = {name: getattr(tensor, "_tensor", tensor) for name, tensor in state_dict.items()}
     output_dir = Path(output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, To
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
-from fsdp_recipes.distributed import logs, tensor_parallel
+from fsdp_recipes.distributed import float8, logs, tensor_parallel
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
@@ -128,6 +128,8 @@ def accelerator_for(config: RunConfig, *, compiles: bool = False) -> Accelerator
     launch_warnings = check_launch_environment()
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by accelerate launch from its config
     problem = compat.precision_problem(config, launch_precision)
+    if launch_precision == "fp8":
+        problem = problem or float8.launch_problem(os.environ, use_peft=getattr(config, "use_peft", False))
     if problem:
         raise ConfigError(problem)
     precision = {} if launch_precision else {"mixed_precision": compat.mixed_precision_without_launch_config(config)}
@@ -138,6 +140,8 @@ def accelerator_for(config: RunConfig, *, compiles: bool = False) -> Accelerator
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
         **precision,
     )
+    if launch_precision == "fp8" and (problem := float8.device_problem(accelerator.device)):
+        raise ConfigError(problem)
     if (
         compiles
         and compile_choice(config.torch_compile, device_type=accelerator.device.type, max_steps=config.max_steps)[0]

@@ -32,7 +32,7 @@ TABLE_END = "<!-- end of generated table -->"
 
 SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 GENERATED_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")  # not LOCAL_STATE_DICT, which FSDP2 lacks
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
+MIXED_PRECISIONS = ("no", "bf16", "fp16", "fp8")
 DEVICES = ("gpu", "cpu")
 DEFAULT_RECIPE_CONFIG = "recipes/configs/<recipe>/<your>.yaml"
 
@@ -43,7 +43,7 @@ KEY_COMMENTS = {
     "fsdp_auto_wrap_policy": "explicit: omitted means NO_WRAP (one giant unit)",
     "fsdp_offload_params": "true frees accelerator memory for params/grads/optimizer at a large speed cost",
     "fsdp_state_dict_type": "checkpoints: SHARDED = each rank writes its shard; the final export gathers once",
-    "fsdp_cpu_ram_efficient_loading": "only rank 0 reads the weights, then broadcasts them",
+    "fsdp_cpu_ram_efficient_loading": "true: only rank 0 reads the weights, then broadcasts them (not with fp8)",
     "fsdp_sync_module_states": "the launcher requires true with cpu_ram_efficient_loading",
     "fsdp_activation_checkpointing": "the only activation-checkpointing mechanism: never also the model's own",
     "fsdp_activation_checkpointing_offload": "FSDP2 only; needs fsdp_activation_checkpointing",
@@ -267,7 +267,8 @@ def fsdp_config(layout: LaunchLayout) -> dict:
         "fsdp_auto_wrap_policy": layout.wrap_policy,
         "fsdp_offload_params": layout.cpu_offload,
         "fsdp_state_dict_type": layout.state_dict_type,
-        "fsdp_cpu_ram_efficient_loading": True,
+        # accelerate refuses torchao's float8 with it (the conversion needs every rank's weights before sharding)
+        "fsdp_cpu_ram_efficient_loading": layout.mixed_precision != "fp8",
         "fsdp_sync_module_states": True,
         "fsdp_activation_checkpointing": layout.activation_checkpointing,
     }
@@ -316,6 +317,8 @@ def cluster_config(layout: LaunchLayout) -> ClusterConfig:
         enable_cpu_affinity=False,
         downcast_bf16=False,
         fsdp_config=fsdp_config(layout),
+        # float8 matmuls by torchao (the AO backend; its defaults: FSDP2 all-gathers the float8 weights)
+        fp8_config={"backend": "AO"} if layout.mixed_precision == "fp8" else None,
         parallelism_config=parallelism,
         tpu_env=[],
         tpu_use_cluster=False,

@@ -352,7 +352,8 @@ def held_state_bytes(model, optimizer, frozen: dict | None = None, *, split_expe
     (a mixture of experts trained whole; the estimator predicts the same split)."""
 
     def local(tensor):
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return getattr(tensor, "_tensor", tensor)  # torchao's float8 training weight wraps the stored tensor
 
     def storage_bytes(tensors) -> int:
         storages = {}

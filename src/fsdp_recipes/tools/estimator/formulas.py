@@ -15,6 +15,7 @@ from fsdp_recipes.tools.estimator.workload import Adapters, Workload, adapters_f
 from fsdp_recipes.train.config import TrainingConfig
 
 FP32 = 4
+FP8 = 1
 
 
 @dataclass
@@ -212,19 +213,29 @@ def buffer_bytes(
         autocast = c * matrices if layout.mixed_precision != "no" and trainable_fraction > 0 else 0
         buckets = FP32 * total * trainable_fraction if layout.distributed_type == "MULTI_GPU" else 0
         return {"all_gather": int(autocast), "reduce_scatter": int(buckets), "held": 0, "in_flight": int(autocast)}
-    held = sum(u.numel for u in units if not u.reshard_after_forward)
-    moving = [u.numel for u in units if u.reshard_after_forward]
+    held = sum(gathered_bytes(u, layout) for u in units if not u.reshard_after_forward)
+    moving = [gathered_bytes(u, layout) for u in units if u.reshard_after_forward]
     if layout.prefetch and len(moving) > 1:
         in_flight = max(a + b for a, b in zip(moving, moving[1:]))
     else:
         in_flight = max(moving, default=0)
     largest = max((u.numel for u in units), default=0)
     return {
-        "all_gather": c * (held + in_flight),
-        "reduce_scatter": int(c * largest * trainable_fraction),
-        "held": c * held,
-        "in_flight": c * in_flight,
+        "all_gather": held + in_flight,
+        "reduce_scatter": int(c * largest * trainable_fraction),  # gradients stay in the compute dtype
+        "held": held,
+        "in_flight": in_flight,
     }
+
+
+def gathered_bytes(unit: Unit, layout: LaunchLayout) -> int:
+    """A unit's all-gathered parameters: in the compute dtype, except under float8 training (mixed_precision fp8,
+    torchao) where FSDP2 gathers a decoder layer's linear weights in float8, 1 byte each (norms, routed experts'
+    stacked weights, the embeddings and the output layer are not converted)."""
+    c = layout.compute_bytes
+    if layout.mixed_precision != "fp8" or unit.kind != "layer":
+        return c * unit.numel
+    return sum((FP8 if len(p.shape) == 2 else c) * p.numel for p in unit.params)
 
 
 @dataclass
