@@ -202,18 +202,27 @@ def run_yaml(recipe: str, path: Path, text: str, *extra: str) -> None:
     run_recipe_main(recipe, ["--config", str(path), *extra])
 
 
-def test_handbook_sft_yaml_runs_unchanged(tmp_path, pretrained_tiny_model, hub_like_data, capsys):
+def test_handbook_sft_yaml_runs_unchanged_but_for_liger_on_cpu(tmp_path, pretrained_tiny_model, hub_like_data, capsys):
+    """The SmolLM3 recipe asks for liger-kernel's Triton kernels, which only a CUDA GPU runs: on this machine that one
+    key is refused before loading, with the way out, and the YAML runs once it is turned off on the command line."""
     out = tmp_path / "out"
-    run_yaml("sft", tmp_path / "sft.yaml", handbook_sft_yaml(pretrained_tiny_model, hub_like_data, out))
+    yaml_text = handbook_sft_yaml(pretrained_tiny_model, hub_like_data, out)
+    with pytest.raises(SystemExit):
+        run_yaml("sft", tmp_path / "sft.yaml", yaml_text)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: use_liger_kernel: true needs a CUDA GPU (liger-kernel's kernels are Triton's); this run is on cpu: run "
+        "it on a GPU, or set use_liger_kernel: false (the same operations then run unfused)"
+    ]
+    assert not out.exists()
+    run_yaml("sft", tmp_path / "sft.yaml", yaml_text, "--use_liger_kernel", "false")
     printed = capsys.readouterr().out
     summary = json.loads((out / "run_summary.json").read_text())
     # the mixture: 6 rows of one split, half of the other's 4 (weight 0.5); no held-out part (evaluation is off)
     assert summary["data"]["examples"] == 8 and summary["eval_rows"] == 0
     notes = summary["upstream_keys"]
     assert notes["torch_dtype"].startswith("renamed: read as dtype")
-    assert notes["use_liger_kernel"].startswith("ignored:") and notes["average_tokens_across_devices"].startswith(
-        "ignored:"
-    )
+    assert notes["average_tokens_across_devices"].startswith("ignored:") and "use_liger_kernel" not in notes
     assert printed.count("upstream_keys") == 1  # listed once
     assert "peak_memory_gib_max: measured on the busiest rank: the process's peak resident memory" in printed
     records = read_metrics(out)

@@ -19,7 +19,7 @@ from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs, tensor_parallel
 from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_tensor_over_ranks, values_of_all_ranks
-from fsdp_recipes.models import adapter_export, adapters, experts
+from fsdp_recipes.models import adapter_export, adapters, experts, fused_kernels
 from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import (
     activation_checkpointing_mechanism,
@@ -158,6 +158,7 @@ class Run(StartedRun):
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     total_steps: int = 0
     compile_note: str = ""  # whether the decoder layers are compiled, and why (train/compilation.py)
+    fused_kernels: str | None = None  # use_liger_kernel: what liger patched into the model
     uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
 
     @property
@@ -173,9 +174,12 @@ class Run(StartedRun):
         config of `model_config`, with the attention implementation the checks chose; `options` go to
         `modeling.load_model` (adapters.loading_options: dtype, quantisation, device)."""
         config = self.config
-        return self.load_model_from(
+        model = self.load_model_from(
             self.model_config, config.model_name_or_path, task=self.task, revision=config.model_revision, **options
         )
+        if config.use_liger_kernel:  # checked before loading: a CUDA device and a model type liger patches
+            self.fused_kernels = fused_kernels.apply_liger_kernels(model)
+        return model
 
     def loss_evaluator(self, model, rows, loss_sum: LossSum) -> LossEvaluator:
         """Held-out loss on `rows` (None: no held-out data) every `eval_steps` and at the end, for `begin`."""
@@ -258,6 +262,7 @@ class Run(StartedRun):
             global_batch_rows=self.global_batch_rows,
             activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
             torch_compile=self.compile_note,
+            use_liger_kernel=self.fused_kernels or False,
             optim=config.optim,
             export_dtype=dtype_name(self.export_dtype),
             device_name=device_name(accelerator.device),

@@ -18,7 +18,7 @@ from fsdp_recipes.distributed import float8, logs, tensor_parallel
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
-from fsdp_recipes.models import adapters
+from fsdp_recipes.models import adapters, fused_kernels
 from fsdp_recipes.models.attention import resolve_attn_implementation
 from fsdp_recipes.models.experts import apply_router_aux_loss_coef, expert_routing
 from fsdp_recipes.models.modeling import (
@@ -274,6 +274,14 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     if problem:
         raise ConfigError(problem)
     check_tensor_parallel(accelerator, config, model_config, task)
+    if config.use_liger_kernel and (
+        problem := fused_kernels.liger_problem(
+            model_config,
+            device_type=accelerator.device.type,
+            sharded_layers=tensor_parallel.layout_of(accelerator) is not None,
+        )
+    ):
+        raise ConfigError(problem)
     return dict(
         checkpoint=checkpoint,
         hub_token=hub_token,
