@@ -9,6 +9,8 @@ Steps (a step that fails is recorded with its output's tail, and the run goes on
  2. the memory estimator's prediction for the 1.1B SFT (benchmarks/llama_1b.json, recipes/configs/sft/gpu_check_1b.yaml);
  3. that SFT under FSDP2 bf16 on one GPU (accelerate_configs/fsdp_8gpu.yaml, one process), through recipes/sft.py
     with its export and read-back: tokens/s, MFU, step time, peak memory; its model is what steps 5, 6 and 8 load;
+ 3b. the fast path on the same SFT, the loop only (first_step_time_s holds the compile pause): FlexAttention, + compile,
+    + liger-kernel (use_liger_kernel, loss_implementation liger), + float8 (fsdp_8gpu_float8.yaml), float8 + compile;
  4. torch's loss kernels at a 128k vocabulary (benchmarks/chunked_loss_memory.py): whole logits, chunked, torch's
     linear_cross_entropy;
  5. LoRA, then QLoRA (bitsandbytes), on the exported 1.1B model: a few steps, adapter exported and read back;
@@ -22,6 +24,7 @@ Steps (a step that fails is recorded with its output's tail, and the run goes on
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -220,6 +223,9 @@ def training_figures(output: Path) -> dict:
         "mfu": mean("mfu"),
         "achieved_flops_per_device": mean("achieved_flops_per_device"),
         "step_time_s": mean("step_time_s"),
+        "first_step_time_s": next(
+            (r["first_step_time_s"] for r in map(json.loads, lines) if "first_step_time_s" in r), None
+        ),
         "peak_memory_gib": max(max(r.get("peak_memory_gib_per_rank") or [0]) for r in records),
         "peak_allocated_gib": max(max(r.get("peak_allocated_gib_per_rank") or [0]) for r in records),
         "padding_fraction": mean("padding_fraction"),
@@ -258,6 +264,16 @@ def main() -> None:
     if wanted("sft_flex_compile"):
         check.sft("sft_flex_compile", "fsdp_8gpu.yaml", *flex, "--torch_compile", "true", steps=steps_variant,
                   loop_only=True)  # fmt: skip
+    # liger-kernel's fused norms, rotary and MLP, with its fused linear cross-entropy (Triton: CUDA only)
+    if wanted("sft_flex_liger") and not args.dry_run:
+        check.sft("sft_flex_liger", "fsdp_8gpu.yaml", *flex, "--use_liger_kernel", "true", "--loss_implementation",
+                  "liger", steps=steps_variant, loop_only=True)  # fmt: skip
+    # torchao's float8 matmuls, FSDP2 gathering float8 weights (the CPU dry run needs torchao on its path)
+    if wanted("sft_flex_float8") and (not args.dry_run or importlib.util.find_spec("torchao")):
+        check.sft("sft_flex_float8", "fsdp_8gpu_float8.yaml", *flex, steps=steps_variant, loop_only=True)
+    if wanted("sft_flex_compile_float8") and (not args.dry_run or importlib.util.find_spec("torchao")):
+        check.sft("sft_flex_compile_float8", "fsdp_8gpu_float8.yaml", *flex, "--torch_compile", "true",
+                  steps=steps_variant, loop_only=True)  # fmt: skip
     if wanted("loss_kernels"):
         check.loss_kernels()
     if wanted("sft_bf16_ac"):
