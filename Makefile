@@ -20,7 +20,7 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# --no-compile: bytecode is written on first import, for the modules actually used (~40 s less CPU here)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
-	# the GPU kernels' packages in their own folder, which only the tests that need them put on their path
+	# the GPU kernel packages in their own folder, which only the tests that need them put on their path
 	rm -rf $(VENV)/kernels
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
 		--target $(VENV)/kernels -r requirements-gpu.txt $(TRITON)

@@ -11,6 +11,7 @@ own: its data are not pairs and a step needs a pass before its loss. docs/prefer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import torch
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         aux = {} if balance is None else {"aux_loss": balance.aux_loss}
         training.metrics.log_step(
             step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, kl=kl, **aux,
-            sums=lambda: kto.figure_sums(figures, examples=examples, desirable=desirable),  # read when logged
+            sums=functools.partial(kto.figure_sums, figures, examples=examples, desirable=desirable),  # when logged
         )  # fmt: skip
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)

@@ -118,11 +118,11 @@ def bf16_output(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES)
-def test_every_training_recipe_runs_bf16_and_compiled_without_recompiling_or_waiting_for_the_device(
+def test_every_training_recipe_runs_bf16_and_compiled_without_waiting_for_the_device(
     recipe, bf16_output, short_run_values, monkeypatch
 ):
     """Each recipe's own loss path under the shipped bf16, its decoder layers compiled (traced by dynamo; the eager
-    backend skips code generation, which is all that differs on a GPU): 3 finite losses, the export verified by the
+    backend skips code generation, which is all that differs on a GPU): 2 finite losses, the export verified by the
     recipe itself. (That a new row width recompiles a layer once, not per batch, under a launch's environment:
     tests/test_losses.py.) The same run shows that the hot path reads no tensor value on the host (each such read on
     a GPU waits for every kernel queued before it): step 2 (for GRPO the second step of a generation round) reads
@@ -136,14 +136,13 @@ def test_every_training_recipe_runs_bf16_and_compiled_without_recompiling_or_wai
     counters.clear()
     with host_reads_recorded(monkeypatch) as reads:
         output = bf16_output(
-            recipe,
-            lambda out: {**values_for(out), "max_steps": 3, "torch_compile": True, "torch_compile_backend": "eager"},
+            recipe, lambda out: {**values_for(out), "torch_compile": True, "torch_compile_backend": "eager"}
         )
     summary = json.loads((output / "run_summary.json").read_text())
     assert (summary["distributed_type"], summary["mixed_precision"]) == ("FSDP", "bf16")
     assert summary["torch_compile"] == "on (torch_compile: true)" and counters["stats"]["unique_graphs"] > 0
     trained = losses(output)
-    assert len(trained) == 3 and all(math.isfinite(loss) for loss in trained)
+    assert len(trained) == 2 and all(math.isfinite(loss) for loss in trained)
     assert dict(reads.by_step[2]) == {"the finite-norm guard": 1}, dict(reads.by_step[2])
     torch._dynamo.reset()
 
