@@ -61,6 +61,7 @@ class DPOConfig(reference.ReferenceFields, config_lib.TrainingConfig):
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if isinstance(self.loss_type, list) and len(self.loss_type) == 1:  # `--loss_type ipo` parses as a list
             self.loss_type = self.loss_type[0]
 

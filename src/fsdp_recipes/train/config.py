@@ -113,6 +113,10 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
     format, its loss), states the rules between its fields in `cross_field_problems`, and overrides the methods below that describe it to the shared layer."""
 
+    def __post_init__(self):
+        if self.lora_target_modules == ["all-linear"]:  # peft's name for every linear layer (TRL configs use it)
+            self.lora_target_modules = None  # which is what null means here
+
     # --- model --------------------------------------------------------------------------------------------------------
     model_config: str | None = setting(
         None,
@@ -141,7 +145,7 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
     lora_dropout: float = setting(0.05, "dropout on the adapters' input", resume="sensitive")
     lora_target_modules: list[str] | None = setting(
         None,
-        "module names to adapt (null: every linear layer of the decoder blocks, peft's all-linear)",
+        "module names to adapt (null or [all-linear]: every linear layer of the decoder blocks, peft's all-linear)",
         resume="fixed",
     )
     lora_modules_to_save: list[str] | None = setting(
