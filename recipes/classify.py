@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- finish: held-out metrics (per class too), summary, export, card with model-index, Hub ---------------------------
     results = training.evaluation.final_results()
-    results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], evaluator.gathered, names)
+    if evaluator.gathered:  # held-out predictions (none with eval_strategy: no)
+        results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], evaluator.gathered, names)
     card_results = model_index.eval_results(
         results,
         task="text-classification",

@@ -15,7 +15,7 @@ LAYERS = ["common", "distributed", "data", "models", "train", "methods", "publis
 # preference pairs (methods/preference/paired.py). Everything else a method needs is in the generic layers below it.
 METHOD_DEPENDENCIES = {"reward": {"preference"}}
 # The one import upwards: a run prints the estimator's prediction beside the bytes its ranks measure.
-ALLOWED_UPWARDS = {("fsdp_recipes.run.runs", "fsdp_recipes.tools.estimator")}
+ALLOWED_UPWARDS = {("fsdp_recipes.run.components", "fsdp_recipes.tools.estimator")}
 MAX_LINES = 450
 
 

@@ -10,41 +10,22 @@ from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
-from torch.utils.data import DataLoader
 
 from fsdp_recipes.common.faults import inject_fault
-from fsdp_recipes.common.tables import format_table
-from fsdp_recipes.common.yaml_json import write_json
-from fsdp_recipes.distributed import logs, tensor_parallel
-from fsdp_recipes.distributed.accelerator import describe_run, launch_environment
+from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed.accelerator import launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_tensor_over_ranks, values_of_all_ranks
-from fsdp_recipes.models import adapter_export, adapters, experts, fused_kernels
-from fsdp_recipes.models.export_dtype import dtype_name, recipe_dtype_override, resolve_export_dtype
-from fsdp_recipes.models.modeling import (
-    activation_checkpointing_mechanism,
-    checkpoint_lacks_task_weights,
-    count_non_embedding_parameters,
-    load_model,
-)
+from fsdp_recipes.models import adapter_export, adapters, fused_kernels
+from fsdp_recipes.models.export_dtype import recipe_dtype_override, resolve_export_dtype
+from fsdp_recipes.models.modeling import checkpoint_lacks_task_weights, load_model
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
+from fsdp_recipes.run import components
 from fsdp_recipes.run.training import Training
-from fsdp_recipes.tools.estimator.live import estimate_for_run
-from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import compat, loop
+from fsdp_recipes.train import compat
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
-from fsdp_recipes.train.loop import BatchStream
-from fsdp_recipes.train.metrics import (
-    MetricsLog,
-    StepLogger,
-    device_name,
-    held_state_bytes,
-    numeric_fields,
-    peak_flops_per_device,
-)
 
 T = TypeVar("T")
 
@@ -218,134 +199,24 @@ class Run(StartedRun):
         `frozen_models`: {name: a frozen model kept beside the policy, or None}, whose bytes on each rank the summary's
         `state_bytes_per_rank` then shows under that name (0 for None). `save_multiple`: a checkpoint a preemption
         forces falls on a step that is a multiple of it (a resume must start where the recipe can)."""
-        config, accelerator = self.config, self.accelerator
         self.total_steps = total_steps
-        accelerator.register_for_checkpointing(scheduler)
-        per_rank_stream = not isinstance(train_loader, DataLoader)
-        batches, first_step = train_loader if per_rank_stream else BatchStream(accelerator, train_loader), 1
-        if self.checkpoint is not None:
-            progress = checkpoints_lib.load_checkpoint(accelerator, self.checkpoint)
-            if not per_rank_stream:
-                batches = BatchStream(
-                    accelerator,
-                    train_loader,
-                    epoch=progress.epoch,
-                    batches_into_epoch=progress.batches_into_epoch_for(
-                        self.data_parallel_size, config.per_device_train_batch_size
-                    ),
-                )
-            first_step = progress.step + 1
-            loop.apply_settings_on_resume(scheduler, config)
-
+        self.accelerator.register_for_checkpointing(scheduler)
+        batches, first_step = components.resume_position(self, train_loader, scheduler)  # restores a checkpoint's state
         adapters.register_generate_as_forward(model)
-        self.summary = describe_run(accelerator, model, self.wrap_classes)
-        moe = experts.describe_experts(accelerator.unwrap_model(model).config)
-        if moe is not None:
-            if "router_aux_loss" in (summary or {}):  # the recipe adds it (train/router_balance.py) and says how
-                del moe["router_aux_loss"]
-            self.summary["mixture_of_experts"] = moe
-        rows = None if per_rank_stream else len(getattr(train_loader, "dataset", None) or [])
-        if rows is not None and rows < self.global_batch_rows:  # allowed by repeat_small_dataset (else refused)
-            self.summary["repeated_data"] = (
-                f"{rows} training rows, fewer than one optimizer step takes "
-                f"({self.global_batch_rows}): every step repeats rows"
-            )
-        self.summary.update(
-            recipe=self.name,
-            task=self.task,
-            attn_implementation=self.attention_note,
-            **(summary or {}),
-            upstream_keys=compat.upstream_key_notes(config) or None,
-            **adapters.parameter_counts(model),
-            lora=adapters.describe(config),
-            optimizer_steps=total_steps,
-            global_batch_rows=self.global_batch_rows,
-            activation_checkpointing=activation_checkpointing_mechanism(accelerator, config.gradient_checkpointing),
-            torch_compile=self.compile_note,
-            use_liger_kernel=self.fused_kernels or False,
-            optim=config.optim,
-            export_dtype=dtype_name(self.export_dtype),
-            device_name=device_name(accelerator.device),
-            memory_estimate=estimate_for_run(
-                accelerator,
-                self.model_config,
-                dataclasses.replace(config, attn_implementation=self.attn_implementation),
-            ),
-        )
-        log = MetricsLog(
-            config.output_dir,
-            enabled=accelerator.is_main_process,
-            printer=logs.info,
-            tracker=lambda record: accelerator.log(numeric_fields(record), step=record["step"]),
-        )
-        if accelerator.is_main_process:
-            Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-            log.start(resumed_step=first_step - 1 if self.resumed else None)
-            write_json(Path(config.output_dir) / "run_summary.json", self.summary)
-            logs.info("run summary:\n" + format_table(list(self.summary.items())))
-        self._record_state_bytes_after_first_step(model, scheduler.optimizer, frozen_models)
-        accelerator.init_trackers(
-            config=numeric_fields(config_to_dict(config), keep_text=True), **compat.tracker_options(config, self.name)
-        )
-        if self.resumed:
-            changes = {"config_changes": self.config_changes} if self.config_changes else {}
-            log.log(
-                {
-                    "step": first_step - 1,
-                    "event": "resumed",
-                    "checkpoint": str(self.checkpoint),
-                    "world_size": accelerator.num_processes,
-                    **changes,
-                }
-            )
-            for name, (old, new) in self.config_changes.items():
-                logs.warning(f"warning: resumed with {name} {old!r} -> {new!r} (allow_config_change)")
-
-        metrics = StepLogger(
-            accelerator,
-            log,
-            every=config.logging_steps,
-            total_steps=total_steps,
-            model_config=self.model_config,
-            non_embedding_parameters=count_non_embedding_parameters(accelerator.unwrap_model(model)),
-            peak_flops=peak_flops_per_device(self.summary["device_name"], config.peak_flops_per_device),
-            position=lambda: {"epoch": batches.epoch, "lr": scheduler.get_last_lr()[0]},
-        )
+        self.summary = components.run_summary(self, model, train_loader, summary)
+        log = components.start_metrics_log(self, first_step)  # writes the summary, starts the trackers, notes a resume
+        components.record_state_bytes_after_first_step(self, model, scheduler.optimizer, frozen_models)
+        metrics = components.step_logger(self, model, log, batches, scheduler)
         evaluation = evaluator or Evaluation()
         evaluation.attach(log=log, total_steps=total_steps, pause=metrics.window.paused)
-        checkpoints = checkpoints_lib.Checkpointer(
-            accelerator,
-            config.output_dir,
-            every=config.save_steps,
-            total_steps=total_steps,
-            save_total_limit=config.save_total_limit,
-            pause=metrics.window.paused,
-            position=lambda step: checkpoints_lib.TrainingProgress(
-                step=step,
-                epoch=batches.epoch,
-                batches_into_epoch=batches.batches_into_epoch,
-                world_size=self.data_parallel_size,  # the ranks reading distinct data
-                per_device_train_batch_size=config.per_device_train_batch_size,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
-                data_state_per_rank=per_rank_stream,
-            ),
-            rank_state=batches.state_dict if per_rank_stream else None,
-            extra_files=checkpoint_files,
-            after_save=lambda step: self.push_at_save(model, step, train_loss=log.last("loss")),
-            model_files_writer=lambda folder: checkpoints_lib.write_model_files(
-                folder,
-                model_config=self.model_config,
-                tokenizer=self.tokenizer,
-                generation_config=getattr(accelerator.unwrap_model(model), "generation_config", None),
-                recipe_config=config_to_dict(config),
-                accelerate_config=self.accelerate_settings,
-                run_info={"recipe": self.name, "task": self.task},
-            ),
+        shared = components.shared(train_loader)
+        checkpoints = components.checkpointer(
+            self, model, log, batches, per_rank_stream=not shared, pause=metrics.window.paused, files=checkpoint_files
         )
         # eval_strategy / save_strategy / logging_strategy (steps, epoch, no) decide each component's cadence
-        per_epoch = None if per_rank_stream else -(-len(train_loader) // config.gradient_accumulation_steps)
+        per_epoch = -(-len(train_loader) // self.config.gradient_accumulation_steps) if shared else None
         for component, kind in ((metrics, "logging"), (evaluation, "eval"), (checkpoints, "save")):
-            component.cadence = compat.cadence(config, kind, total_steps=total_steps, steps_per_epoch=per_epoch)
+            component.cadence = compat.cadence(self.config, kind, total_steps=total_steps, steps_per_epoch=per_epoch)
         return Training(
             self,
             batches=batches,
@@ -356,24 +227,6 @@ class Run(StartedRun):
             checkpoints=checkpoints,
             save_multiple=save_multiple,
         )
-
-    def _record_state_bytes_after_first_step(self, model, optimizer, frozen_models=None) -> None:
-        """After the first optimizer step (collective, as every rank steps), the run summary gets the bytes each rank
-        really holds (`state_bytes_per_rank`) beside what the estimator predicted for it (`memory_estimate`)."""
-        torch_optimizer = getattr(optimizer, "optimizer", optimizer)
-
-        def record(*_):
-            hook.remove()
-            held = held_state_bytes(
-                model, torch_optimizer, frozen_models, split_experts=not getattr(self.config, "use_peft", False)
-            )
-            self.summary["state_bytes_per_rank"] = (
-                gather_object([held]) if self.accelerator.num_processes > 1 else [held]
-            )
-            if self.accelerator.is_main_process:
-                write_json(Path(self.config.output_dir) / "run_summary.json", self.summary)
-
-        hook = torch_optimizer.register_step_post_hook(record)
 
     @property
     def global_batch_rows(self) -> int:
