@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # --- the loop: forward, loss, backward, step ------------------------------------------------------------------------
+    weights = None if weights is None else weights.to(accelerator.device)  # once: a copy per batch would wait
     model.train()
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)

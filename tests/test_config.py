@@ -192,25 +192,22 @@ def test_torch_compile_auto_compiles_where_the_pause_is_repaid(tmp_path, value, 
     assert reason.startswith(expected) and on == reason.startswith("on")
 
 
+def test_torch_compile_alone_on_the_command_line_means_true_as_trainings_boolean_did(tmp_path):
+    config = parse_config(SFTConfig, ["--config", write(tmp_path, BASE), "--torch_compile", "--max_steps", "3"])
+    assert (config.torch_compile, config.max_steps) == ("true", 3)
+
+
 def test_an_unknown_torch_compile_value_is_refused_with_the_choices(tmp_path):
     with pytest.raises(ConfigError, match=r"torch_compile 'sometimes' is not one of true, false, auto"):
         parse_config(SFTConfig, ["--config", write(tmp_path, BASE + "torch_compile: sometimes\n")])
 
 
 def test_peft_s_all_linear_as_trl_configs_write_it_means_every_linear_layer(tmp_path):
-    text = BASE + "use_peft: true\nlora_target_modules: all-linear\n"
-    with pytest.raises(
-        ConfigError, match=r"lora_target_modules in config file .*expected a list, e\.g\. \['all-linear'\]"
-    ):
-        parse_config(SFTConfig, ["--config", write(tmp_path, text)])
-    config = parse_config(
-        SFTConfig, ["--config", write(tmp_path, BASE + "use_peft: true\nlora_target_modules: [all-linear]\n")]
-    )
-    assert config.lora_target_modules is None  # what null means: peft's all-linear
+    for written in ("all-linear", "[all-linear]"):
+        text = BASE + f"use_peft: true\nlora_target_modules: {written}\n"
+        assert parse_config(SFTConfig, ["--config", write(tmp_path, text)]).lora_target_modules is None  # as null
     dpo = load_recipe("dpo").DPOConfig
-    assert (
-        parse_config(
-            dpo, ["--config", write(tmp_path, BASE + "lora_target_modules: [all-linear]\n")]
-        ).lora_target_modules
-        is None
-    )
+    text = BASE + "lora_target_modules: [all-linear]\n"
+    assert parse_config(dpo, ["--config", write(tmp_path, text)]).lora_target_modules is None
+    with pytest.raises(ConfigError, match=r"lora_target_modules in config file .*expected a list"):
+        parse_config(SFTConfig, ["--config", write(tmp_path, BASE + "use_peft: true\nlora_target_modules: q_proj\n")])

@@ -70,3 +70,13 @@ def test_the_estimator_gathers_a_layers_linear_weights_in_one_byte_under_fp8():
     gathered_bf16, gathered_fp8 = buffer_bytes(info, plan_units(info, bf16), bf16), buffer_bytes(info, units, fp8)
     assert gathered_fp8["in_flight"] < gathered_bf16["in_flight"]
     assert gathered_fp8["reduce_scatter"] == gathered_bf16["reduce_scatter"]  # gradients stay in bf16
+
+
+@pytest.mark.parametrize("bf16, refused", [(True, False), (None, False), (False, True)])
+def test_bf16_in_a_recipe_config_agrees_with_fp8_whose_rest_runs_in_bf16(bf16, refused):
+    from fsdp_recipes.train.compat import precision_problem
+
+    problem = precision_problem(SimpleNamespace(bf16=bf16, fp16=None), "fp8")
+    assert (problem is not None) == refused
+    if refused:
+        assert problem.startswith("the config says bf16: false but the Accelerate config's mixed_precision is 'fp8'")

@@ -110,6 +110,8 @@ def _typed_upstream_values(
     problems = problems if unknown_keys_are_errors else []
     if isinstance(values.get("report_to"), list):  # TrainingArguments takes a list of trackers
         values["report_to"] = ",".join(str(name) for name in values["report_to"]) or "none"
+    if values.get("lora_target_modules") == "all-linear":  # peft's keyword, a string in TRL's configs
+        values["lora_target_modules"] = ["all-linear"]
     known = {}
     for key, value in values.items():
         if key not in kinds:
@@ -133,15 +135,19 @@ def setting(
     resume: str | None = None,
     check: Callable[[str, Any], str | None] | None = None,
     default_factory: Any = dataclasses.MISSING,
+    flag_value: str | None = None,
 ) -> Any:
     """A config field with its `--help` text, its `check` (`fsdp_recipes.common.checks`: (name, value) -> the problem
     or None) and, in a training recipe's settings, what a resume may do with it: "sensitive" (the objective or the
     data depend on it: a resume keeps the checkpoint's value unless allow_config_change names it), "fixed" (the
     checkpoint's tensors depend on it: never changed on resume) or "free". Declared here, with the field, so that a
-    new field cannot be left out of the resume check, nor its check out of the validation, in silence."""
+    new field cannot be left out of the resume check, nor its check out of the validation, in silence.
+    `flag_value`: what the flag alone on the command line means (`--torch_compile` is `true`, as a boolean's is)."""
     if resume is not None and resume not in RESUME_KINDS:
         raise ValueError(f"resume={resume!r} is not one of {RESUME_KINDS}")
     metadata = {"help": help} | ({"resume": resume} if resume else {}) | ({"check": check} if check else {})
+    if flag_value is not None:  # argparse: the flag may come without a value
+        metadata |= {"nargs": "?", "const": flag_value}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 

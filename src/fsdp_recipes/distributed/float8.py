@@ -58,5 +58,8 @@ def device_problem(device: torch.device) -> str | None:
 
 
 def converted_layers(model: torch.nn.Module) -> int:
-    """How many of the model's layers compute in float8 (torchao's `Float8Linear`), for the run summary."""
-    return sum(type(module).__name__ == "Float8Linear" for module in model.modules())
+    """How many of the model's layers compute in float8 (torchao's `Float8Linear`, FSDP2's wrapped class included),
+    for the run summary."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sum(isinstance(module, Float8Linear) for module in model.modules())

@@ -233,11 +233,12 @@ def precision_problem(config, launch_precision: str | None) -> str | None:
     """bf16/fp16 against the Accelerate config's mixed_precision (None: no Accelerate config in this launch)."""
     asked = "bf16" if config.bf16 else "fp16" if config.fp16 else None
     refused = [name for name in ("bf16", "fp16") if getattr(config, name) is False]
-    if launch_precision is None or (asked is None and launch_precision not in refused):
+    computes = "bf16" if launch_precision == "fp8" else launch_precision  # fp8: what is not float8 runs in bf16
+    if launch_precision is None or (asked is None and computes not in refused):
         return None
     if asked == launch_precision or (asked == "bf16" and launch_precision == "fp8"):  # fp8: the rest runs in bf16
         return None
-    written = f"{asked}: true" if asked else f"{launch_precision}: false"
+    written = f"{asked}: true" if asked else f"{computes}: false"
     return (
         f"the config says {written} but the Accelerate config's mixed_precision is {launch_precision!r} "
         f"({'fp32' if launch_precision == 'no' else launch_precision}): make them agree — set mixed_precision: "

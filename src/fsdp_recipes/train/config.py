@@ -319,6 +319,7 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         "which and why",
         resume="free",
         check=compile_setting_problem,
+        flag_value="true",
     )
     torch_compile_backend: str = setting(
         "inductor",

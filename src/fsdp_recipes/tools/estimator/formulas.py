@@ -230,12 +230,18 @@ def buffer_bytes(
 
 def gathered_bytes(unit: Unit, layout: LaunchLayout) -> int:
     """A unit's all-gathered parameters: in the compute dtype, except under float8 training (mixed_precision fp8,
-    torchao) where FSDP2 gathers a decoder layer's linear weights in float8, 1 byte each (norms, routed experts'
-    stacked weights, the embeddings and the output layer are not converted)."""
+    torchao) where FSDP2 gathers a decoder layer's linear weights in float8, 1 byte each. Not converted: norms,
+    routed experts' stacked weights, the embeddings, the output layer, and matrices with a size that is not a
+    multiple of 16 (a router over 60 experts). (The model's very first linear layer is not converted either: one
+    matrix, left out of this count.)"""
     c = layout.compute_bytes
     if layout.mixed_precision != "fp8" or unit.kind != "layer":
         return c * unit.numel
-    return sum((FP8 if len(p.shape) == 2 else c) * p.numel for p in unit.params)
+
+    def converted(p) -> bool:
+        return len(p.shape) == 2 and all(size % 16 == 0 for size in p.shape)
+
+    return sum((FP8 if converted(p) else c) * p.numel for p in unit.params)
 
 
 @dataclass
