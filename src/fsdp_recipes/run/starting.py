@@ -47,10 +47,12 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     check that needs no weights, run on all ranks together so that a problem stops all of them before anything
     expensive: the Accelerate config, the checkpoint to resume (same global batch, same model), output_dir, the Hub
     token, tokenizer and model config, the wrap classes, activation checkpointing, the attention implementation."""
-    accelerator = accelerator_for(config, compiles=True)
-    _, compile_note = compile_choice(
+    accelerator = accelerator_for(config)
+    compiled, compile_note = compile_choice(
         config.torch_compile, device_type=accelerator.device.type, max_steps=config.max_steps
     )
+    if compiled:  # read by prepare; attached here because the device decides `auto`
+        accelerator.state.dynamo_plugin = compile_plugin(config)
     if not config.resume_from_checkpoint and (reason := preemption.automatic_resume(config.output_dir)):
         logs.info(reason)
         config.resume_from_checkpoint = "latest"
@@ -119,12 +121,11 @@ def compile_plugin(config: TrainingConfig) -> TorchDynamoPlugin:
     return plugin
 
 
-def accelerator_for(config: RunConfig, *, compiles: bool = False) -> Accelerator:
+def accelerator_for(config: RunConfig) -> Accelerator:
     """The Accelerate config as exported checked (its errors stop every rank here, its warnings are printed), the
     accelerator built from it with the config's trackers and process-group timeout, logging set up (`log_level`),
     and the seed set. bf16/fp16 must agree with the Accelerate config's mixed_precision; run without one, they set
-    it (as Trainer does). `compiles`: the decoder layers are compiled where `torch_compile` says so for this device
-    (train/compilation.py)."""
+    it (as Trainer does)."""
     launch_warnings = check_launch_environment()
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by accelerate launch from its config
     problem = compat.precision_problem(config, launch_precision)
@@ -142,11 +143,6 @@ def accelerator_for(config: RunConfig, *, compiles: bool = False) -> Accelerator
     )
     if launch_precision == "fp8" and (problem := float8.device_problem(accelerator.device)):
         raise ConfigError(problem)
-    if (
-        compiles
-        and compile_choice(config.torch_compile, device_type=accelerator.device.type, max_steps=config.max_steps)[0]
-    ):
-        accelerator.state.dynamo_plugin = compile_plugin(config)  # read by prepare: the device decides `auto`
     logs.configure(accelerator, config.log_level)
     set_seed(config.seed)
     for warning in launch_warnings:
