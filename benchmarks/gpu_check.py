@@ -17,8 +17,9 @@ Steps (a step that fails is recorded with its output's tail, and the run goes on
  6. the same SFT with activation checkpointing (fsdp_8gpu_activation_checkpointing.yaml), then with per-layer
     torch.compile: the training loop only (the process is stopped once the last step is logged: step 3 checks export);
  7. a ~400M-parameter Qwen3-MoE (benchmarks/qwen3_moe_small.json) SFT: the loop only, as in 6;
- 8. GRPO from the exported model: the step-time shares, then the recipe's generation speed against a bare
-    `generate` on the same prompts (benchmarks/grpo_demo.py).
+ 8. GRPO from the exported model, with generation_backend generate and then paged: the step-time shares; then
+    each generation backend's completion tokens/s, 64 prompts x 8 at 32 and 256 new tokens
+    (benchmarks/generation_backends.py).
 """
 
 from __future__ import annotations
@@ -149,25 +150,31 @@ class Check:
             self.record("loss_kernels", {"rc": code, "tail": text})
 
     def grpo(self, base: Path) -> None:
-        output = self.out / "grpo"
-        command = self.accelerate(
-            "accelerate_configs/fsdp_8gpu.yaml", "recipes/grpo.py", "--config", "recipes/configs/grpo/demo_reverse.yaml",
-            "--model_name_or_path", str(base), "--output_dir", str(output), "--max_steps", "6", "--logging_steps", "1",
-            "--save_steps", "null", "--warmup_steps", "0", "--max_completion_length", "32", "--max_length", "64",
-            "--per_device_train_batch_size", "64" if not self.args.dry_run else "16",
-            "--per_device_eval_batch_size", "64" if not self.args.dry_run else "16",
-        )  # fmt: skip
-        code, seconds, text = self.run("grpo", command, timeout=240)
-        self.record("grpo", {"rc": code, "seconds": seconds, **failure(code, text)})
-        command = [sys.executable, "benchmarks/grpo_demo.py", "--before", str(base), "--held-out", "64"]
-        command += ["--max-new-tokens", "32", "--batch-size", "64"]
-        command += ["--after", str(output)] if code == 0 else []
-        command += [] if self.args.dry_run else ["--device", "cuda", "--dtype", "bfloat16"]
-        code, seconds, text = self.run("grpo_generation", command, timeout=150)
+        """GRPO from the exported model with `generate`, then with the paged engine (the step-time shares of each
+        from metrics.jsonl), then every generation backend's tokens/s on 64 prompts x 8 at 32 and 256 new tokens."""
+        for name, backend in (("grpo", "generate"), ("grpo_paged", "paged")):
+            output = self.out / name
+            command = self.accelerate(
+                "accelerate_configs/fsdp_8gpu.yaml", "recipes/grpo.py", "--config",
+                "recipes/configs/grpo/demo_reverse.yaml", "--model_name_or_path", str(base), "--output_dir", str(output),
+                "--max_steps", "6", "--logging_steps", "1", "--save_steps", "null", "--warmup_steps", "0",
+                "--max_completion_length", "32", "--max_length", "64", "--generation_backend", backend,
+                "--per_device_train_batch_size", "64" if not self.args.dry_run else "16",
+                "--per_device_eval_batch_size", "64" if not self.args.dry_run else "16",
+            )  # fmt: skip
+            code, seconds, text = self.run(name, command, timeout=240)
+            self.record(name, {"rc": code, "seconds": seconds, **failure(code, text), **step_shares(output)})
+        command = [sys.executable, "benchmarks/generation_backends.py", "--model", str(base), "--rounds", "1"]
+        if self.args.dry_run:
+            command += ["--prompts", "8", "--generations", "2", "--max-new-tokens", "8", "--compile-backend", "eager"]
+        else:
+            command += ["--max-new-tokens", "32", "256", "--device", "cuda", "--dtype", "bfloat16"]
+        code, seconds, text = self.run("generation_backends", command, timeout=300)
         try:
-            self.record("grpo_generation", {"rc": code, "seconds": seconds, **json.loads(text[text.index("{") :])})
+            figures = json.loads(text[text.rindex("== report") + len("== report") :])
+            self.record("generation_backends", {"rc": code, "seconds": seconds, **figures})
         except ValueError:
-            self.record("grpo_generation", {"rc": code, "tail": text})
+            self.record("generation_backends", {"rc": code, "tail": text[-3000:]})
 
     # ------------------------------------------------------------------------------------------------------ sizes
     def model_config(self) -> str:
@@ -230,6 +237,22 @@ def training_figures(output: Path) -> dict:
         "peak_allocated_gib": max(max(r.get("peak_allocated_gib_per_rank") or [0]) for r in records),
         "padding_fraction": mean("padding_fraction"),
         "extra": {k: v for k, v in steady[-1].items() if k.startswith(("aux", "router"))},
+    }
+
+
+def step_shares(output: Path) -> dict:
+    """A GRPO run's means over its logged steps after the first: the generation share and generated tokens/s."""
+    try:
+        records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return {}
+    steady = [r for r in records if r.get("step", 0) >= 2 and "time/generation_share" in r]
+    if not steady:
+        return {}
+    return {
+        key: round(sum(r[key] for r in steady) / len(steady), 3)
+        for key in ("time/generation_share", "time/scoring_share", "time/training_share", "tokens/generated_per_second")
+        if all(key in r for r in steady)
     }
 
 

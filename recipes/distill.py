@@ -23,7 +23,7 @@ from fsdp_recipes.methods.distill import distillation, on_policy
 from fsdp_recipes.methods.sft import supervised
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import frozen_copy, loop, losses, router_balance
+from fsdp_recipes.train import frozen_copy, generation, loop, losses, router_balance
 
 
 @dataclasses.dataclass
@@ -81,6 +81,7 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
         "(sequence-level KD, TRL GKD's name): one teacher generation pass per step. Needs packing: false",
         resume="sensitive",
     )
+    generation_backend: str = generation.backend_setting()  # lmbda, seq_kd: how the samples are written
 
     def cross_field_problems(self) -> list[str]:
         problems = []

@@ -23,7 +23,7 @@ from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import evaluation_results, hub, model_source
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, losses
+from fsdp_recipes.train import evaluation, generation, losses
 
 
 @dataclasses.dataclass
@@ -73,6 +73,7 @@ class EvalConfig(config_lib.RunConfig):
     temperature: float = arguments.setting(1.0, "sampling only: softmax temperature")
     top_p: float = arguments.setting(1.0, "sampling only: nucleus size")
     seed: int = arguments.setting(42, "seeds Python, NumPy and torch, and the sampling of each batch (do_sample)")
+    generation_backend: str = generation.backend_setting()
     # --- results ------------------------------------------------------------------------------------------------------
     output_dir: str | None = arguments.setting(
         None,
@@ -181,20 +182,21 @@ def main(argv: list[str] | None = None) -> None:
         )
         results.update(eval_loss=loss, eval_perplexity=math.exp(loss))
     if loaders:
+        settings = generation.GenerationSettings(
+            config.max_new_tokens, temperature=config.temperature, top_p=config.top_p, batch_size=batch_size,
+            seed=config.seed, **generation.backend_options(config),
+        )  # fmt: skip
         predict = (
             classifier.predict
             if task == "sequence-classification"
             else evaluation.generation_predict(
-                tokenizer,
-                max_new_tokens=config.max_new_tokens,
-                do_sample=config.do_sample,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                seed=config.seed,
-                synced_gpus=accelerator.num_processes > 1,
+                tokenizer, settings=settings, do_sample=config.do_sample, synced_gpus=accelerator.num_processes > 1
             )
         )
-        gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict)
+        whole = task == "causal-lm" and config.generation_backend != "generate"  # each rank's engine: whole weights
+        reshard = generation.reshard_after_forward(accelerator)
+        with generation.weights_gathered(model, enabled=whole, reshard_after_forward=reshard):
+            gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict)
         results.update(evaluation.compute_metrics(metrics, gathered))
         if task == "sequence-classification" and "f1" in metrics:
             names = [model_config.id2label[i] for i in range(model_config.num_labels)]

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             reward_funcs=[name for name, _ in task.functions],
             loss=config.describe_objective(),
             reference="none (beta 0)" if reference_mode is None else reference_mode,
-            generation="transformers generate with KV cache; "
+            generation=generation.describe_backend(config.generation_backend)
+            + "; "
             + generation.describe_gathering(model, enabled=config.gather_weights_for_generation),
             **router_balance.summary(accelerator.unwrap_model(model).config),
         ),

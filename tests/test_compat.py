@@ -487,10 +487,39 @@ def test_a_trl_grpo_configs_use_vllm_false_is_noted_and_true_refused(tmp_path):
     config_file = tmp_path / "grpo.yaml"
     config_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nuse_vllm: false\n")
     assert (
-        "vLLM backend is not wired"
+        "vLLM cannot be used here"
         in parse_config(TrainingConfig, ["--config", str(config_file)]).upstream_notes["use_vllm"]
     )
     config_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nuse_vllm: true\n")
     with pytest.raises(ConfigError) as refused:
         parse_config(TrainingConfig, ["--config", str(config_file)])
     assert any(p.startswith("use_vllm: True in ") for p in refused.value.problems)
+
+
+def test_trls_use_transformers_paged_is_the_paged_generation_backend(tmp_path):
+    from fsdp_recipes.common.arguments import parse_config
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.train.config import TrainingConfig
+    from helpers.recipes import load_recipe
+
+    grpo = load_recipe("grpo").GRPOConfig
+    base = "model_name_or_path: org/model\ndataset_name: x.jsonl\nreward_funcs: [exact_match]\n"
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(base + "use_transformers_paged: true\n")
+    config = parse_config(grpo, ["--config", str(config_file)])
+    assert (
+        config.generation_backend == "paged" and "generation_backend" in config.upstream_notes["use_transformers_paged"]
+    )
+    config_file.write_text(base + "use_transformers_paged: false\n")
+    assert parse_config(grpo, ["--config", str(config_file)]).generation_backend == "generate"
+    config_file.write_text(base + "use_transformers_paged: true\ngeneration_backend: static_compiled\n")
+    with pytest.raises(ConfigError) as refused:
+        parse_config(grpo, ["--config", str(config_file)])
+    assert any("disagree" in p for p in refused.value.problems)
+    with pytest.raises(ConfigError) as refused:  # a recipe that does not generate
+        parse_config(TrainingConfig, ["--config", str(config_file)])
+    assert any("has no generation_backend" in p for p in refused.value.problems)
+    config_file.write_text(base + "generation_backend: paged\ngather_weights_for_generation: false\n")
+    with pytest.raises(ConfigError) as refused:
+        parse_config(grpo, ["--config", str(config_file)])
+    assert any("gather_weights_for_generation: true" in p for p in refused.value.problems)

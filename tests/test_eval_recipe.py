@@ -4,6 +4,7 @@ loading, model sources, the card's model-index and every error raised before wei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -16,7 +17,7 @@ from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.publish import model_index, model_source
-from fsdp_recipes.train import evaluation
+from fsdp_recipes.train import evaluation, generation
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
 from helpers.paths import DEMO_DATA, EVAL
@@ -349,21 +350,6 @@ def test_update_card_merges_results_by_dataset_split_and_metric(tmp_path):
     assert meta["model-index"][0]["name"] == "m" and entries["test"][0]["value"] == 0.9
 
 
-def test_reproducible_sampling_draws_from_the_softmax_within_top_p():
-    import torch
-
-    logits = torch.tensor([[2.0, 1.0, 0.0, -3.0]])
-    counts = torch.zeros(4)
-    for index in range(4000):
-        sampler = evaluation.ReproducibleSampling(
-            seed=3, indices=torch.tensor([index]), prompt_width=5, temperature=1.0, top_p=0.95
-        )
-        counts[int(sampler(torch.zeros(1, 7, dtype=torch.long), logits).argmax())] += 1
-    kept = torch.softmax(logits[0, :3], -1)  # token 3 lies outside the 0.95 nucleus
-    torch.testing.assert_close(counts[:3] / 4000, kept, atol=0.03, rtol=0)
-    assert counts[3] == 0
-
-
 def test_a_sampled_completion_does_not_depend_on_its_batch(tiny_lm, tokenizer):
     """What makes sampling identical on 1 and N ranks: N ranks see other batch neighbours (and padding) than 1."""
     from transformers import AutoModelForCausalLM
@@ -373,17 +359,18 @@ def test_a_sampled_completion_does_not_depend_on_its_batch(tiny_lm, tokenizer):
         for index, text in enumerate(["reverse: abc", "reverse: qwertyu", "x"])
     ]
     collate = evaluation.GenerationCollator(tokenizer)
-    predict = evaluation.generation_predict(
-        tokenizer, max_new_tokens=8, do_sample=True, temperature=1.0, top_p=1.0, seed=5, synced_gpus=False
-    )
+    settings = generation.GenerationSettings(8, seed=5)
+    predict = evaluation.generation_predict(tokenizer, settings=settings, do_sample=True, synced_gpus=False)
     model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
     alone = predict(model, collate(examples[:1]))["predictions"]
     together = predict(model, collate(examples))["predictions"]
     assert together[0] == alone[0]
-    greedy = evaluation.generation_predict(
-        tokenizer, max_new_tokens=8, do_sample=False, temperature=1.0, top_p=1.0, seed=5, synced_gpus=False
-    )
+    greedy = evaluation.generation_predict(tokenizer, settings=settings, do_sample=False, synced_gpus=False)
     assert greedy(model, collate(examples))["predictions"] != together  # it does sample
+    paged = evaluation.generation_predict(
+        tokenizer, settings=dataclasses.replace(settings, backend="paged"), do_sample=True, synced_gpus=False
+    )
+    assert paged(model, collate(examples))["predictions"] == together  # any backend: the same predictions
 
 
 def test_a_checkpoint_of_a_run_without_fsdp_exports_too(tmp_path, tokenizer):

@@ -1,6 +1,8 @@
 """GRPO's generation pass under FSDP2 (recipes/grpo.py's `generation.weights_gathered`), on 2 real processes over gloo:
 the whole weights are gathered once when the pass starts, no all-gather happens while it decodes, the completions
 equal those of per-forward gathering, and afterwards the units are sharded again and gather per forward as before.
+The paged and static_compiled backends run on the gathered weights with no collective at all: each rank's engine
+decodes on its own (rank 1 is given fewer prompts than rank 0, and neither waits), with the same completions.
 (On one process FSDP2 gathers nothing at all, so this needs two.)"""
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def _count_all_gathers(model, counter: list[int]) -> int:
 
 
 def _generation_worker(rank: int, model_dir: str, port: int, out_dir: str) -> None:
+    import dataclasses
+
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -64,6 +68,16 @@ def _generation_worker(rank: int, model_dir: str, port: int, out_dir: str) -> No
                     "while_decoding": counter[0] - on_entry,
                     "completions": completions,
                 }
+        mine = PROMPTS if rank == 0 else PROMPTS[:2]
+        for backend in ("paged", "static_compiled"):
+            counter[0] = 0
+            with generation.weights_gathered(model, enabled=True, reshard_after_forward=True):
+                on_entry = counter[0]
+                engine = dataclasses.replace(settings, backend=backend, compile_backend="eager")
+                completions, _ = generation.generate_completions(
+                    model, tokenizer, mine, keys[: len(mine)], engine, synced_gpus=False
+                )
+                report[backend] = {"while_decoding": counter[0] - on_entry, "completions": completions}
         counter[0] = 0
         with torch.no_grad():
             model(input_ids=torch.tensor([PROMPTS[0]]))
@@ -96,6 +110,9 @@ def test_a_generation_pass_gathers_the_weights_once_and_never_while_decoding(pre
         assert once["on_entry"] == units and once["while_decoding"] == 0
         assert per_forward["on_entry"] == 0 and per_forward["while_decoding"] >= NEW_TOKENS * units
         assert once["completions"] == per_forward["completions"]
+        for backend in ("paged", "static_compiled"):
+            assert report[backend]["while_decoding"] == 0
+            assert report[backend]["completions"] == once["completions"][: len(report[backend]["completions"])]
         assert report["one_forward_after"] == units  # sharded again: each unit gathers for a forward, as before
         assert report["sharded_rows_after"] == hidden // 2
     assert reports[0]["gathered=True"]["completions"] == reports[1]["gathered=True"]["completions"]

@@ -48,7 +48,8 @@ def test_two_processes_generate_and_learn_as_one(grpo_runs, setting):
     frozen copy sharded like the policy (full) or the policy with its adapters off (LoRA), and with the options past
     TRL's core (fixtures.grpo.new_options): full runs dynamic sampling (a second generation pass, then the bound),
     the sequence-level ratio, two-sided clipping and entropy masking; LoRA RLOO, SAPO, padding-free passes and an
-    entropy bonus."""
+    entropy bonus. The 2-process runs generate with the paged engine (full) and static_compiled (LoRA), the twins with
+    generate."""
     two, one = grpo_runs[setting]
     twos, ones = step_records(two), step_records(one)
     assert sorted(twos) == sorted(ones) == list(range(1, GRPO_STEPS + 1))
@@ -63,6 +64,7 @@ def test_two_processes_generate_and_learn_as_one(grpo_runs, setting):
     summary = json.loads((two / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and "Shard(dim=0)" in summary["parameter_placements"][0]
     assert "gathered once per generation pass" in summary["generation"]
+    assert {"full": "continuous batching", "lora": "static KV cache"}[setting] in summary["generation"]
     assert summary["reference"] == {"full": "model", "lora": "adapters"}[setting]
     assert {"full": "sequence-level ratio", "lora": "rloo advantages"}[setting] in summary["loss"]
     if setting == "full":  # the first pass had one group with a reward spread of two: a second pass, then the bound

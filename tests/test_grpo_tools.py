@@ -162,8 +162,9 @@ def test_grpo_with_a_tool_scores_the_exchange_logs_calls_and_failures_trains_and
     tmp_path, tool_files, pretrained_tiny_model, prompt_data
 ):
     values = tool_run_values(
-        tool_files, pretrained_tiny_model, prompt_data, tmp_path / "out", max_steps=4, save_steps=2
-    )
+        tool_files, pretrained_tiny_model, prompt_data, tmp_path / "out", max_steps=4, save_steps=2,
+        generation_backend="paged",  # the engine runs each round's continuation prompts (the script replaces its tokens)
+    )  # fmt: skip
     checkpoint = tmp_path / "out" / "checkpoints" / "step-00000002"
     resumed = {**values, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": str(checkpoint)}
     with scripted_generation():

@@ -59,14 +59,24 @@ IGNORED = {
     ),
     "use_vllm": (
         (False,),
-        "GRPO generates with transformers generate (weights gathered once per pass); a vLLM backend is not wired "
-        "(docs/grpo.md, Generation, says what one needs)",
+        "vLLM cannot be used here: generation_backend picks one of transformers' engines (generate, paged, "
+        "static_compiled); docs/grpo.md, Generation, says what an external engine needs",
     ),
     "seq_kd": (
         (False,),
         "sequence-level KD (TRL GKD's seq_kd: training on completions the teacher generates) is recipes/distill.py's "
         "setting; this recipe trains on the data's completions",
     ),
+}
+
+
+# key -> (the field it sets, the value it gives that field when true, the note): a TRL switch that is a choice here
+SWITCHES = {
+    "use_transformers_paged": (
+        "generation_backend",
+        "paged",
+        "TRL's use_transformers_paged is generation_backend: paged here (transformers' continuous batching)",
+    )
 }
 
 
@@ -88,6 +98,16 @@ def translate(values: dict[str, Any], fields: set[str], where: str) -> tuple[dic
                 ignored[key] = f"renamed: read as {new} ({note})"
             else:
                 problems.append(f"{key!r} in {where}: this recipe has no {new}; remove it")
+        elif key in SWITCHES and key not in fields:
+            field, chosen, note = SWITCHES[key]
+            if field not in fields:
+                problems.append(f"{key!r} in {where}: this recipe has no {field}; remove it")
+            elif value and values.get(field, chosen) != chosen:
+                problems.append(f"{key}: true and {field}: {values[field]!r} in {where} disagree: {note}; keep one")
+            else:
+                if value:
+                    translated.setdefault(field, chosen)
+                ignored[key] = f"renamed: read as {field}: {chosen if value else 'unchanged'} ({note})"
         elif key in ELSEWHERE:
             problems.append(f"{key!r} in {where} cannot be set here: {ELSEWHERE[key]}")
         elif key in IGNORED:
@@ -110,4 +130,7 @@ def command_line_message(key: str) -> str | None:
         return f"--{key} cannot be set here: {ELSEWHERE[key]}"
     if key in IGNORED:
         return f"--{key} has no effect here ({IGNORED[key][1]}); remove it"
+    if key in SWITCHES:
+        field, chosen, note = SWITCHES[key]
+        return f"--{key} is --{field} {chosen} here ({note})"
     return None

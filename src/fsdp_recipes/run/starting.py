@@ -36,7 +36,7 @@ from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import compat, preemption
+from fsdp_recipes.train import compat, generation_backends, preemption
 from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
@@ -93,6 +93,7 @@ def start_evaluation(
         )
         model_task = task or model_source_task(source, model_config)
         check_tensor_parallel(accelerator, config, model_config, model_task, adapter=source.kind == "adapter")
+        check_generation_backend(accelerator, config, model_config)
         return dict(
             source=source,
             output_dir=Path(output_dir),
@@ -201,6 +202,14 @@ def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task
     return dict(wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
 
 
+def check_generation_backend(accelerator: Accelerator, config: RunConfig, model_config) -> None:
+    """A recipe that generates: its `generation_backend` can run this model in this layout (ConfigError: why not)."""
+    backend = getattr(config, "generation_backend", "generate")
+    sharded = tensor_parallel.layout_of(accelerator) is not None
+    if problem := generation_backends.backend_problem(backend, model_config, sharded_layers=sharded):
+        raise ConfigError(problem)
+
+
 def check_tensor_parallel(
     accelerator: Accelerator, config: RunConfig, model_config, task: str, *, adapter: bool = False
 ) -> None:
@@ -270,6 +279,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     if problem:
         raise ConfigError(problem)
     check_tensor_parallel(accelerator, config, model_config, task)
+    check_generation_backend(accelerator, config, model_config)
     if config.use_liger_kernel and (
         problem := fused_kernels.liger_problem(
             model_config,

@@ -375,63 +375,21 @@ def generation_dataloader(examples: list[dict[str, Any]], tokenizer, *, batch_si
     )
 
 
-class ReproducibleSampling:
-    """A logits processor that turns greedy decoding into sampling from softmax(logits / temperature) within the top-p
-    nucleus, by the Gumbel-max trick with noise seeded by (seed, example index, tokens generated so far). Each
-    example's draws then depend on nothing else in its batch (plain sampling draws from one stream for the whole
-    batch, so an example's tokens change with its batch neighbours and hence with the number of ranks)."""
+def generation_predict(tokenizer, *, settings, do_sample: bool, synced_gpus: bool) -> Predict:
+    """A `Predict` that generates a completion per prompt (`train.generation`, `settings`' backend), greedy or
+    sampled with each example's index as its key: the same tokens for an example on any number of ranks, in any batch
+    and with any backend. An end-of-sequence token may come first (an empty prediction is an answer too)."""
+    from fsdp_recipes.train import generation
 
-    def __init__(self, *, seed: int, indices: torch.Tensor, prompt_width: int, temperature: float, top_p: float):
-        from transformers import TopPLogitsWarper
-
-        self.seed, self.indices, self.prompt_width, self.temperature = seed, indices.tolist(), prompt_width, temperature
-        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
-        if self.top_p is not None:
-            scores = self.top_p(input_ids, scores)
-        step = input_ids.shape[1] - self.prompt_width
-        noise = torch.empty_like(scores)
-        for row, index in enumerate(self.indices):
-            generator = torch.Generator(device=scores.device)
-            generator.manual_seed(((self.seed * 1_000_003 + index) * 1_000_033 + step) % 2**63)
-            noise[row].uniform_(1e-20, 1.0, generator=generator)
-        return scores - torch.log(-torch.log(noise))
-
-
-def generation_predict(
-    tokenizer, *, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, seed: int, synced_gpus: bool
-) -> Predict:
-    """A `Predict` that generates a completion per prompt, greedy or sampled (`ReproducibleSampling`: the same tokens
-    for an example on any number of ranks). Ranks decode in lockstep (`synced_gpus`): under FSDP each decoding step is
-    a collective, and ranks finish at different lengths."""
+    settings = dataclasses.replace(settings, greedy=not do_sample, block_eos_first=False)
 
     def predict(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        from transformers import LogitsProcessorList
-
-        processors = LogitsProcessorList()
-        if do_sample:
-            processors.append(
-                ReproducibleSampling(
-                    seed=seed,
-                    indices=batch["index"],
-                    temperature=temperature,
-                    top_p=top_p,
-                    prompt_width=batch["input_ids"].shape[1],
-                )
-            )
-        output = model.generate(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            do_sample=False,
-            logits_processor=processors,
-            synced_gpus=synced_gpus,
-            **generation_options(model),
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        keys = [int(index) for index in batch["index"]]
+        completions, _ = generation.generate_completions(
+            model, tokenizer, prompts, keys, settings, synced_gpus=synced_gpus
         )
-        texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         return {"predictions": [text.strip() for text in texts], "references": list(batch["reference"])}
 
     return predict

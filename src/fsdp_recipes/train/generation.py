@@ -12,8 +12,10 @@ from collections.abc import Iterator
 
 import torch
 
+from fsdp_recipes.common import checks
+from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.models.experts import generation_options
-from fsdp_recipes.train.evaluation import ReproducibleSampling
+from fsdp_recipes.train import generation_backends
 
 
 @dataclasses.dataclass
@@ -22,8 +24,46 @@ class GenerationSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
-    batch_size: int = 8
+    batch_size: int = 8  # prompts per `generate` call (generate, static_compiled); paged takes them all at once
     seed: int = 42
+    backend: str = "generate"
+    compile_backend: str = "inductor"  # static_compiled's torch.compile backend and mode (null: reduce-overhead)
+    compile_mode: str | None = None
+    greedy: bool = False  # argmax instead of sampling (evaluation's default)
+    block_eos_first: bool = True  # no empty completion (training: it carries no signal); evaluation allows it
+
+
+def backend_setting():
+    """The `generation_backend` field, one definition for every recipe that generates."""
+    return setting(
+        "generate",
+        "the engine that writes completions, all of them transformers' and sampling alike (same tokens): generate "
+        "(dynamic KV cache, padded batches; works everywhere), paged (continuous batching over a paged KV cache: "
+        "finished rows leave, waiting prompts join, no padding; FSDP2 or one process, whole weights per rank), "
+        "static_compiled (static KV cache, decoding step torch.compile'd with torch_compile_backend/_mode: fastest "
+        "per token once compiled, a compile per new shape)",
+        resume="free",
+        check=checks.one_of(generation_backends.BACKENDS),
+    )
+
+
+def backend_options(config) -> dict:
+    """A recipe config's generation backend, for `GenerationSettings` (static_compiled compiles with the run's
+    torch_compile_backend and torch_compile_mode, where the recipe has them)."""
+    return dict(
+        backend=config.generation_backend,
+        compile_backend=getattr(config, "torch_compile_backend", "inductor"),
+        compile_mode=getattr(config, "torch_compile_mode", None),
+    )
+
+
+def describe_backend(backend: str) -> str:
+    """The run summary's words for a backend."""
+    return {
+        "generate": "transformers generate (dynamic KV cache, padded batches)",
+        "paged": "transformers continuous batching (paged KV cache)",
+        "static_compiled": "transformers generate with a static KV cache, decoding step compiled",
+    }[backend]
 
 
 def sampling_problems(temperature: float, top_p: float, top_k: int | None) -> list[str]:
@@ -79,7 +119,6 @@ def weights_gathered(model: torch.nn.Module, *, enabled: bool, reshard_after_for
             module.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
-@torch.no_grad()
 def generate_completions(
     model: torch.nn.Module,
     tokenizer,
@@ -90,56 +129,19 @@ def generate_completions(
     synced_gpus: bool,
 ) -> tuple[list[list[int]], list[bool]]:
     """The generation step: one completion per prompt (token ids, up to and including the first end-of-sequence
-    token) and whether it stopped at the length limit instead (truncated). Sampling at `temperature` within `top_k`
-    and `top_p`, by Gumbel-max noise seeded per `keys` entry (`sampling_key`), so a completion does not depend on its
-    batch neighbours; transformers `generate` with its KV cache, `batch_size` prompts at a time (left-padded). Under
-    FSDP `synced_gpus` keeps ranks decoding in lockstep (each forward may be a collective).
+    token, never that token first) and whether it stopped at the length limit instead (truncated). Sampling at
+    `temperature` within `top_k` and `top_p` is keyed (`train.sampling`): noise is a function of (seed, the prompt's
+    `keys` entry, the token's index), so a completion does not depend on its batch neighbours, the rank split or the
+    backend (`settings.backend`, `train.generation_backends`). Under FSDP without gathered weights, or TP, each forward
+    is a collective: `synced_gpus` keeps ranks decoding in lockstep (`generate`/`static_compiled`; `paged` is refused
+    there before loading).
 
-    A vLLM (or other) backend replaces this function: same inputs, same outputs; its sampling must then be seeded
-    per key too for completions to stay independent of the rank split."""
-    from transformers import LogitsProcessorList, TopKLogitsWarper
-
+    An external engine (vLLM, SGLang) would be one more backend here: same inputs, same outputs (docs/grpo.md)."""
     was_training = model.training
     model.eval()
-    eos = tokenizer.eos_token_id
-    completions, truncated = [], []
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
     try:
-        for start in range(0, len(prompt_ids), settings.batch_size):
-            chunk = prompt_ids[start : start + settings.batch_size]
-            batch = tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(next(model.parameters()).device)
-            width = batch["input_ids"].shape[1]
-            processors = LogitsProcessorList()
-            if settings.top_k:
-                processors.append(TopKLogitsWarper(settings.top_k))
-            processors.append(
-                ReproducibleSampling(
-                    seed=settings.seed,
-                    indices=torch.tensor(keys[start : start + settings.batch_size]),
-                    prompt_width=width,
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                )
-            )
-            output = model.generate(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                max_new_tokens=settings.max_completion_length,
-                min_new_tokens=1,
-                do_sample=False,
-                logits_processor=processors,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=eos,
-                synced_gpus=synced_gpus,
-                use_cache=True,
-                **generation_options(model),
-            )
-            for row in output[:, width:].tolist():
-                ended = eos in row
-                completions.append(row[: row.index(eos) + 1] if ended else row)
-                truncated.append(not ended)
+        return generation_backends.run_backend(
+            model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus, options=generation_options(model)
+        )
     finally:
-        tokenizer.padding_side = padding_side
         model.train(was_training)
-    return completions, truncated

@@ -96,7 +96,7 @@ class OnPolicy:
     def from_config(cls, config, accelerator) -> OnPolicy:
         settings = generation.GenerationSettings(
             config.max_new_tokens, temperature=config.temperature, batch_size=config.per_device_eval_batch_size,
-            seed=config.seed,
+            seed=config.seed, **generation.backend_options(config),
         )  # fmt: skip
         reshard = generation.reshard_after_forward(accelerator)
         return cls(config.lmbda, config.seq_kd, config.seed, config.max_length, settings, reshard)

@@ -37,6 +37,7 @@ class OnlineRLFields:
         "memory) instead of gathering each layer for every decoded token",
         resume="free",
     )
+    generation_backend: str = generation.backend_setting()
 
     # --- the policy objective ------------------------------------------------------------------------------------------
     beta: float = setting(
@@ -186,8 +187,9 @@ class OnlineRLFields:
 
     def generation_settings(self, *, batch_size: int, seed: int) -> generation.GenerationSettings:
         return generation.GenerationSettings(
-            self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed
-        )
+            self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed,
+            **generation.backend_options(self),
+        )  # fmt: skip
 
     def generation_passes(self) -> int:
         """Generation passes a round may make (dynamic sampling's bound, else 1)."""
@@ -237,6 +239,11 @@ class OnlineRLFields:
             self.beta, self.epsilon, self.epsilon_high, self.scale_rewards, self.delta, self.loss_type
         )
         problems += generation.sampling_problems(self.temperature, self.top_p, self.top_k)
+        if self.generation_backend != "generate" and not self.gather_weights_for_generation:
+            problems.append(
+                f"generation_backend {self.generation_backend} runs each rank's model on its own and needs the whole "
+                "weights there: set gather_weights_for_generation: true, or use generation_backend generate"
+            )
         if not 1 <= self.max_completion_length < self.max_length:
             problems.append(
                 f"max_completion_length must be >= 1 and < max_length ({self.max_length}), leaving room for the "
