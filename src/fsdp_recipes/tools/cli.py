@@ -218,6 +218,51 @@ def cp_command(parser: argparse.ArgumentParser) -> Runner:
     return run
 
 
+@subcommand("rehearse", help="run your own launch line on CPU in minutes: real sizes checked, stand-ins trained")
+def rehearse_command(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument(
+        "launch",
+        nargs=argparse.REMAINDER,
+        metavar="-- LAUNCH LINE",
+        help="after --: accelerate launch --config_file X.yaml recipes/R.py --config C.yaml [--field value ...] (or "
+        "the same without the launcher's words)",
+    )
+    parser.add_argument(
+        "--processes", type=int, help="CPU processes (default: each dimension the real mesh splits, split 2 ways)"
+    )
+    parser.add_argument("--steps", type=int, default=2, help="training steps (a checkpoint halfway, resumed from)")
+    parser.add_argument("--rows", type=int, default=200, help="rows of each split the recipe reads")
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path("outputs/rehearsal"), help="stand-ins, runs and the report (replaced)"
+    )
+    parser.add_argument(
+        "--local",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a local stand-in for a Hub id (a model folder with config.json and tokenizer files, or a dataset "
+        "file or folder); repeatable",
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from fsdp_recipes.tools.rehearsal.command import rehearse
+
+        locals_ = {}
+        for pair in args.local:
+            name, equals, path = pair.partition("=")
+            if not equals or not name or not path:
+                raise ConfigError(f"--local {pair!r}: give it as NAME=PATH (a Hub id and a local folder or file)")
+            locals_[name] = path
+        if args.steps < 2:
+            raise ConfigError("--steps must be >= 2: a checkpoint halfway and a resume from it")
+        words = args.launch[1:] if args.launch[:1] == ["--"] else args.launch
+        return rehearse(
+            words, processes=args.processes, steps=args.steps, rows=args.rows, work_dir=args.work_dir, locals_=locals_
+        )
+
+    return run
+
+
 @subcommand("from-deepspeed", help="the FSDP2 Accelerate config and recipe fields equivalent to a DeepSpeed config")
 def from_deepspeed_command(parser: argparse.ArgumentParser) -> Runner:
     from fsdp_recipes.tools.from_deepspeed import add_arguments, run

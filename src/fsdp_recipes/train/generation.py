@@ -1,7 +1,8 @@
-"""Sampling completions from a model being trained, for the online recipes (GRPO's rollouts, on-policy distillation):
-`generate_completions` (transformers `generate` with its KV cache, each completion's noise seeded by its own key so it
-does not depend on its batch neighbours or the rank split) and `weights_gathered` (an FSDP2 model's layers gathered
-once per generation pass instead of once per decoded token)."""
+"""Sampling completions, the one seam every recipe that generates goes through (GRPO's rollouts, on-policy
+distillation, eval.py): `generate_completions` (the configured `generation_backend`, `train.generation_backends`, each
+completion's noise keyed by its own key, `train.sampling`, so it depends neither on its batch neighbours, the rank
+split nor the backend) and `weights_gathered` (an FSDP2 model's layers gathered once per generation pass instead of
+once per decoded token)."""
 
 from __future__ import annotations
 

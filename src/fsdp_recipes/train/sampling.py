@@ -34,12 +34,28 @@ def row_seed(seed, key, step):
     return _mix32(value ^ (step & _MASK32)) >> 1  # 31 bits: the engine's int32 argument keeps a flag beside it
 
 
+_COLUMN_HASHES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _column_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
+    key = (vocab_size, str(device))
+    if key not in _COLUMN_HASHES:
+        _COLUMN_HASHES[key] = _mix32(torch.arange(vocab_size, device=device, dtype=torch.int64) + 0x632BE5AB)
+    return _COLUMN_HASHES[key]
+
+
 def gumbel_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise, [rows, vocab_size] float32, from one seed (`row_seed`) per row (int64 tensor)."""
-    columns = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
-    bits = _mix32(_mix32(seeds.to(torch.int64).unsqueeze(1) ^ columns) ^ 0x5BD1E995)
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) / 2**24  # 24 bits: exact in float32, strictly inside (0, 1)
-    return -torch.log(-torch.log(uniform))
+    """Standard Gumbel noise, [rows, vocab_size] float32, from one seed (`row_seed`) per row (int64 tensor): one
+    finaliser round over (the row's seed xor the entry's hash), both already well mixed."""
+    bits = seeds.to(torch.int64).unsqueeze(1) ^ _column_hashes(vocab_size, seeds.device)
+    bits ^= bits >> 16  # `_mix32` in place: a [rows, vocabulary] pass per operation, no temporaries kept
+    bits.mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    bits ^= bits >> 15
+    bits.mul_(0x846CA68B).bitwise_and_(_MASK32)
+    bits ^= bits >> 16
+    uniform = bits.bitwise_right_shift_(8).to(torch.float32)  # 24 bits: exact in float32
+    uniform.add_(0.5).div_(2**24)  # strictly inside (0, 1)
+    return uniform.log_().neg_().log_().neg_()
 
 
 def keyed_scores(

@@ -1,0 +1,201 @@
+"""`fsdp-recipes rehearse`: a user's own launch line run on CPU in minutes, before it spends GPU hours.
+
+The real sizes are checked first, as the real run would check them (the Accelerate config's linter with the real
+model, the TP/EP split of the real model, the memory estimate); then the job runs for real, on stand-ins made from
+its own model config, tokenizer and data (`stand_ins`), under its own Accelerate config scaled to a few processes
+(`layout`): `--steps` steps with a checkpoint halfway, its export read back by the recipe itself, then a resume from
+the checkpoint whose last step must reproduce the uninterrupted run's loss. The recipe is the user's script, so what
+it refuses it refuses here with the same `error:` line. A thin driver: no second training path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.yaml_json import load_yaml_mapping
+from fsdp_recipes.tools.rehearsal import launch_line, layout, stand_ins
+
+_MODEL_FIELDS = ("model_name_or_path", "teacher_model_name_or_path")
+_SPLIT_FIELDS = ("dataset_train_split", "dataset_test_split", "dataset_split")
+_DEFAULT_SPLITS = {"dataset_train_split": "train", "dataset_test_split": "test"}
+
+
+def cpu_overrides(values: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(recipe flags, notes) for what a CPU cannot run as the GPU run would: each changed, and why."""
+    flags, notes = [], []
+    attention = str(values.get("attn_implementation") or "")
+    if attention.startswith("flash") or attention.startswith("kernels"):
+        flags += ["--attn_implementation", "sdpa"]
+        notes.append(f"attn_implementation {attention} -> sdpa (flash kernels need CUDA; the masks are the same)")
+    if values.get("use_liger_kernel"):
+        flags += ["--use_liger_kernel", "false"]
+        notes.append("use_liger_kernel -> false (liger's Triton kernels need CUDA; the same operations run unfused)")
+    if values.get("loss_implementation") == "liger":
+        flags += ["--loss_implementation", "chunked"]
+        notes.append("loss_implementation liger -> chunked (Triton needs CUDA)")
+    for quantized in ("load_in_4bit", "load_in_8bit"):
+        if values.get(quantized):
+            flags += [f"--{quantized}", "false"]
+            notes.append(f"{quantized} -> false (bitsandbytes' quantized layers need CUDA under FSDP here)")
+    if str(values.get("torch_compile", "false")).lower() == "true":
+        flags += ["--torch_compile_backend", "eager"]
+        notes.append("torch_compile: the eager backend (it traces and checks recompiles; no kernels generated)")
+    if int(values.get("gradient_accumulation_steps") or 1) > 2:
+        flags += ["--gradient_accumulation_steps", "2"]
+        notes.append(f"gradient_accumulation_steps {values['gradient_accumulation_steps']} -> 2 (a smaller batch)")
+    return flags, notes
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _launch(recipe: Path, config_file: Path | None, args: list[str], log: Path, processes: int) -> tuple[int, str]:
+    if config_file is None or processes == 1:
+        command = [sys.executable, str(recipe), *args]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
+        command += ["--main_process_port", str(_free_port()), str(recipe), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1"}
+    with open(log, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    text = log.read_text(errors="replace")
+    errors = [line for line in text.splitlines() if line.startswith("error:") or "] error:" in line]
+    return code, (errors[0] if errors else "\n".join(text.splitlines()[-15:]))
+
+
+def _last_loss(output_dir: Path) -> tuple[int, float] | None:
+    try:
+        records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return None
+    steps = [(r["step"], r["loss"]) for r in records if "loss" in r and "step" in r]
+    return max(steps) if steps else None
+
+
+def real_size_checks(real_config, mesh: layout.Mesh) -> list[str]:
+    """What the real run would refuse before loading for the real model under the real mesh (its TP/EP split)."""
+    from fsdp_recipes.distributed import tensor_parallel
+    from fsdp_recipes.models.experts import expert_routing
+    from fsdp_recipes.models.modeling import model_class_for
+
+    problems = []
+    if mesh.tp > 1 or mesh.ep > 1:
+        real = tensor_parallel.NdLayout(mesh.dp_replicate, mesh.dp_shard, mesh.tp, mesh.ep)
+        routing = expert_routing(real_config)
+        problems += tensor_parallel.model_problems(
+            real, real_config, model_class_for(real_config, "causal-lm"), routing and routing.num_experts
+        )
+    return problems
+
+
+def rehearse(
+    words: list[str], *, processes: int | None, steps: int, rows: int, work_dir: Path, locals_: dict[str, str]
+) -> int:
+    started = time.monotonic()
+    launch = launch_line.parse_launch(words)
+    values = launch_line.recipe_values(launch)
+    mapping = load_yaml_mapping(str(launch.accelerate_config)) if launch.accelerate_config else {}
+    if launch.mixed_precision:
+        mapping["mixed_precision"] = launch.mixed_precision
+    scaled, real_mesh, mesh, notes = layout.scaled_config(mapping, processes) if mapping else ({}, None, None, [])
+    notes = launch.launcher_notes + notes
+    if work_dir.exists():
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True)
+    trust = bool(values.get("trust_remote_code"))
+
+    # --- the real sizes, as the real run checks them -------------------------------------------------------------------
+    model_name = values.get("model_name_or_path") or values.get("model_config")
+    if not model_name:
+        raise ConfigError("the recipe config names no model (model_name_or_path or model_config)")
+    real_config = stand_ins.load_real_config(stand_ins.resolve(str(model_name), locals_), trust_remote_code=trust)
+    problems = real_size_checks(real_config, real_mesh) if real_mesh else []
+    if problems:
+        raise ConfigError([f"for the real model and layout: {problem}" for problem in problems])
+
+    # --- stand-ins: model, data, layout --------------------------------------------------------------------------------
+    flags, cpu_notes = cpu_overrides(values)
+    notes += cpu_notes
+    tp, ep = (mesh.tp, mesh.ep) if mesh else (1, 1)
+    for field in _MODEL_FIELDS:
+        if values.get(field):
+            tokenizer = values.get("tokenizer_name_or_path") if field == "model_name_or_path" else None
+            folder, _, small = stand_ins.write_model(
+                str(values[field]), tokenizer, work_dir / field, tp=tp, ep=ep, locals_=locals_, trust_remote_code=trust
+            )
+            flags += [f"--{field}", str(folder)]
+    if values.get("model_config") and not values.get("model_name_or_path"):
+        small = stand_ins.shrunk_config(real_config, tp=tp, ep=ep)
+        small.to_json_file(work_dir / "model_config.json")
+        flags += ["--model_config", str(work_dir / "model_config.json")]
+    if values.get("tokenizer_name_or_path") and values.get("model_name_or_path"):
+        flags += ["--tokenizer_name_or_path", str(work_dir / "model_name_or_path")]
+    splits = {field: values.get(field, _DEFAULT_SPLITS.get(field)) for field in _SPLIT_FIELDS}
+    splits = {field: split for field, split in splits.items() if split}
+    if values.get("dataset_name") or values.get("dataset_mixture"):
+        renamed = stand_ins.write_data(
+            values.get("dataset_name"), values.get("dataset_config"), values.get("dataset_mixture"), splits,
+            work_dir / "data", rows=rows, locals_=locals_,
+        )  # fmt: skip
+        flags += ["--dataset_name", str(work_dir / "data"), "--dataset_mixture", "null", "--dataset_config", "null"]
+        for field, split in renamed.items():
+            flags += [f"--{field}", split]
+    config_file = None
+    if scaled:
+        config_file = work_dir / "accelerate.yaml"
+        config_file.write_text(yaml.safe_dump(scaled, sort_keys=True))
+    count = mesh.processes if mesh else 1
+
+    # --- the runs: steps with a checkpoint, export read back; a resume from the checkpoint ------------------------------
+    halfway = max(steps // 2, 1)
+    run_flags = ["--max_steps", str(steps), "--save_steps", str(halfway), "--logging_steps", "1", "--report_to",
+                 "none", "--push_to_hub", "false", "--save_total_limit", "null"]  # fmt: skip
+    whole, resumed = work_dir / "run", work_dir / "resumed"
+    code, said = _launch(
+        launch.recipe, config_file, [*launch.recipe_args, *flags, *run_flags, "--output_dir", str(whole)],
+        work_dir / "run.log", count,
+    )  # fmt: skip
+    report = {"recipe": str(launch.recipe), "processes": count, "steps": steps, "changed_for_cpu": notes}
+    if code != 0:
+        report["result"] = f"failed: {said}"
+        _print_report(report, time.monotonic() - started, work_dir)
+        return 1
+    checkpoint = whole / "checkpoints" / f"step-{halfway:08d}"
+    code, said = _launch(
+        launch.recipe, config_file,
+        [*launch.recipe_args, *flags, *run_flags, "--output_dir", str(resumed), "--resume_from_checkpoint",
+         str(checkpoint)],
+        work_dir / "resumed.log", count,
+    )  # fmt: skip
+    first, again = _last_loss(whole), _last_loss(resumed)
+    report["exported"] = str(whole / "model.safetensors") if (whole / "model.safetensors").is_file() else None
+    if code != 0:
+        report["result"] = f"the resume failed: {said}"
+    elif first != again:
+        report["result"] = f"the resume did not reproduce step {first and first[0]}: loss {first} vs {again}"
+    else:
+        report["result"] = f"ran: {steps} steps, checkpoint at {halfway}, resumed to the same loss {first[1]:.6g}"
+    _print_report(report, time.monotonic() - started, work_dir)
+    return 0 if report["result"].startswith("ran") else 1
+
+
+def _print_report(report: dict, seconds: float, work_dir: Path) -> None:
+    report["seconds"] = round(seconds, 1)
+    (work_dir / "rehearsal.json").write_text(json.dumps(report, indent=1))
+    print(f"rehearsal of {report['recipe']} on {report['processes']} CPU process(es): {report['result']}")
+    for note in report["changed_for_cpu"]:
+        print(f"  changed: {note}")
+    print(f"  {report['seconds']} s; logs and report in {work_dir}")

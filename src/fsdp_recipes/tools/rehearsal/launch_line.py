@@ -1,0 +1,102 @@
+"""A user's launch line, read as the launcher and the recipe would read it: `accelerate launch [launcher options]
+recipes/R.py --config C.yaml [--field value ...]` (or `python recipes/R.py ...`, or the script and its arguments
+alone). Nothing is run: `parse_launch` says which Accelerate config, which recipe and which recipe arguments, and
+`recipe_values` what the recipe config holds once the command line's overrides are applied (raw values, the YAML's
+and the flags', for the stand-ins: which model, tokenizer, dataset)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.yaml_json import load_yaml_mapping
+
+# accelerate launch's options that take a value, and what a rehearsal does with them
+_LAUNCHER_VALUE_OPTIONS = {
+    "--config_file": "kept (scaled)",
+    "--config-file": "kept (scaled)",
+    "--num_processes": "replaced by --processes",
+    "--num_machines": "one machine",
+    "--machine_rank": "one machine",
+    "--main_process_ip": "one machine",
+    "--main_process_port": "a free local port",
+    "--rdzv_backend": "static, one machine",
+    "--mixed_precision": "kept",
+    "--gpu_ids": "no GPU",
+}
+_LAUNCHER_FLAGS = ("--multi_gpu", "--use_fsdp", "--same_network", "--cpu")
+
+
+@dataclasses.dataclass
+class Launch:
+    recipe: Path  # the recipe script
+    recipe_args: list[str]  # everything after it
+    accelerate_config: Path | None  # --config_file, None: a plain `python recipes/R.py`
+    mixed_precision: str | None = None  # `accelerate launch --mixed_precision`, over the config's
+    launcher_notes: list[str] = dataclasses.field(default_factory=list)  # launcher options not kept as given
+
+
+def parse_launch(words: list[str] | str) -> Launch:
+    """The launch line's parts; ConfigError when it is not a recipe launch."""
+    words = shlex.split(words) if isinstance(words, str) else list(words)
+    if words[:1] == ["--"]:
+        words = words[1:]
+    if words[:2] == ["accelerate", "launch"]:
+        words = words[2:]
+    elif words[:1] and Path(words[0]).name.startswith("python"):
+        words = words[1:]
+    config_file, mixed_precision, notes, index = None, None, [], 0
+    while index < len(words) and words[index].startswith("--"):
+        option, has_equals, inline = words[index].partition("=")
+        if option in _LAUNCHER_VALUE_OPTIONS:
+            value = inline if has_equals else (words[index + 1] if index + 1 < len(words) else "")
+            index += 1 if has_equals else 2
+            if option in ("--config_file", "--config-file"):
+                config_file = Path(value)
+            elif option == "--mixed_precision":
+                mixed_precision = value
+            else:
+                notes.append(f"{option} {value}: {_LAUNCHER_VALUE_OPTIONS[option]}")
+        elif option in _LAUNCHER_FLAGS:
+            index += 1
+        else:
+            raise ConfigError(
+                f"{option} is not an accelerate launch option a rehearsal knows: give the launch line as "
+                "`accelerate launch --config_file X.yaml recipes/R.py --config C.yaml [--field value ...]`"
+            )
+    if index >= len(words) or not words[index].endswith(".py"):
+        raise ConfigError(
+            "this is not a recipe launch (no recipes/<recipe>.py in it): give it as `accelerate launch --config_file "
+            "X.yaml recipes/R.py --config C.yaml [--field value ...]`"
+        )
+    recipe = Path(words[index])
+    if not recipe.is_file():
+        raise ConfigError(f"the recipe {recipe} does not exist (paths are read from the current folder)")
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError(f"the Accelerate config {config_file} does not exist")
+    return Launch(recipe, words[index + 1 :], config_file, mixed_precision, notes)
+
+
+def recipe_values(launch: Launch) -> dict[str, Any]:
+    """The recipe config's values with the command line's `--field value` overrides applied (YAML-read, so `null`,
+    numbers and lists mean what they mean in the file); ConfigError when the config file cannot be read."""
+    args, values, index = launch.recipe_args, {}, 0
+    overrides = {}
+    while index < len(args):
+        name, has_equals, inline = args[index][2:].partition("=") if args[index].startswith("--") else ("", "", "")
+        if not name:
+            index += 1
+            continue
+        value = inline if has_equals else (args[index + 1] if index + 1 < len(args) else "true")
+        flag_alone = not has_equals and (index + 1 >= len(args) or args[index + 1].startswith("--"))
+        index += 1 if has_equals or flag_alone else 2
+        if name == "config":
+            values = load_yaml_mapping(value)
+        else:
+            overrides[name] = True if flag_alone else yaml.safe_load(value)
+    return {**values, **overrides}

@@ -1,0 +1,166 @@
+"""What a rehearsal runs on instead of the real thing, made from the real thing:
+
+- the model: the real config (same class, attention kinds, MoE routing, RoPE, sliding window, vocabulary), shrunk to
+  two narrow layers with head, key/value-head and expert counts divisible by the rehearsal's TP and EP sizes, random
+  weights, saved with the real tokenizer (and its chat template) beside them;
+- the data: the first rows of each split the recipe reads, through the real loader (Hub, file, folder or mixture),
+  written as local JSON lines (the recipe prepares them itself, as it would the real ones).
+Names are resolved offline: a Hub id must be in the local cache (HF_HUB_OFFLINE=1 keeps it from the network), or be
+given a local stand-in with `--local NAME=PATH`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fsdp_recipes.common.errors import ConfigError
+
+HEAD_DIM = 16
+# config keys -> their value in the stand-in, where the real config has the key
+_NARROW = {
+    "q_lora_rank": 16,  # multi-head latent attention (DeepSeek): low ranks, small rope/nope dimensions
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def resolve(name: str, locals_: dict[str, str]) -> str:
+    """`name`, or the local stand-in `--local` gives it."""
+    return locals_.get(name, name)
+
+
+def load_real_config(name: str, *, trust_remote_code: bool = False):
+    """The real model config, offline or from the cache; ConfigError naming HF_HUB_OFFLINE and --local."""
+    from transformers import AutoConfig
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=offline)
+    except Exception as error:  # noqa: BLE001 - any way of not finding it is the same advice
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            f"the model {name!r} cannot be resolved here ({type(error).__name__}: {first[:200]}): put it in the local "
+            "Hugging Face cache (and set HF_HUB_OFFLINE=1 so nothing is fetched), or pass a local folder holding its "
+            f"config.json and tokenizer files with --local {name}=/path/to/folder"
+        ) from None
+
+
+def shrunk_config(real, *, tp: int = 1, ep: int = 1):
+    """The real config with two narrow layers (one of each attention kind it mixes, a dense and a sparse layer where
+    it has both) and head / key-value-head / expert counts divisible by `tp` and `ep`; everything else as it is."""
+    from transformers import AutoConfig
+
+    values: dict[str, Any] = real.to_dict()
+    values.pop("quantization_config", None)
+    heads = int(values.get("num_attention_heads") or 4)
+    kv_heads = int(values.get("num_key_value_heads") or heads)
+    group = max(heads // max(kv_heads, 1), 1)
+    new_kv = tp * max(1, min(kv_heads, 2) // tp) if kv_heads >= tp else tp
+    new_heads = new_kv * min(group, 2)
+    if "num_attention_heads" in values:
+        values["num_attention_heads"] = new_heads
+    if "num_key_value_heads" in values:
+        values["num_key_value_heads"] = new_kv
+    hidden = new_heads * HEAD_DIM
+    values["hidden_size"] = hidden
+    if values.get("head_dim") is not None:
+        values["head_dim"] = HEAD_DIM
+    for key in ("intermediate_size", "ffn_dim"):
+        if values.get(key) is not None:
+            values[key] = 2 * hidden
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"):
+        if values.get(key):
+            values[key] = hidden
+    values.update({key: value for key, value in _NARROW.items() if values.get(key) is not None})
+    for key in _EXPERT_COUNTS:
+        if values.get(key):
+            values[key] = max(4, 2 * ep)
+            for per_token in ("num_experts_per_tok", "moe_topk"):
+                if values.get(per_token):
+                    values[per_token] = min(int(values[per_token]), 2)
+    layers = 2
+    if values.get("layer_types"):
+        kinds = list(dict.fromkeys(values["layer_types"]))[:2]
+        values["layer_types"] = kinds + kinds[:1] * (layers - len(kinds))
+    if values.get("first_k_dense_replace"):
+        values["first_k_dense_replace"] = 1  # one dense layer, then one with experts
+    values["num_hidden_layers"] = layers
+    for key in ("max_window_layers",):
+        if values.get(key) is not None:
+            values[key] = min(int(values[key]), layers)
+    model_type = values.pop("model_type")
+    values.pop("transformers_version", None)
+    values.pop("architectures", None) if not real.architectures else None
+    return AutoConfig.for_model(model_type, **values)
+
+
+def write_model(
+    name: str,
+    tokenizer_name: str | None,
+    folder: Path,
+    *,
+    tp: int,
+    ep: int,
+    locals_: dict[str, str],
+    trust_remote_code: bool = False,
+) -> tuple[Path, Any, Any]:
+    """A stand-in model folder (random weights of the shrunk config, safetensors, the real tokenizer) for `name`:
+    (folder, the real config, the stand-in's config)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    real = load_real_config(resolve(name, locals_), trust_remote_code=trust_remote_code)
+    small = shrunk_config(real, tp=tp, ep=ep)
+    tokenizer_source = resolve(tokenizer_name or name, locals_)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001
+        raise ConfigError(
+            f"the tokenizer {tokenizer_name or name!r} cannot be loaded here ({type(error).__name__}): pass a local "
+            f"folder with its tokenizer files with --local {tokenizer_name or name}=/path/to/folder"
+        ) from None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small, trust_remote_code=trust_remote_code)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, real, small
+
+
+def write_data(
+    dataset_name: str | None,
+    dataset_config: str | None,
+    mixture: dict | None,
+    splits: dict[str, str],
+    folder: Path,
+    *,
+    rows: int,
+    locals_: dict[str, str],
+) -> dict[str, str]:
+    """The first `rows` rows of each split in `splits` ({the recipe's split field: the real split name}) written to
+    `folder/<field's usual name>.jsonl`; returns {split field: the split name the stand-in has}. DataError (the real
+    loader's) when the data cannot be read."""
+    from fsdp_recipes.data import files
+
+    raw = files.load_raw_dataset(
+        resolve(dataset_name, locals_) if dataset_name else None, dataset_config, mixture=mixture
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    renamed = {}
+    for field, split in splits.items():
+        if split not in raw:
+            continue  # the recipe says what it does without the split (a held-out part carved from train, none)
+        new_name = "test" if "test" in field or "eval" in field else "train"
+        part = raw[split].select(range(min(rows, len(raw[split]))))
+        with open(folder / f"{new_name}.jsonl", "w") as out:
+            for row in part:
+                out.write(json.dumps(row, default=str) + "\n")
+        renamed[field] = new_name
+    return renamed
