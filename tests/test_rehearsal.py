@@ -168,11 +168,17 @@ def test_a_shipped_tp_job_rehearses_with_a_resume_and_a_broken_one_fails_with_it
     report = json.loads((tmp_path / "ok" / "rehearsal.json").read_text())
     assert report["result"].startswith("ran: 2 steps, checkpoint at 1, resumed to the same loss")
     assert report["processes"] == 2 and report["exported"]
+    estimate = report["estimate_real_sizes"]  # at the real sizes, the launch line's --max_length 256 included
+    assert estimate.startswith("fits: 70.6B parameters,") and "GiB per GPU of 67.1 GiB usable on 80GB GPUs" in estimate
     assert any("mesh fsdp 4 x tp 8 (32 processes) -> tp 2 (2)" in note for note in report["changed_for_cpu"])
     scaled = yaml.safe_load((tmp_path / "ok" / "accelerate.yaml").read_text())
     assert scaled["parallelism_config"]["parallelism_config_tp_size"] == 2 and scaled["mixed_precision"] == "bf16"
 
-    broken = {**locals_, "HuggingFaceH4/ultrachat_200k": str(stand_in_files["wrong"])}
-    assert command.rehearse(line, processes=2, steps=2, rows=8, work_dir=tmp_path / "bad", locals_=broken) == 1
+    # one process (the recipe run by Python, no launcher): the data's error comes before any process group would
+    broken = {"meta-llama/Llama-3.1-8B": str(stand_in_files["model"]), "HuggingFaceH4/ultrachat_200k":
+              str(stand_in_files["wrong"]), "meta-llama/Llama-3.1-8B-Instruct": str(stand_in_files["model"])}  # fmt: skip
+    line = "accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/sft.py --config "
+    line += "recipes/configs/sft/llama-3.1-8b_ultrachat.yaml"
+    assert command.rehearse(line.split(), processes=1, steps=2, rows=8, work_dir=tmp_path / "bad", locals_=broken) == 1
     failed = json.loads((tmp_path / "bad" / "rehearsal.json").read_text())["result"]
     assert failed.startswith("failed: error: ") and "messages" in failed  # the recipe's own line: the column it needs

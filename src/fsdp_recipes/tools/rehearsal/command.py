@@ -23,7 +23,9 @@ import yaml
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.yaml_json import load_yaml_mapping
+from fsdp_recipes.tools.estimator.recipe import config_class
 from fsdp_recipes.tools.rehearsal import launch_line, layout, stand_ins
+from fsdp_recipes.train.config import TrainingConfig
 
 _MODEL_FIELDS = ("model_name_or_path", "teacher_model_name_or_path")
 _SPLIT_FIELDS = ("dataset_train_split", "dataset_test_split", "dataset_split")
@@ -62,8 +64,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _launch(recipe: Path, config_file: Path | None, args: list[str], log: Path, processes: int) -> tuple[int, str]:
-    if config_file is None or processes == 1:
+def _launch(recipe: Path, config_file: Path | None, args: list[str], log: Path) -> tuple[int, str]:
+    if config_file is None:
         command = [sys.executable, str(recipe), *args]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
@@ -101,6 +103,46 @@ def real_size_checks(real_config, mesh: layout.Mesh) -> list[str]:
     return problems
 
 
+def real_size_estimate(launch: launch_line.Launch, values: dict[str, Any], model: str, trust: bool) -> str:
+    """The memory estimator's verdict for the real model, layout and batch (`fsdp-recipes estimate`), one line; what
+    kept it from estimating, when something did."""
+    import argparse
+    import contextlib
+    import io
+
+    from fsdp_recipes.common.errors import UserError
+    from fsdp_recipes.tools.catalog import gpu_memory_line
+    from fsdp_recipes.tools.config_comments import opening_comment
+    from fsdp_recipes.tools.estimator.arguments import DEFAULT_GPU_MEMORY, DEFAULT_RESERVE
+    from fsdp_recipes.tools.estimator.command import run_estimate
+
+    if launch.accelerate_config is None:
+        return "not estimated: no Accelerate config in the launch line"
+    config = next((launch.recipe_args[i + 1] for i, a in enumerate(launch.recipe_args[:-1]) if a == "--config"), None)
+    gpu_memory = DEFAULT_GPU_MEMORY
+    if config and Path(config).is_file():  # the config's own `# GPU memory:` line, as `fsdp-recipes ls` reads it
+        gpu_memory = gpu_memory_line(opening_comment(Path(config).read_text()))
+    args = argparse.Namespace(
+        model=model, accelerate_config=str(launch.accelerate_config), recipe_config=config,
+        max_length=values.get("max_length"), batch_size=values.get("per_device_train_batch_size"),
+        num_processes=None, gpu_memory=gpu_memory, reserve=DEFAULT_RESERVE, trust_remote_code=trust, json=True,
+    )  # fmt: skip
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            run_estimate(args)
+        figures = json.loads(printed.getvalue())
+    except (UserError, ValueError, OSError) as error:
+        return f"not estimated: {error}"
+    per_gpu = figures["per_gpu_bytes"]["total"]
+    usable = figures["usable_bytes"] / 2**30
+    verdict = "fits" if figures["fits"] else "does NOT fit"
+    return (
+        f"{verdict}: {figures['parameters_total'] / 1e9:.1f}B parameters, {per_gpu / 2**30:.1f} GiB per GPU of "
+        f"{usable:.1f} GiB usable on {gpu_memory} GPUs (`fsdp-recipes estimate --gpu-memory` for others)"
+    )
+
+
 def rehearse(
     words: list[str], *, processes: int | None, steps: int, rows: int, work_dir: Path, locals_: dict[str, str]
 ) -> int:
@@ -121,10 +163,18 @@ def rehearse(
     model_name = values.get("model_name_or_path") or values.get("model_config")
     if not model_name:
         raise ConfigError("the recipe config names no model (model_name_or_path or model_config)")
-    real_config = stand_ins.load_real_config(stand_ins.resolve(str(model_name), locals_), trust_remote_code=trust)
+    real_name = stand_ins.resolve(str(model_name), locals_)
+    real_config = stand_ins.load_real_config(real_name, trust_remote_code=trust)
     problems = real_size_checks(real_config, real_mesh) if real_mesh else []
+    if launch.accelerate_config:
+        from fsdp_recipes.distributed.launch_checks import ERROR
+        from fsdp_recipes.tools.linter import lint_config_file
+
+        findings = lint_config_file(launch.accelerate_config, model=real_name, trust_remote_code=trust)
+        problems += [f"{launch.accelerate_config}: {finding}" for finding in findings if finding.severity == ERROR]
     if problems:
         raise ConfigError([f"for the real model and layout: {problem}" for problem in problems])
+    estimate = real_size_estimate(launch, values, real_name, trust)
 
     # --- stand-ins: model, data, layout --------------------------------------------------------------------------------
     flags, cpu_notes = cpu_overrides(values)
@@ -160,25 +210,30 @@ def rehearse(
     count = mesh.processes if mesh else 1
 
     # --- the runs: steps with a checkpoint, export read back; a resume from the checkpoint ------------------------------
+    training = config_class(launch.recipe) is not TrainingConfig  # eval.py measures once: no steps, no resume
     halfway = max(steps // 2, 1)
-    run_flags = ["--max_steps", str(steps), "--save_steps", str(halfway), "--logging_steps", "1", "--report_to",
-                 "none", "--push_to_hub", "false", "--save_total_limit", "null"]  # fmt: skip
+    run_flags = ["--report_to", "none", "--push_to_hub", "false"]
+    if training:
+        run_flags += ["--max_steps", str(steps), "--save_steps", str(halfway), "--logging_steps", "1",
+                      "--save_total_limit", "null", "--repeat_small_dataset", "true"]  # fmt: skip
+        notes.append(f"{steps} steps (repeat_small_dataset: the first --rows rows may pack into fewer than a step)")
     whole, resumed = work_dir / "run", work_dir / "resumed"
     code, said = _launch(
         launch.recipe, config_file, [*launch.recipe_args, *flags, *run_flags, "--output_dir", str(whole)],
-        work_dir / "run.log", count,
+        work_dir / "run.log",
     )  # fmt: skip
-    report = {"recipe": str(launch.recipe), "processes": count, "steps": steps, "changed_for_cpu": notes}
-    if code != 0:
-        report["result"] = f"failed: {said}"
+    report = {"recipe": str(launch.recipe), "processes": count, "steps": steps if training else 0}
+    report.update(changed_for_cpu=notes, estimate_real_sizes=estimate)
+    if code != 0 or not training:
+        report["result"] = f"failed: {said}" if code else "ran: evaluated the stand-in (results in run/)"
         _print_report(report, time.monotonic() - started, work_dir)
-        return 1
+        return 1 if code else 0
     checkpoint = whole / "checkpoints" / f"step-{halfway:08d}"
     code, said = _launch(
         launch.recipe, config_file,
         [*launch.recipe_args, *flags, *run_flags, "--output_dir", str(resumed), "--resume_from_checkpoint",
          str(checkpoint)],
-        work_dir / "resumed.log", count,
+        work_dir / "resumed.log",
     )  # fmt: skip
     first, again = _last_loss(whole), _last_loss(resumed)
     report["exported"] = str(whole / "model.safetensors") if (whole / "model.safetensors").is_file() else None
@@ -196,6 +251,7 @@ def _print_report(report: dict, seconds: float, work_dir: Path) -> None:
     report["seconds"] = round(seconds, 1)
     (work_dir / "rehearsal.json").write_text(json.dumps(report, indent=1))
     print(f"rehearsal of {report['recipe']} on {report['processes']} CPU process(es): {report['result']}")
+    print(f"  memory at the real sizes: {report['estimate_real_sizes']}")
     for note in report["changed_for_cpu"]:
         print(f"  changed: {note}")
     print(f"  {report['seconds']} s; logs and report in {work_dir}")
