@@ -81,6 +81,26 @@ def test_implicit_conversations_share_their_leading_turns_as_the_prompt(tokenize
     assert pair == (prompt, "cba<|end|>", prompt, "bca<|end|>")
 
 
+def test_ultrafeedbacks_text_prompt_with_whole_conversations_uses_their_shared_turns(tokenizer):
+    """HuggingFaceH4/ultrafeedback_binarized: `prompt` is text, `chosen` and `rejected` repeat it as their first turn
+    (found by rehearsing the shipped DPO config on data of that layout); answers alone take the text as a user turn."""
+    user = turn("user", "reverse: abc")
+    prompt = "<|bos|><|user|>reverse: abc<|end|><|assistant|>"
+    whole = split(
+        tokenizer,
+        {
+            "prompt": ["reverse: abc"],
+            "chosen": [[user, turn("assistant", "cba")]],
+            "rejected": [[user, turn("assistant", "bca")]],
+        },
+    )
+    alone = split(
+        tokenizer,
+        {"prompt": ["reverse: abc"], "chosen": [[turn("assistant", "cba")]], "rejected": [[turn("assistant", "bca")]]},
+    )
+    assert whole == alone == [(prompt, "cba<|end|>", prompt, "bca<|end|>")]
+
+
 def test_pairs_are_numbered_and_counted(tokenizer):
     pairs, stats = paired.tokenize_pairs(
         Dataset.from_dict({"prompt": ["p: ", "pp: "], "chosen": ["a", "bb"], "rejected": ["c", "d"]}),

@@ -121,6 +121,11 @@ def tokenize_pair(
     where = f"pair {files.row_place(carving, index, name)}"
     if data_format == "explicit":
         prompt, chosen, rejected = example["prompt"], example["chosen"], example["rejected"]
+        if isinstance(prompt, str) and isinstance(chosen, list) and isinstance(rejected, list):
+            # UltraFeedback's layout (HuggingFaceH4/ultrafeedback_binarized): the prompt as text, and conversations
+            # that repeat it as their first turn; their shared turns are the prompt (a user turn if they share none)
+            shared, chosen, rejected = split_implicit_prompt(chosen, rejected)
+            prompt = shared or [{"role": "user", "content": prompt}]
     else:
         try:
             prompt, chosen, rejected = split_implicit_prompt(example["chosen"], example["rejected"])

@@ -52,6 +52,10 @@ def cpu_overrides(values: dict[str, Any]) -> tuple[list[str], list[str]]:
     if str(values.get("torch_compile", "false")).lower() == "true":
         flags += ["--torch_compile_backend", "eager"]
         notes.append("torch_compile: the eager backend (it traces and checks recompiles; no kernels generated)")
+    for length in ("max_completion_length", "max_new_tokens"):  # a random model writes to the limit, each token slow
+        if int(values.get(length) or 0) > 32:
+            flags += [f"--{length}", "32"]
+            notes.append(f"{length} {values[length]} -> 32 (the stand-in's random weights generate to the limit)")
     if int(values.get("gradient_accumulation_steps") or 1) > 2:
         flags += ["--gradient_accumulation_steps", "2"]
         notes.append(f"gradient_accumulation_steps {values['gradient_accumulation_steps']} -> 2 (a smaller batch)")
