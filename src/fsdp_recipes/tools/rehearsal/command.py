@@ -170,7 +170,7 @@ def rehearse(
     real_name = stand_ins.resolve(str(model_name), locals_)
     real_config = stand_ins.load_real_config(real_name, trust_remote_code=trust)
     problems = real_size_checks(real_config, real_mesh) if real_mesh else []
-    if launch.accelerate_config:
+    if launch.accelerate_config and not problems:  # the linter would repeat a TP/EP problem in its own words
         from fsdp_recipes.distributed.launch_checks import ERROR
         from fsdp_recipes.tools.linter import lint_config_file
 
