@@ -29,9 +29,12 @@ from fsdp_recipes.train import frozen_copy, generation, loop, router_balance
 
 
 @dataclasses.dataclass
-class GRPOConfig(online_rl.OnlineRLFields, config_lib.TrainingConfig):
-    """The GRPO recipe's settings: those of online RL (sampling, objective, rewards: `methods/grpo/settings.py`) and
-    of every training recipe, with defaults for RL. Names follow TRL's GRPOConfig."""
+class GRPOConfig(
+    online_rl.PolicyObjectiveFields, online_rl.GenerationFields, online_rl.RewardFields, config_lib.TrainingConfig
+):
+    """The GRPO recipe's settings in four groups: the policy objective, generation, rewards and tools
+    (`methods/grpo/settings.py`), and the run (every training recipe's), with defaults for RL. Names follow TRL's
+    GRPOConfig."""
 
     output_dir: str = arguments.setting("outputs/grpo", "the run's folder (see sft.py)", resume="free")
     learning_rate: float = arguments.setting(

@@ -344,7 +344,7 @@ def test_keys_that_cannot_mean_anything_here_say_where_they_live(
 def test_old_and_upstream_names_are_read(tmp_path):
     from fsdp_recipes.common.arguments import parse_config
     from fsdp_recipes.common.errors import ConfigError
-    from fsdp_recipes.train import compat, loop
+    from fsdp_recipes.train import loop, trainer_arguments
     from helpers.recipes import load_recipe
 
     config_class = load_recipe("sft").SFTConfig
@@ -363,7 +363,9 @@ def test_old_and_upstream_names_are_read(tmp_path):
     config = parse_config(config_class, argv)
     assert config.max_length == 96 and config.trackers() == ["tensorboard"]
     assert config.upstream_notes["max_seq_length"].startswith("renamed: read as max_length")
-    assert compat.warmup_steps(config, total_steps=40) == 10  # a fraction of the run, as transformers 5 reads it
+    assert (
+        trainer_arguments.warmup_steps(config, total_steps=40) == 10
+    )  # a fraction of the run, as transformers 5 reads it
     import torch
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
@@ -399,7 +401,7 @@ def test_log_level_warning_silences_info_lines(tmp_path, tiny_model_config, chat
 def test_strategies_decide_when_each_component_acts(settings, expected):
     from types import SimpleNamespace
 
-    from fsdp_recipes.train import compat
+    from fsdp_recipes.train import trainer_arguments
 
     config = SimpleNamespace(
         **{
@@ -414,7 +416,11 @@ def test_strategies_decide_when_each_component_acts(settings, expected):
         }
     )
     due = tuple(
-        [step for step in range(1, 7) if compat.cadence(config, kind, total_steps=6, steps_per_epoch=3).due(step)]
+        [
+            step
+            for step in range(1, 7)
+            if trainer_arguments.cadence(config, kind, total_steps=6, steps_per_epoch=3).due(step)
+        ]
         for kind in ("logging", "eval", "save")
     )
     assert due == expected

@@ -74,7 +74,7 @@ def test_the_estimator_gathers_a_layers_linear_weights_in_one_byte_under_fp8():
 
 @pytest.mark.parametrize("bf16, refused", [(True, False), (None, False), (False, True)])
 def test_bf16_in_a_recipe_config_agrees_with_fp8_whose_rest_runs_in_bf16(bf16, refused):
-    from fsdp_recipes.train.compat import precision_problem
+    from fsdp_recipes.train.trainer_arguments import precision_problem
 
     problem = precision_problem(SimpleNamespace(bf16=bf16, fp16=None), "fp8")
     assert (problem is not None) == refused

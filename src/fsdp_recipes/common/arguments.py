@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from fsdp_recipes.common import upstream_keys
+from fsdp_recipes.common import key_translation
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.yaml_json import load_yaml_mapping
 
@@ -80,8 +80,8 @@ def _coerce(value: Any, base: type, nullable: bool) -> Any:
 
 
 def _unknown_key_message(key: str, valid: list[str], where: str) -> str:
-    if where == "the command line" and upstream_keys.command_line_message(key):
-        return upstream_keys.command_line_message(key)
+    if where == "the command line" and key_translation.command_line_message(key):
+        return key_translation.command_line_message(key)
     if key.startswith("fsdp") or key in ("mixed_precision", "num_processes", "distributed_type"):
         return (
             f"{key!r} in {where} is an Accelerate setting: FSDP and precision settings live only in the Accelerate "
@@ -106,7 +106,7 @@ def _typed_upstream_values(
 ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """typed_values, plus the notes on upstream keys (renamed or ignored) for the run summary."""
     kinds = _field_kinds(cls)
-    values, notes, problems = upstream_keys.translate(values, set(kinds), where)
+    values, notes, problems = key_translation.translate(values, set(kinds), where)
     problems = problems if unknown_keys_are_errors else []
     if isinstance(values.get("report_to"), list):  # TrainingArguments takes a list of trackers
         values["report_to"] = ",".join(str(name) for name in values["report_to"]) or "none"
@@ -152,7 +152,7 @@ def setting(
 
 
 # Field metadata keys that are this project's, not argparse's: HfArgumentParser passes every key to add_argument.
-OWN_METADATA = ("resume", "check")  # what a resume may do with the field (train/recipe_traits.py), its check
+OWN_METADATA = ("resume", "check")  # what a resume may do with the field (train/recipe_interface.py), its check
 
 
 class _RecipeArgumentParser(HfArgumentParser):

@@ -10,9 +10,9 @@ from typing import Any
 
 from fsdp_recipes.common import yaml_json
 from fsdp_recipes.publish import model_index
-from fsdp_recipes.train import compat
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import metrics as metrics_lib
+from fsdp_recipes.train import trainer_arguments
 
 
 def log_to_trackers(accelerator, config: config_lib.RunConfig, results: dict[str, Any], *, run_name: str) -> None:
@@ -21,7 +21,7 @@ def log_to_trackers(accelerator, config: config_lib.RunConfig, results: dict[str
         return
     accelerator.init_trackers(
         config=metrics_lib.numeric_fields(config_lib.config_to_dict(config), keep_text=True),
-        **compat.tracker_options(config, run_name),
+        **trainer_arguments.tracker_options(config, run_name),
     )
     accelerator.log(metrics_lib.numeric_fields(results), step=0)
     accelerator.end_training()

@@ -20,7 +20,7 @@ from fsdp_recipes.models.export_dtype import dtype_name
 from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters
 from fsdp_recipes.tools.estimator.live import estimate_for_run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import compat, loop
+from fsdp_recipes.train import loop, trainer_arguments
 from fsdp_recipes.train.config import config_to_dict
 from fsdp_recipes.train.loop import BatchStream
 from fsdp_recipes.train.metrics import (
@@ -81,7 +81,7 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
         task=run.task,
         attn_implementation=run.attention_note,
         **(summary or {}),
-        upstream_keys=compat.upstream_key_notes(config) or None,
+        upstream_keys=trainer_arguments.upstream_key_notes(config) or None,
         **adapters.parameter_counts(model),
         lora=adapters.describe(config),
         optimizer_steps=run.total_steps,
@@ -116,7 +116,8 @@ def start_metrics_log(run, first_step: int) -> MetricsLog:
         write_json(Path(config.output_dir) / "run_summary.json", run.summary)
         logs.info("run summary:\n" + format_table(list(run.summary.items())))
     accelerator.init_trackers(
-        config=numeric_fields(config_to_dict(config), keep_text=True), **compat.tracker_options(config, run.name)
+        config=numeric_fields(config_to_dict(config), keep_text=True),
+        **trainer_arguments.tracker_options(config, run.name),
     )
     if run.resumed:
         changes = {"config_changes": run.config_changes} if run.config_changes else {}

@@ -23,7 +23,7 @@ from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.run import components
 from fsdp_recipes.run.training import Training
-from fsdp_recipes.train import compat
+from fsdp_recipes.train import trainer_arguments
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 
@@ -216,7 +216,9 @@ class Run(StartedRun):
         # eval_strategy / save_strategy / logging_strategy (steps, epoch, no) decide each component's cadence
         per_epoch = -(-len(train_loader) // self.config.gradient_accumulation_steps) if shared else None
         for component, kind in ((metrics, "logging"), (evaluation, "eval"), (checkpoints, "save")):
-            component.cadence = compat.cadence(self.config, kind, total_steps=total_steps, steps_per_epoch=per_epoch)
+            component.cadence = trainer_arguments.cadence(
+                self.config, kind, total_steps=total_steps, steps_per_epoch=per_epoch
+            )
         return Training(
             self,
             batches=batches,

@@ -36,7 +36,7 @@ from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import compat, generation_backends, preemption
+from fsdp_recipes.train import generation_backends, preemption, trainer_arguments
 from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
@@ -129,12 +129,14 @@ def accelerator_for(config: RunConfig) -> Accelerator:
     it (as Trainer does)."""
     launch_warnings = check_launch_environment()
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by accelerate launch from its config
-    problem = compat.precision_problem(config, launch_precision)
+    problem = trainer_arguments.precision_problem(config, launch_precision)
     if launch_precision == "fp8":
         problem = problem or float8.launch_problem(os.environ, use_peft=getattr(config, "use_peft", False))
     if problem:
         raise ConfigError(problem)
-    precision = {} if launch_precision else {"mixed_precision": compat.mixed_precision_without_launch_config(config)}
+    precision = (
+        {} if launch_precision else {"mixed_precision": trainer_arguments.mixed_precision_without_launch_config(config)}
+    )
     accelerator = build_accelerator(
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         log_with=config.trackers() or None,
@@ -170,7 +172,7 @@ def load_model_files(
         chat_template_path=getattr(config, "chat_template_path", None),
         setting="tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path",
     )
-    compat.set_eos_token(tokenizer, config.eos_token)
+    trainer_arguments.set_eos_token(tokenizer, config.eos_token)
     model_config = load_model_config(
         model_name_or_path,
         model_config_file,

@@ -20,17 +20,17 @@ from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.models.adapters import adapter_config_problems
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
-from fsdp_recipes.train.compat import RunCompatFields, TrainingCompatFields, check_warmup_steps
 from fsdp_recipes.train.compilation import COMPILE_REPAID_AFTER_STEPS, compile_setting_problem
+from fsdp_recipes.train.export_settings import PublishingFields
 from fsdp_recipes.train.losses import LOSS_IMPLEMENTATIONS
 from fsdp_recipes.train.preemption import check_signal_names
-from fsdp_recipes.train.publishing import PublishingFields
-from fsdp_recipes.train.recipe_traits import RecipeTraits
+from fsdp_recipes.train.recipe_interface import RecipeTraits
+from fsdp_recipes.train.trainer_arguments import RunCompatFields, TrainingCompatFields, check_warmup_steps
 
 
 @dataclasses.dataclass
 class RunConfig(RunCompatFields):
-    """The settings every recipe has, training or not (plus those named as in TrainingArguments/TRL: compat)."""
+    """The settings every recipe has, training or not (plus those named as in TrainingArguments/TRL: trainer_arguments)."""
 
     # --- model --------------------------------------------------------------------------------------------------------
     model_name_or_path: str | None = setting(None, "Hub id or local folder with pretrained weights", resume="sensitive")

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from fsdp_recipes.train import compat
+from fsdp_recipes.train import trainer_arguments
 
 
 def build_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
@@ -49,7 +49,7 @@ def build_scheduler(optimizer, config, *, total_steps: int):
     return get_scheduler(
         config.lr_scheduler_type,
         optimizer,
-        num_warmup_steps=compat.warmup_steps(config, total_steps),
+        num_warmup_steps=trainer_arguments.warmup_steps(config, total_steps),
         num_training_steps=total_steps,
         scheduler_specific_kwargs=dict(config.lr_scheduler_kwargs or {}),
     )

@@ -1,7 +1,8 @@
-"""The settings of online RL (TRL's GRPOConfig names and semantics): how completions are sampled, the clipped policy
-objective, the reward functions: one group, `OnlineRLFields`, that a recipe's config class puts before
-`TrainingConfig`. Each field declares its check and what a resume may do with it; the group states the rules between
-its fields (`cross_field_problems`) and tells the shared layer what it costs (a reference copy, a generation pass)."""
+"""The settings of online RL (TRL's GRPOConfig names and semantics), in three groups that a recipe's config class
+puts before `TrainingConfig` (the run): `GenerationFields` (how completions are sampled), `PolicyObjectiveFields` (the
+clipped policy objective and its advantages) and `RewardFields` (reward functions, tools, environments). Each field
+declares its check and what a resume may do with it; each group states the rules between its fields
+(`cross_field_problems`) and tells the shared layer what it costs (a reference copy, a generation pass)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from fsdp_recipes.train import generation
 
 
 @dataclasses.dataclass
-class OnlineRLFields:
-    """Every online-RL setting, one group; put it before `TrainingConfig` in a recipe config's bases."""
+class GenerationFields:
+    """How completions are sampled: how many per prompt, how long, at what temperature, by which engine."""
 
     # --- sampling: how completions are generated ---------------------------------------------------------------------
     num_generations: int = setting(
@@ -38,6 +39,38 @@ class OnlineRLFields:
         resume="free",
     )
     generation_backend: str = generation.backend_setting()
+
+    def generation_settings(self, *, batch_size: int, seed: int) -> generation.GenerationSettings:
+        return generation.GenerationSettings(
+            self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed,
+            **generation.backend_options(self),
+        )  # fmt: skip
+
+    def generation_passes(self) -> int:
+        """Generation passes a round may make (dynamic sampling's bound, else 1)."""
+        return self.max_generation_rounds if self.dynamic_sampling else 1
+
+    def generation_footprint(self) -> tuple[int, int, bool]:
+        return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
+
+    def cross_field_problems(self) -> list[str]:
+        problems = generation.sampling_problems(self.temperature, self.top_p, self.top_k)
+        if self.generation_backend != "generate" and not self.gather_weights_for_generation:
+            problems.append(
+                f"generation_backend {self.generation_backend} runs each rank's model on its own and needs the whole "
+                "weights there: set gather_weights_for_generation: true, or use generation_backend generate"
+            )
+        if not 1 <= self.max_completion_length < self.max_length:
+            problems.append(
+                f"max_completion_length must be >= 1 and < max_length ({self.max_length}), leaving room for the "
+                f"prompt; got {self.max_completion_length}"
+            )
+        return problems
+
+
+@dataclasses.dataclass
+class PolicyObjectiveFields:
+    """What a step optimises: the clipped policy objective, its advantages, its reference, its passes."""
 
     # --- the policy objective ------------------------------------------------------------------------------------------
     beta: float = setting(
@@ -137,6 +170,52 @@ class OnlineRLFields:
         False, "completions cut at max_completion_length count for no token of the loss", resume="sensitive"
     )
 
+    def describe_objective(self) -> str:
+        """The run summary's line for the objective: every option that changes what a step optimises."""
+        parts = [
+            f"{self.loss_type} loss, {self.importance_sampling_level}-level ratio",
+            f"epsilon {self.epsilon}..{self.epsilon_high or self.epsilon}"
+            + (f", delta {self.delta}" if self.delta else ""),
+            f"{self.advantage_estimator} advantages scaled by {self.scale_rewards}",
+            f"beta {self.beta}",
+            f"{self.num_iterations} step(s) per generation round",
+        ]
+        if self.top_entropy_quantile < 1:
+            parts.append(f"top {self.top_entropy_quantile:g} of tokens by entropy trained")
+        if self.entropy_coef:
+            parts.append(f"entropy bonus {self.entropy_coef:g}")
+        if self.dynamic_sampling:
+            parts.append(f"dynamic sampling, {self.max_generation_rounds} generation passes at most")
+        return "; ".join(parts)
+
+    def packs_examples(self) -> bool:
+        return self.padding_free
+
+    def reference_mode(self) -> str | None:
+        """What the KL term compares with: None (beta 0), the policy with its LoRA adapters off, or a frozen copy."""
+        if self.beta == 0:
+            return None
+        return "adapters" if self.use_peft else "model"
+
+    def frozen_model_copies(self) -> int:
+        return 1 if self.reference_mode() == "model" else 0
+
+    def cross_field_problems(self) -> list[str]:
+        problems = policy_gradient.objective_problems(
+            self.beta, self.epsilon, self.epsilon_high, self.scale_rewards, self.delta, self.loss_type
+        )
+        if self.num_iterations >= 1 and self.save_steps and self.save_steps % self.num_iterations:
+            problems.append(
+                f"save_steps ({self.save_steps}) must be a multiple of num_iterations ({self.num_iterations}): a "
+                "checkpoint falls between generation rounds, so a resume regenerates nothing it had"
+            )
+        return problems
+
+
+@dataclasses.dataclass
+class RewardFields:
+    """What a completion is scored by: reward functions, and the tools or environment a rollout acts on."""
+
     # --- rewards -------------------------------------------------------------------------------------------------------
     reward_funcs: list[str] = setting(
         default_factory=list,
@@ -185,49 +264,6 @@ class OnlineRLFields:
         check=checks.above(0),
     )
 
-    def generation_settings(self, *, batch_size: int, seed: int) -> generation.GenerationSettings:
-        return generation.GenerationSettings(
-            self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed,
-            **generation.backend_options(self),
-        )  # fmt: skip
-
-    def generation_passes(self) -> int:
-        """Generation passes a round may make (dynamic sampling's bound, else 1)."""
-        return self.max_generation_rounds if self.dynamic_sampling else 1
-
-    def describe_objective(self) -> str:
-        """The run summary's line for the objective: every option that changes what a step optimises."""
-        parts = [
-            f"{self.loss_type} loss, {self.importance_sampling_level}-level ratio",
-            f"epsilon {self.epsilon}..{self.epsilon_high or self.epsilon}"
-            + (f", delta {self.delta}" if self.delta else ""),
-            f"{self.advantage_estimator} advantages scaled by {self.scale_rewards}",
-            f"beta {self.beta}",
-            f"{self.num_iterations} step(s) per generation round",
-        ]
-        if self.top_entropy_quantile < 1:
-            parts.append(f"top {self.top_entropy_quantile:g} of tokens by entropy trained")
-        if self.entropy_coef:
-            parts.append(f"entropy bonus {self.entropy_coef:g}")
-        if self.dynamic_sampling:
-            parts.append(f"dynamic sampling, {self.max_generation_rounds} generation passes at most")
-        return "; ".join(parts)
-
-    def generation_footprint(self) -> tuple[int, int, bool]:
-        return self.per_device_eval_batch_size, self.max_length, self.gather_weights_for_generation
-
-    def packs_examples(self) -> bool:
-        return self.padding_free
-
-    def reference_mode(self) -> str | None:
-        """What the KL term compares with: None (beta 0), the policy with its LoRA adapters off, or a frozen copy."""
-        if self.beta == 0:
-            return None
-        return "adapters" if self.use_peft else "model"
-
-    def frozen_model_copies(self) -> int:
-        return 1 if self.reference_mode() == "model" else 0
-
     def reward_options(self) -> rewards.RewardOptions:
         return rewards.RewardOptions(self.reward_answer_column, self.reward_format_pattern, self.max_completion_length)
 
@@ -235,25 +271,7 @@ class OnlineRLFields:
         return self.reward_weights or [1.0] * len(self.reward_funcs)
 
     def cross_field_problems(self) -> list[str]:
-        problems = policy_gradient.objective_problems(
-            self.beta, self.epsilon, self.epsilon_high, self.scale_rewards, self.delta, self.loss_type
-        )
-        problems += generation.sampling_problems(self.temperature, self.top_p, self.top_k)
-        if self.generation_backend != "generate" and not self.gather_weights_for_generation:
-            problems.append(
-                f"generation_backend {self.generation_backend} runs each rank's model on its own and needs the whole "
-                "weights there: set gather_weights_for_generation: true, or use generation_backend generate"
-            )
-        if not 1 <= self.max_completion_length < self.max_length:
-            problems.append(
-                f"max_completion_length must be >= 1 and < max_length ({self.max_length}), leaving room for the "
-                f"prompt; got {self.max_completion_length}"
-            )
-        if self.num_iterations >= 1 and self.save_steps and self.save_steps % self.num_iterations:
-            problems.append(
-                f"save_steps ({self.save_steps}) must be a multiple of num_iterations ({self.num_iterations}): a "
-                "checkpoint falls between generation rounds, so a resume regenerates nothing it had"
-            )
+        problems = []
         if not self.reward_funcs and not self.environment_factory:
             problems.append(
                 "reward_funcs is required: name at least one (e.g. exact_match, or my_module:my_reward), or give an "

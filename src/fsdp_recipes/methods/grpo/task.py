@@ -62,7 +62,7 @@ class Task:
 
 
 def load_task(config, tokenizer, *, device) -> Task:
-    """The run's task, from its config (OnlineRLFields and the data fields); ConfigError or DataError when a reward
+    """The run's task, from its config (the GRPO settings groups and the data fields); ConfigError or DataError when a reward
     function, a tool, the environment, the chat template or the data cannot serve."""
     functions = rewards.load_reward_functions(config.reward_funcs, config.reward_options(), device=device)
     environment = tools_lib.load_environment(config.environment_factory) if config.environment_factory else None

@@ -2,7 +2,7 @@
 upstream names and meanings: the fields (two dataclasses `RunConfig` and `TrainingConfig` build on), their checks,
 and what they turn into here (trackers, the precision check against the Accelerate config, the cadence of
 `eval_strategy`/`save_strategy`/`logging_strategy`, the scheduler's arguments, warmup as a fraction). Keys with no
-field (old names, settings that live elsewhere, no-ops) are read by `fsdp_recipes.common.upstream_keys`.
+field (old names, settings that live elsewhere, no-ops) are read by `fsdp_recipes.common.key_translation`.
 docs/coming-from-trl.md lists every key."""
 
 from __future__ import annotations
