@@ -107,9 +107,12 @@ def real_size_checks(real_config, mesh: layout.Mesh) -> list[str]:
     return problems
 
 
-def real_size_estimate(launch: launch_line.Launch, values: dict[str, Any], model: str, trust: bool) -> str:
+def real_size_estimate(
+    launch: launch_line.Launch, values: dict[str, Any], locals_: dict[str, str], work_dir: Path, trust: bool
+) -> str:
     """The memory estimator's verdict for the real model, layout and batch (`fsdp-recipes estimate`), one line; what
-    kept it from estimating, when something did."""
+    kept it from estimating, when something did. It reads the recipe config as the launch line gives it (its
+    overrides applied, Hub ids given --local folders resolved), with the recipe's own config class."""
     import argparse
     import contextlib
     import io
@@ -126,10 +129,16 @@ def real_size_estimate(launch: launch_line.Launch, values: dict[str, Any], model
     gpu_memory = DEFAULT_GPU_MEMORY
     if config and Path(config).is_file():  # the config's own `# GPU memory:` line, as `fsdp-recipes ls` reads it
         gpu_memory = gpu_memory_line(opening_comment(Path(config).read_text()))
+    resolved = {
+        key: stand_ins.resolve(value, locals_) if isinstance(value, str) else value for key, value in values.items()
+    }
+    real_config = work_dir / "recipe_config_as_launched.yaml"
+    launched = f"accelerate launch --config_file {launch.accelerate_config} {launch.recipe} --config {real_config}"
+    real_config.write_text(f"# {launched}\n" + yaml.safe_dump(resolved, sort_keys=False))
     args = argparse.Namespace(
-        model=model, accelerate_config=str(launch.accelerate_config), recipe_config=config,
-        max_length=values.get("max_length"), batch_size=values.get("per_device_train_batch_size"),
-        num_processes=None, gpu_memory=gpu_memory, reserve=DEFAULT_RESERVE, trust_remote_code=trust, json=True,
+        model=None, accelerate_config=str(launch.accelerate_config), recipe_config=str(real_config),
+        max_length=None, batch_size=None, num_processes=None, gpu_memory=gpu_memory, reserve=DEFAULT_RESERVE,
+        trust_remote_code=trust, json=True,
     )  # fmt: skip
     printed = io.StringIO()
     try:
@@ -178,7 +187,12 @@ def rehearse(
         problems += [f"{launch.accelerate_config}: {finding}" for finding in findings if finding.severity == ERROR]
     if problems:
         raise ConfigError([f"for the real model and layout: {problem}" for problem in problems])
-    estimate = real_size_estimate(launch, values, real_name, trust)
+    training = config_class(launch.recipe) is not TrainingConfig  # eval.py measures once: no steps, no resume
+    estimate = (
+        real_size_estimate(launch, values, locals_, work_dir, trust)
+        if training
+        else "not estimated: the estimator models training (weights, gradients, optimizer state, activations)"
+    )
 
     # --- stand-ins: model, data, layout --------------------------------------------------------------------------------
     flags, cpu_notes = cpu_overrides(values)
@@ -214,7 +228,6 @@ def rehearse(
     count = mesh.processes if mesh else 1
 
     # --- the runs: steps with a checkpoint, export read back; a resume from the checkpoint ------------------------------
-    training = config_class(launch.recipe) is not TrainingConfig  # eval.py measures once: no steps, no resume
     halfway = max(steps // 2, 1)
     run_flags = ["--report_to", "none", "--push_to_hub", "false"]
     if training:
