@@ -149,6 +149,12 @@ def test_the_real_sizes_are_checked_as_the_real_run_checks_them_before_any_stand
     )
     assert real_run and refused.value.problems == [f"for the real model and layout: {p}" for p in real_run]
     assert not (work / "model_name_or_path").exists()  # refused before any stand-in was made
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="not a rehearsal's: choose another folder"):
+        command.rehearse(TP_LINE.split(), processes=None, steps=2, rows=8, work_dir=mine, locals_={})
+    assert (mine / "notes.txt").read_text() == "keep me"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="HF_HUB_OFFLINE=1 .* --local meta-llama/Llama-3.1-70B=/path/to/folder"):
         command.rehearse(TP_LINE.split(), processes=None, steps=2, rows=8, work_dir=work, locals_={})

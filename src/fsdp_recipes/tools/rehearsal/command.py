@@ -27,6 +27,7 @@ from fsdp_recipes.tools.estimator.recipe import config_class
 from fsdp_recipes.tools.rehearsal import launch_line, layout, stand_ins
 from fsdp_recipes.train.config import TrainingConfig
 
+_MARKER = ".fsdp-recipes-rehearsal"
 _MODEL_FIELDS = ("model_name_or_path", "teacher_model_name_or_path")
 _SPLIT_FIELDS = ("dataset_train_split", "dataset_test_split", "dataset_split")
 _DEFAULT_SPLITS = {"dataset_train_split": "train", "dataset_test_split": "test"}
@@ -167,9 +168,14 @@ def rehearse(
         mapping["mixed_precision"] = launch.mixed_precision
     scaled, real_mesh, mesh, notes = layout.scaled_config(mapping, processes) if mapping else ({}, None, None, [])
     notes = launch.launcher_notes + notes
-    if work_dir.exists():
+    if work_dir.exists() and any(work_dir.iterdir()):
+        if not (work_dir / _MARKER).is_file():  # never delete a folder a rehearsal did not make
+            raise ConfigError(
+                f"--work-dir {work_dir} exists and holds files that are not a rehearsal's: choose another folder"
+            )
         shutil.rmtree(work_dir)
-    work_dir.mkdir(parents=True)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / _MARKER).write_text("made by fsdp-recipes rehearse: replaced by the next rehearsal into this folder\n")
     trust = bool(values.get("trust_remote_code"))
 
     # --- the real sizes, as the real run checks them -------------------------------------------------------------------
