@@ -47,6 +47,7 @@ def test_every_backend_writes_the_same_completions(family, tokenizer):
     """Greedy and sampled (top-k, top-p, temperature: the noise rides on the logits, so sampled equality needs equal
     logits and equal noise) on every family."""
     model = _tiny(family, tokenizer)
+    model.generation_config.repetition_penalty = 1.3  # a model's own penalty: not the policy, and never applied
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     results = {}
     for greedy in (False, True):
@@ -72,6 +73,17 @@ def test_every_backend_writes_the_same_completions(family, tokenizer):
             completions[1:2],
             truncated[1:2],
         )  # a completion does not depend on the requests beside it
+        # a token the model's generation config lists ends a completion too, on every backend
+        listed = results[True, "generate"][0][0][1]
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, listed]
+        for backend in generation_backends.BACKENDS:
+            greedy = generation.GenerationSettings(
+                8, batch_size=2, backend=backend, compile_backend="eager", greedy=True
+            )
+            ended, cut = generation.generate_completions(
+                model, tokenizer, prompts[:1], KEYS[:1], greedy, synced_gpus=False
+            )
+            assert ended[0][-1] == listed and len(ended[0]) <= 2 and cut == [False], backend
 
 
 def test_keyed_sampling_draws_from_the_softmax_within_top_k_and_top_p():
@@ -94,6 +106,9 @@ def test_keyed_sampling_draws_from_the_softmax_within_top_k_and_top_p():
         logits.expand(draws, -1), sampling.row_seed(3, keys, 1), temperature=0.5, top_k=4, top_p=0.95
     )
     assert (other_step.argmax(-1) != scores.argmax(-1)).float().mean() > 0.2  # each token its own noise
+    # a 152k vocabulary over 160 rows (24M draws): 24-bit uniforms rounded their largest value up to 1.0 (infinite
+    # noise) about once per 16.7M draws; 23 bits never do
+    assert torch.isfinite(sampling.gumbel_noise(torch.arange(160), 151_936)).all()
 
 
 def test_a_backend_that_cannot_run_is_refused_with_the_reason():

@@ -66,6 +66,19 @@ def _left_padding(tokenizer) -> Iterator[None]:
         tokenizer.padding_side = side
 
 
+# generate() merges the model's generation_config into every call: a repetition penalty there (Qwen2.5-Instruct ships
+# one) would sample from something else than the policy, and differ from the paged engine, which applies none
+_POLICY_AS_IS = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)
+
+
+def stop_tokens(model, tokenizer) -> list[int]:
+    """The tokens that end a completion: the tokenizer's end of sequence and every one the model's generation config
+    lists (Llama 3's <|eom_id|>, Qwen's <|endoftext|>), as `generate` stops at them."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = [listed] if isinstance(listed, int) else list(listed or [])
+    return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
+
+
 def _compile_config(settings):
     from transformers import CompileConfig
 
@@ -76,11 +89,11 @@ def _compile_config(settings):
 
 def padded_generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus: bool, static: bool, options: dict):
     """`generate` and `static_compiled`: (completions, truncated), `settings.batch_size` left-padded prompts a time."""
-    eos = tokenizer.eos_token_id
+    stops = stop_tokens(model, tokenizer)
     completions, truncated = [], []
-    extra = {}
+    extra = dict(_POLICY_AS_IS)
     if static:
-        extra = dict(cache_implementation="static", compile_config=_compile_config(settings), disable_compile=False)
+        extra.update(cache_implementation="static", compile_config=_compile_config(settings), disable_compile=False)
     with _left_padding(tokenizer):
         for start in range(0, len(prompt_ids), settings.batch_size):
             chunk = prompt_ids[start : start + settings.batch_size]
@@ -89,7 +102,7 @@ def padded_generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus
             processor = sampling.KeyedSampling(
                 seed=settings.seed, keys=keys[start : start + settings.batch_size], prompt_width=width,
                 temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                not_first=eos if settings.block_eos_first else None, greedy=settings.greedy,
+                not_first=stops if settings.block_eos_first else None, greedy=settings.greedy,
             )  # fmt: skip
             output = model.generate(
                 input_ids=batch["input_ids"],
@@ -98,16 +111,16 @@ def padded_generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus
                 do_sample=False,
                 logits_processor=[processor],
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=eos,
+                eos_token_id=stops,
                 synced_gpus=synced_gpus,
                 use_cache=True,
                 **extra,
                 **options,
             )
             for row in output[:, width:].tolist():
-                ended = eos in row
-                completions.append(row[: row.index(eos) + 1] if ended else row)
-                truncated.append(not ended)
+                end = next((i for i, token in enumerate(row) if token in stops), None)
+                completions.append(row if end is None else row[: end + 1])
+                truncated.append(end is None)
     return completions, truncated
 
 
@@ -141,9 +154,9 @@ def paged_generate(model, tokenizer, prompt_ids, keys, settings) -> tuple[list[l
 
     if not prompt_ids:
         return [], []
-    eos = tokenizer.eos_token_id
+    stops = stop_tokens(model, tokenizer)
     generation_config = GenerationConfig(
-        max_new_tokens=settings.max_completion_length, do_sample=False, eos_token_id=eos,
+        max_new_tokens=settings.max_completion_length, do_sample=False, eos_token_id=stops,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     hints = WorkloadHints(
@@ -162,15 +175,16 @@ def paged_generate(model, tokenizer, prompt_ids, keys, settings) -> tuple[list[l
         )
         manager.logit_processor = sampling.paged_processor(
             seed=settings.seed, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-            not_first=eos if settings.block_eos_first else None, greedy=settings.greedy,
+            not_first=stops if settings.block_eos_first else None, greedy=settings.greedy,
         )  # fmt: skip
         results = {}
         manager.start()
         try:
             for index, (ids, key) in enumerate(zip(prompt_ids, keys)):
                 manager.add_request(
-                    list(ids), request_id=str(index), max_new_tokens=settings.max_completion_length, sampling_key=key
-                )
+                    list(ids), request_id=str(index), max_new_tokens=settings.max_completion_length,
+                    eos_token_id=stops, sampling_key=key,
+                )  # fmt: skip
             while len(results) < len(prompt_ids):
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():
@@ -188,7 +202,7 @@ def paged_generate(model, tokenizer, prompt_ids, keys, settings) -> tuple[list[l
     for index in range(len(prompt_ids)):
         tokens = list(results[str(index)].generated_tokens)
         completions.append(tokens)
-        truncated.append(not tokens or tokens[-1] != eos)
+        truncated.append(not tokens or tokens[-1] not in stops)
     return completions, truncated
 
 

@@ -53,8 +53,8 @@ def gumbel_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     bits ^= bits >> 15
     bits.mul_(0x846CA68B).bitwise_and_(_MASK32)
     bits ^= bits >> 16
-    uniform = bits.bitwise_right_shift_(8).to(torch.float32)  # 24 bits: exact in float32
-    uniform.add_(0.5).div_(2**24)  # strictly inside (0, 1)
+    uniform = bits.bitwise_right_shift_(9).to(torch.float32)  # 23 bits: with the half below, exact in float32
+    uniform.add_(0.5).div_(2**23)  # strictly inside (0, 1): 24 bits would round the largest up to 1.0
     return uniform.log_().neg_().log_().neg_()
 
 
@@ -76,8 +76,8 @@ def keyed_scores(
 class KeyedSampling:
     """The logits processor for `generate` with `do_sample=False`: turns its argmax into keyed sampling. Rows are
     `keys` (one per prompt of the batch); the token index is the input width minus `prompt_width`. `not_first` (the
-    end-of-sequence token, or None) cannot be the first token, as `min_new_tokens=1` would do, but here so that every
-    backend applies it alike. `greedy`: no noise (plain argmax, still with that rule)."""
+    tokens that end a completion, or None) cannot be the first token, as `min_new_tokens=1` would do, but here so that
+    every backend applies it alike. `greedy`: no noise (plain argmax, still with that rule)."""
 
     def __init__(
         self,
@@ -88,7 +88,7 @@ class KeyedSampling:
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float = 1.0,
-        not_first: int | None = None,
+        not_first: list[int] | None = None,
         greedy: bool = False,
     ):
         self.seed, self.keys, self.prompt_width = seed, torch.tensor(keys, dtype=torch.int64), prompt_width
@@ -97,7 +97,7 @@ class KeyedSampling:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
-        if step == 0 and self.not_first is not None:
+        if step == 0 and self.not_first:
             scores = scores.clone()
             scores[:, self.not_first] = -float("inf")
         if self.greedy:
@@ -107,7 +107,7 @@ class KeyedSampling:
 
 
 def paged_processor(
-    *, seed: int, temperature: float, top_k: int | None, top_p: float, not_first: int | None, greedy: bool
+    *, seed: int, temperature: float, top_k: int | None, top_p: float, not_first: list[int] | None, greedy: bool
 ):
     """The continuous-batching engine's processor list holding one `PagedKeyedSampling` (transformers builds its list
     from the generation config's own warpers, which draw from one random stream; this one is keyed)."""
@@ -140,10 +140,10 @@ def paged_processor(
 
         def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
             packed = tensor_arg[: scores.shape[0]].to(torch.int64) & _MASK32
-            if not_first is not None:
+            if not_first:
                 first = (packed & 1).bool()
                 scores = scores.clone()
-                scores[:, not_first] = torch.where(first, -float("inf"), scores[:, not_first])
+                scores[:, not_first] = torch.where(first.unsqueeze(1), -float("inf"), scores[:, not_first])
             if greedy:
                 return scores
             return keyed_scores(scores, packed >> 1, temperature=temperature, top_k=top_k, top_p=top_p)

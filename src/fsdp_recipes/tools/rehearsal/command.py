@@ -29,8 +29,9 @@ from fsdp_recipes.train.config import TrainingConfig
 
 _MARKER = ".fsdp-recipes-rehearsal"
 _MODEL_FIELDS = ("model_name_or_path", "teacher_model_name_or_path")
-_SPLIT_FIELDS = ("dataset_train_split", "dataset_test_split", "dataset_split")
-_DEFAULT_SPLITS = {"dataset_train_split": "train", "dataset_test_split": "test"}
+# the split fields a training recipe and eval.py read, with their defaults
+_SPLITS = {"dataset_train_split": "train", "dataset_test_split": "test"}
+_EVAL_SPLITS = {"dataset_split": "test"}
 
 
 def cpu_overrides(values: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -217,7 +218,7 @@ def rehearse(
         flags += ["--model_config", str(work_dir / "model_config.json")]
     if values.get("tokenizer_name_or_path") and values.get("model_name_or_path"):
         flags += ["--tokenizer_name_or_path", str(work_dir / "model_name_or_path")]
-    splits = {field: values.get(field, _DEFAULT_SPLITS.get(field)) for field in _SPLIT_FIELDS}
+    splits = {field: values.get(field, default) for field, default in (_SPLITS if training else _EVAL_SPLITS).items()}
     splits = {field: split for field, split in splits.items() if split}
     if values.get("dataset_name") or values.get("dataset_mixture"):
         renamed = stand_ins.write_data(
@@ -234,7 +235,9 @@ def rehearse(
     count = mesh.processes if mesh else 1
 
     # --- the runs: steps with a checkpoint, export read back; a resume from the checkpoint ------------------------------
-    halfway = max(steps // 2, 1)
+    rounds = int(values.get("num_iterations") or 1)  # GRPO: a checkpoint only between generation rounds
+    halfway = rounds * max(steps // (2 * rounds), 1)
+    steps = max(steps, 2 * halfway)
     run_flags = ["--report_to", "none", "--push_to_hub", "false"]
     if training:
         run_flags += ["--max_steps", str(steps), "--save_steps", str(halfway), "--logging_steps", "1",

@@ -54,11 +54,24 @@ def load_real_config(name: str, *, trust_remote_code: bool = False):
 
 def shrunk_config(real, *, tp: int = 1, ep: int = 1):
     """The real config with two narrow layers (one of each attention kind it mixes, a dense and a sparse layer where
-    it has both) and head / key-value-head / expert counts divisible by `tp` and `ep`; everything else as it is."""
+    it has both) and head / key-value-head / expert counts divisible by `tp` and `ep`; everything else as it is. A
+    composite config (a vision-language model) has each of its parts shrunk so."""
     from transformers import AutoConfig
 
     values: dict[str, Any] = real.to_dict()
     values.pop("quantization_config", None)
+    _shrink(values, tp=tp, ep=ep)
+    for key, part in values.items():  # text_config, vision_config, ...: the parts of a composite model
+        if key.endswith("_config") and isinstance(part, dict) and part.get("num_hidden_layers"):
+            _shrink(part, tp=tp, ep=ep)
+    model_type = values.pop("model_type")
+    values.pop("transformers_version", None)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _shrink(values: dict[str, Any], *, tp: int, ep: int) -> None:
+    if not values.get("num_hidden_layers"):
+        return
     heads = int(values.get("num_attention_heads") or 4)
     kv_heads = int(values.get("num_key_value_heads") or heads)
     group = max(heads // max(kv_heads, 1), 1)
@@ -70,15 +83,15 @@ def shrunk_config(real, *, tp: int = 1, ep: int = 1):
         values["num_key_value_heads"] = new_kv
     hidden = new_heads * HEAD_DIM
     values["hidden_size"] = hidden
-    if values.get("head_dim") is not None:
-        values["head_dim"] = HEAD_DIM
+    values.update({key: value for key, value in _NARROW.items() if values.get(key) is not None})
+    if values.get("head_dim") is not None:  # multi-head latent attention: the rotary part is what head_dim sizes
+        values["head_dim"] = values.get("qk_rope_head_dim") or HEAD_DIM
     for key in ("intermediate_size", "ffn_dim"):
         if values.get(key) is not None:
             values[key] = 2 * hidden
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"):
         if values.get(key):
             values[key] = hidden
-    values.update({key: value for key, value in _NARROW.items() if values.get(key) is not None})
     for key in _EXPERT_COUNTS:
         if values.get(key):
             values[key] = max(4, 2 * ep)
@@ -92,13 +105,8 @@ def shrunk_config(real, *, tp: int = 1, ep: int = 1):
     if values.get("first_k_dense_replace"):
         values["first_k_dense_replace"] = 1  # one dense layer, then one with experts
     values["num_hidden_layers"] = layers
-    for key in ("max_window_layers",):
-        if values.get(key) is not None:
-            values[key] = min(int(values[key]), layers)
-    model_type = values.pop("model_type")
-    values.pop("transformers_version", None)
-    values.pop("architectures", None) if not real.architectures else None
-    return AutoConfig.for_model(model_type, **values)
+    if values.get("max_window_layers") is not None:
+        values["max_window_layers"] = min(int(values["max_window_layers"]), layers)
 
 
 def write_model(
@@ -157,7 +165,7 @@ def write_data(
     for field, split in splits.items():
         if split not in raw:
             continue  # the recipe says what it does without the split (a held-out part carved from train, none)
-        new_name = "test" if "test" in field or "eval" in field else "train"
+        new_name = "train" if "train" in field else "test"
         part = raw[split].select(range(min(rows, len(raw[split]))))
         with open(folder / f"{new_name}.jsonl", "w") as out:
             for row in part:
