@@ -68,6 +68,8 @@ def test_the_launch_line_is_read_as_the_launcher_and_the_recipe_read_it(monkeypa
     assert values["learning_rate"] == 3e-5 and values["save_steps"] is None  # the flags win over the file
     assert values["model_name_or_path"] == "meta-llama/Llama-3.1-70B" and values["dataset_train_split"] == "train_sft"
     assert launch_line.parse_launch(["recipes/dpo.py", "--config", "x.yaml"]).accelerate_config is None
+    sized = launch_line.parse_launch(TP_LINE.replace("launch ", "launch --num_processes 16 ") + " --eos_token *")
+    assert sized.num_processes == 16 and launch_line.recipe_values(sized)["eos_token"] == "*"  # not YAML: kept as text
     with pytest.raises(ConfigError, match="not a recipe launch"):
         launch_line.parse_launch("accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train.sh")
     with pytest.raises(ConfigError, match="--deepspeed_config_file is not an accelerate launch option"):

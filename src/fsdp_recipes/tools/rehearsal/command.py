@@ -139,7 +139,8 @@ def real_size_estimate(
     real_config.write_text(f"# {launched}\n" + yaml.safe_dump(resolved, sort_keys=False))
     args = argparse.Namespace(
         model=None, accelerate_config=str(launch.accelerate_config), recipe_config=str(real_config),
-        max_length=None, batch_size=None, num_processes=None, gpu_memory=gpu_memory, reserve=DEFAULT_RESERVE,
+        max_length=None, batch_size=None, num_processes=launch.num_processes, gpu_memory=gpu_memory,
+        reserve=DEFAULT_RESERVE,
         trust_remote_code=trust, json=True,
     )  # fmt: skip
     printed = io.StringIO()
@@ -167,6 +168,8 @@ def rehearse(
     mapping = load_yaml_mapping(str(launch.accelerate_config)) if launch.accelerate_config else {}
     if launch.mixed_precision:
         mapping["mixed_precision"] = launch.mixed_precision
+    if launch.num_processes and mapping:
+        mapping["num_processes"] = launch.num_processes
     scaled, real_mesh, mesh, notes = layout.scaled_config(mapping, processes) if mapping else ({}, None, None, [])
     notes = launch.launcher_notes + notes
     if work_dir.exists() and any(work_dir.iterdir()):

@@ -20,7 +20,7 @@ from fsdp_recipes.common.yaml_json import load_yaml_mapping
 _LAUNCHER_VALUE_OPTIONS = {
     "--config_file": "kept (scaled)",
     "--config-file": "kept (scaled)",
-    "--num_processes": "replaced by --processes",
+    "--num_processes": "the real mesh's size; the rehearsal's is --processes",
     "--num_machines": "one machine",
     "--machine_rank": "one machine",
     "--main_process_ip": "one machine",
@@ -38,6 +38,7 @@ class Launch:
     recipe_args: list[str]  # everything after it
     accelerate_config: Path | None  # --config_file, None: a plain `python recipes/R.py`
     mixed_precision: str | None = None  # `accelerate launch --mixed_precision`, over the config's
+    num_processes: int | None = None  # `accelerate launch --num_processes`, over the config's (the real mesh's size)
     launcher_notes: list[str] = dataclasses.field(default_factory=list)  # launcher options not kept as given
 
 
@@ -50,7 +51,7 @@ def parse_launch(words: list[str] | str) -> Launch:
         words = words[2:]
     elif words[:1] and Path(words[0]).name.startswith("python"):
         words = words[1:]
-    config_file, mixed_precision, notes, index = None, None, [], 0
+    config_file, mixed_precision, num_processes, notes, index = None, None, None, [], 0
     while index < len(words) and words[index].startswith("--"):
         option, has_equals, inline = words[index].partition("=")
         if option in _LAUNCHER_VALUE_OPTIONS:
@@ -60,6 +61,8 @@ def parse_launch(words: list[str] | str) -> Launch:
                 config_file = Path(value)
             elif option == "--mixed_precision":
                 mixed_precision = value
+            elif option == "--num_processes" and value.isdigit():
+                num_processes = int(value)  # the real run's size: the real mesh and the estimate read it
             else:
                 notes.append(f"{option} {value}: {_LAUNCHER_VALUE_OPTIONS[option]}")
         elif option in _LAUNCHER_FLAGS:
@@ -79,7 +82,7 @@ def parse_launch(words: list[str] | str) -> Launch:
         raise ConfigError(f"the recipe {recipe} does not exist (paths are read from the current folder)")
     if config_file is not None and not config_file.is_file():
         raise ConfigError(f"the Accelerate config {config_file} does not exist")
-    return Launch(recipe, words[index + 1 :], config_file, mixed_precision, notes)
+    return Launch(recipe, words[index + 1 :], config_file, mixed_precision, num_processes, notes)
 
 
 def recipe_values(launch: Launch) -> dict[str, Any]:
@@ -97,6 +100,11 @@ def recipe_values(launch: Launch) -> dict[str, Any]:
         index += 1 if has_equals or flag_alone else 2
         if name == "config":
             values = load_yaml_mapping(value)
+        elif flag_alone:
+            overrides[name] = True
         else:
-            overrides[name] = True if flag_alone else yaml.safe_load(value)
+            try:  # as the YAML file would hold it; a value YAML cannot read (`*`, `@...`) stays text
+                overrides[name] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                overrides[name] = value
     return {**values, **overrides}

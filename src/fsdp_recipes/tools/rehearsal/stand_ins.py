@@ -139,6 +139,10 @@ def write_model(
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if real.architectures:  # what the recipes read the task from (a *ForSequenceClassification is a classifier)
+        saved = json.loads((folder / "config.json").read_text())
+        saved["architectures"] = list(real.architectures)
+        (folder / "config.json").write_text(json.dumps(saved, indent=2))
     return folder, real, small
 
 
