@@ -102,7 +102,9 @@ class KeyedSampling:
             scores[:, self.not_first] = -float("inf")
         if self.greedy:
             return scores
-        seeds = row_seed(self.seed, self.keys.to(scores.device), step)
+        if self.keys.device != scores.device:  # once per batch, not a copy per decoded token
+            self.keys = self.keys.to(scores.device)
+        seeds = row_seed(self.seed, self.keys, step)
         return keyed_scores(scores, seeds, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
