@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: LoRA adapters on a frozen base
+    router_balance.attach(model, classifier.loss_sum)  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    router = router_balance.RouterLogitsRecorder.for_model(accelerator, model)  # a mixture of experts' router loss
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     evaluator = evaluation.MetricEvaluator(
@@ -168,7 +168,6 @@ def main(argv: list[str] | None = None) -> None:
             classifier_head=head,
             class_weights=weights.tolist() if weights is not None else None,
             data=train_stats,
-            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
     )
 
@@ -179,19 +178,14 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         weight_total = run.sum_over_ranks(sum(classifier.weight_sum(batch, weights) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, weight_total)
-        balance = router and router.balance_for_step(accelerator, model, micro_batches, classifier.loss_sum)  # MoE
         loss_sum = 0.0
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = classifier.loss_sum(model, batch, weights)
-            scaled = loss * scale
-            if balance is not None:  # the router's load-balancing loss, over the global batch
-                scaled = scaled + router.loss_share(balance) * run.data_parallel_size
-            accelerator.backward(scaled)
+            accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
-        training.metrics.log_step(step, loss_sum=loss_sum, target_count=weight_total, grad_norm=grad_norm, **aux)
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=weight_total, grad_norm=grad_norm)
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         kd_loss=config.kd_loss,
         chunk_size=config.loss_chunk_size,
     )
+    router_balance.attach(model, distill_loss.router_logits_of, real_of=router_balance.real_token_mask)  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     teacher.teacher = frozen_copy.shard_frozen_copy(accelerator, teacher_model)
@@ -172,7 +173,6 @@ def main(argv: list[str] | None = None) -> None:
                 dtype=str(compute_dtype).removeprefix("torch."),
                 parameters=sum(p.numel() for p in teacher_model.parameters()),
             ),
-            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
     )
 
@@ -194,25 +194,18 @@ def main(argv: list[str] | None = None) -> None:
         kd_ratio = 1.0 if students_samples else None  # the student's own samples: KD alone
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
-        balance = router_balance.for_step(accelerator, model, micro_batches, distill_loss.router_logits_of)  # MoE
         loss_sum, parts = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = distill_loss.loss_sum(model, batch, kd_ratio=kd_ratio)
-            scaled = loss * scale
-            if balance is not None:  # the student router's load-balancing loss, over the global batch
-                real = router_balance.real_token_mask(batch)
-                scaled = scaled + balance.loss_share(distill_loss.router_logits, real) * run.data_parallel_size
-            accelerator.backward(scaled)
+            accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
             for name, value in distill_loss.last_parts.items():
                 parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + value
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
-        if config.lmbda:
-            aux["on_policy"] = float(students_samples)
+        share_on_policy = {"on_policy": float(students_samples)} if config.lmbda else {}
         training.metrics.log_step(
-            step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts, **aux
+            step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, sums=parts, **share_on_policy
         )
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)

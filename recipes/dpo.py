@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    router_balance.attach(model, token_loss.router_logits_of, real_of=router_balance.real_token_mask)  # MoE only
     reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None  # the starting weights, frozen
     optimizer = loop.build_optimizer(model, config)
@@ -190,7 +191,6 @@ def main(argv: list[str] | None = None) -> None:
             eval_pairs=len(eval_pairs or []),
             data=train_stats,
             loss=f"{objective.description}; token log-probs: {token_loss.description}",
-            **router_balance.summary(accelerator.unwrap_model(model).config),
             reference=f"{references['train'].description}, for {', '.join(needing)}"
             if (needing := objectives.needs_reference(config.loss_type))
             else f"none: loss_type {config.loss_type} needs no reference model and no precompute pass",
@@ -207,24 +207,16 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)
-        balance = router_balance.for_step(accelerator, model, micro_batches, token_loss.router_logits_of)  # MoE
         loss_sum, figures = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             result, policy_chosen, policy_rejected = pair_losses(model, batch, references["train"])
-            scaled = result.loss.sum() * scale
-            if balance is not None:  # the router's load-balancing loss over the global batch (the policy's forward)
-                real = router_balance.real_token_mask(batch)
-                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
-            accelerator.backward(scaled)
+            accelerator.backward(result.loss.sum() * scale)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             for name, value in objectives.pair_figures(result, policy_chosen, policy_rejected).items():
                 figures[name] = figures.get(name, 0.0) + value.sum().detach()
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
-        training.metrics.log_step(
-            step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures, **aux
-        )
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

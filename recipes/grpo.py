@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")
+    router_balance.attach(model, lambda policy, part: rollouts.completion_log_probs(policy, part, config.temperature))
     reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None
     optimizer = loop.build_optimizer(model, config)
@@ -102,7 +103,6 @@ def main(argv: list[str] | None = None) -> None:
     if reference_copy is not None:
         reference_copy = frozen_copy.shard_frozen_copy(accelerator, reference_copy)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    router = router_balance.RouterLogitsRecorder.for_model(accelerator, model)  # a mixture of experts' router loss
     settings = config.generation_settings(batch_size=config.per_device_eval_batch_size, seed=config.seed)
 
     def reference_log_probs(batch):
@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> None:
             generation=generation.describe_backend(config.generation_backend)
             + "; "
             + generation.describe_gathering(model, enabled=config.gather_weights_for_generation),
-            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
         save_multiple=config.num_iterations,  # a preemption saves between generation rounds
     )
@@ -184,12 +183,6 @@ def main(argv: list[str] | None = None) -> None:
                 reference_log_probs=reference_log_probs if reference_mode else None, temperature=config.temperature,
                 top_entropy_quantile=config.top_entropy_quantile,
             )  # fmt: skip
-            balance = router and router.balance_for_step(
-                accelerator,
-                model,
-                micro,
-                lambda policy, part: rollouts.completion_log_probs(policy, part, config.temperature),
-            )  # the router's load-balancing loss over the step's global batch (all real tokens)
             loss_sum, figures = 0.0, {}
             for part in loop.micro_batches_in_sync(accelerator, model, micro):
                 training.metrics.count_batch(rollouts.rows_run(part))
@@ -208,8 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                 )  # fmt: skip
                 bonus = config.entropy_coef * entropy * part.get("entropy_mask", 1.0)  # on the trained tokens
                 loss = ((terms["loss"] - bonus) * token_weights).sum()
-                balanced = loss if balance is None else loss + router.loss_share(balance)
-                accelerator.backward(balanced * world)  # FSDP averages gradients over ranks: undo it, the sum is global
+                accelerator.backward(loss * world)  # FSDP averages gradients over ranks: undo it, the sum is global
                 loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
                 for name, value in pg.loss_figures(terms, entropy, part["completion_mask"]).items():
                     figures[name] = figures.get(name, 0.0) + value / max(global_tokens, 1.0)
@@ -219,11 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         speed = {}
         if iteration == 0:
             speed["tokens/generated_per_second"] = rollout["tokens/generated"] / max(watch.seconds["generation"], 1e-9)
-        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
         if training.metrics.due(step):
             shown.write(step)
         training.metrics.log_step(
-            step, loss_sum=loss_sum, grad_norm=grad_norm, sums=figures, **rollout, **timing, **speed, **aux
+            step, loss_sum=loss_sum, grad_norm=grad_norm, sums=figures, **rollout, **timing, **speed
         )
         watch = rollouts.Stopwatch()
         training.checkpoints.maybe_save(step)

@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    router_balance.attach(  # MoE only: on the examples' rows, not the KL estimate's
+        model, token_loss.router_logits_of, rows_of=kto.example_rows, real_of=router_balance.real_token_mask
+    )
     reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None  # the starting weights, frozen
     optimizer = loop.build_optimizer(model, config)
@@ -141,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
             eval_examples=len(eval_examples or []),
             data=train_stats,
             loss=f"{objective.description}; token log-probs: {token_loss.description}",
-            **router_balance.summary(accelerator.unwrap_model(model).config),
             reference=references["train"].description,
         ),
         checkpoint_files={reference.PRECOMPUTED_FILE: reference.tables_json(tables)} if tables else None,
@@ -163,27 +165,20 @@ def main(argv: list[str] | None = None) -> None:
                     policy_kl = losses.sequence_log_probs(token_loss.token_losses(model, kto.kl_rows(batch)))
                     kl_sum += (policy_kl - reference_kl).sum()  # on the device, like every count of the step
         kl = kto.kl_estimate(run.sum_over_ranks(kl_sum), examples) if objective.uses_kl else 0.0
-        examples_only = [kto.example_rows(batch) for batch in micro_batches]  # MoE: the router balance's rows
-        balance = router_balance.for_step(accelerator, model, examples_only, token_loss.router_logits_of)
         loss_sum, figures = 0.0, {}
         synced = loop.micro_batches_in_sync(accelerator, model, micro_batches)
         for batch, (reference_values_of_examples, _) in zip(synced, reference_values):
             example_batch = kto.example_rows(batch)
             policy = losses.sequence_log_probs(token_loss.token_losses(model, example_batch))
             result = objective(policy, reference_values_of_examples, batch["label"], kl)
-            scaled = result.loss.sum() * scale
-            if balance is not None:  # the router's load-balancing loss over the global batch (the examples' rows)
-                real = router_balance.real_token_mask(example_batch)
-                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
-            accelerator.backward(scaled)
+            accelerator.backward(result.loss.sum() * scale)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch
             for name, value in kto.class_sums(result, policy, batch["label"]).items():
                 figures[name] = figures.get(name, 0.0) + value
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
         training.metrics.log_step(
-            step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, kl=kl, **aux,
+            step, loss_sum=loss_sum, target_count=examples, grad_norm=grad_norm, kl=kl,
             sums=functools.partial(kto.figure_sums, figures, examples=examples, desirable=desirable),  # when logged
         )  # fmt: skip
         training.evaluation.maybe_evaluate(step)

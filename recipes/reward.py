@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: the head trained in full
+    router_balance.attach(model, reward_model.rewards)  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
-    router = router_balance.RouterLogitsRecorder.for_model(accelerator, model)  # a mixture of experts' router loss
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     evaluator = evaluation.MetricEvaluator(
@@ -144,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
             data=train_stats,
             loss="Bradley-Terry -log sigmoid(r_chosen - r_rejected - margin)"
             + (f" + {center} x (r_chosen + r_rejected)^2" if center else ""),
-            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
     )
 
@@ -154,26 +153,19 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, pair_count)  # a rank's share of the global mean over pairs
-        balance = router and router.balance_for_step(accelerator, model, micro_batches, reward_model.rewards)  # MoE
         loss_sum, figures = 0.0, {}
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             chosen, rejected = reward_model.rewards(model, batch)
             pair_loss = reward_model.bradley_terry_losses(
                 chosen, rejected, margin=batch["margin"], center_rewards_coefficient=center
             )
-            scaled = pair_loss.sum() * scale
-            if balance is not None:  # the router's load-balancing loss, over the global batch
-                scaled = scaled + router.loss_share(balance) * run.data_parallel_size
-            accelerator.backward(scaled)
+            accelerator.backward(pair_loss.sum() * scale)
             loss_sum += pair_loss.sum().detach()  # on the device: no host sync per micro-batch
             for name, value in reward_model.metric_sums(chosen, rejected).items():
                 figures[name] = figures.get(name, 0.0) + value
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
-        training.metrics.log_step(
-            step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures, **aux
-        )
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=pair_count, grad_norm=grad_norm, sums=figures)
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
     token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    router_balance.attach(model, token_loss.router_logits_of, real_of=router_balance.real_token_mask)  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
@@ -70,7 +71,6 @@ def main(argv: list[str] | None = None) -> None:
             eval_rows=len(eval_rows or []),
             data=data.train_stats,
             loss=token_loss.description,
-            **router_balance.summary(accelerator.unwrap_model(model).config),
         ),
     )
 
@@ -88,20 +88,14 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
         scale = losses.global_mean_scale(accelerator, target_count)
-        balance = router_balance.for_step(accelerator, model, micro_batches, token_loss.router_logits_of)  # MoE
         loss_sum = 0.0
         for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
             loss = token_loss.loss_sum(model, batch)
-            scaled = loss * scale
-            if balance is not None:  # the router's load-balancing loss, over the global batch
-                real = router_balance.real_token_mask(batch)
-                scaled = scaled + balance.loss_share(token_loss.router_logits, real) * run.data_parallel_size
-            accelerator.backward(scaled)
+            accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
-        aux = {} if balance is None else {"aux_loss": balance.aux_loss}
-        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm, **aux)
+        training.metrics.log_step(step, loss_sum=loss_sum, target_count=target_count, grad_norm=grad_norm)
         training.evaluation.maybe_evaluate(step)
         training.checkpoints.maybe_save(step)
 

@@ -191,6 +191,72 @@ def test_the_router_balance_is_transformers_aux_loss_over_the_global_batch_whate
     assert "not added to this recipe's objective" in describe_experts(model.config)["router_aux_loss"]
 
 
+def test_an_attached_router_balance_adds_the_loss_shares_gradient_and_changes_no_value_the_loop_sees():
+    """`router_balance.attach`: the loop is a dense model's loop (forward, loss, backward); the pass over the step's
+    micro-batches runs in `loop.micro_batches_in_sync` and each forward with gradients carries its share of
+    coefficient x aux into the backward. Against adding the shares to the loss by hand: the same loss values, the same
+    gradients. A forward with gradients the step did not announce, or one missing, is an error."""
+    import copy
+
+    from accelerate import Accelerator
+
+    from fsdp_recipes.train import loop, router_balance
+
+    model = tiny_moe("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    by_hand = copy.deepcopy(model)
+    torch.manual_seed(2)
+
+    def rows(width, count):  # right-padded, as collate_rows pads
+        padded = torch.zeros(2, width, dtype=torch.long)
+        padded[:, :count] = torch.randint(3, 103, (2, count))
+        return {"input_ids": padded, "real_tokens": torch.tensor([count, count - 1])}
+
+    micro_batches = [rows(9, 6), rows(7, 7)]
+
+    def forward(model, batch):
+        return model(input_ids=batch["input_ids"], use_cache=False)
+
+    def task_loss(output):  # any loss of the model's output: the balance must not change it
+        return output.logits.float().logsumexp(-1).mean()
+
+    accelerator = Accelerator(cpu=True)
+    balance = router_balance.attach(model, forward, real_of=router_balance.real_token_mask)
+    assert router_balance.attached(model) is balance and router_balance.attached(by_hand) is None
+    attached_losses = []
+    for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+        loss = task_loss(forward(model, batch))
+        loss.backward()
+        attached_losses.append(loss.detach())
+    assert balance.figures()["aux_loss"] > 0
+
+    step = router_balance.for_step(accelerator, by_hand, micro_batches, lambda m, b: forward(m, b).router_logits)
+    hand_losses = []
+    for batch in micro_batches:
+        output = forward(by_hand, batch)
+        loss = task_loss(output)
+        (loss + step.loss_share(output.router_logits, router_balance.real_token_mask(batch))).backward()
+        hand_losses.append(loss.detach())
+    assert step.aux_loss == pytest.approx(balance.figures()["aux_loss"])
+    assert [float(x) for x in attached_losses] == [float(x) for x in hand_losses]
+    gate = "model.layers.0.mlp.gate.weight"
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name, parameter in by_hand.named_parameters():
+        torch.testing.assert_close(grads[name], parameter.grad, rtol=1e-5, atol=1e-8, msg=name)
+    without = copy.deepcopy(by_hand)
+    without.zero_grad()
+    for batch in micro_batches:
+        task_loss(forward(without, batch)).backward()
+    assert not torch.allclose(dict(without.named_parameters())[gate].grad, grads[gate])  # the balance did reach it
+
+    with pytest.raises(RuntimeError, match="outside the step's micro-batches"):
+        task_loss(forward(model, micro_batches[0])).backward()
+    synced = loop.micro_batches_in_sync(accelerator, model, micro_batches)
+    task_loss(forward(model, next(synced))).backward()  # one of the two forwards only
+    with pytest.raises(RuntimeError, match="fewer than its micro-batches"):
+        next(iter(loop.micro_batches_in_sync(accelerator, model, micro_batches)))
+    assert router_balance.attach(tiny_moe("qwen3_moe"), forward) is None  # its config does not ask for the loss
+
+
 @pytest.mark.parametrize("recipe", ["dpo", "kto"])
 def test_preference_tuning_an_moe_adds_the_router_balance_and_logs_it(tmp_path, preference_data, recipe):
     """The policy's forward feeds the router's load-balancing loss (the reference's does not; KTO: the examples' rows,

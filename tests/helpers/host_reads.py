@@ -4,7 +4,7 @@ before it; on the CPU they cost nothing, so they are caught by where they are ca
 
 A read counts when the code calling the tensor method is in `src/fsdp_recipes` or `recipes/`, and no function on the
 stack is one whose job is to read values (`OFF_THE_HOT_PATH`): logging steps, generation rounds, evaluation, saves,
-the run's end. Reads are grouped by the optimizer step in which they happened (`Training.optimizer_step` ends one)."""
+the run's end. Reads are grouped by the optimizer step in which they happened (`TrainingLoop.optimizer_step` ends one)."""
 
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ class HostReads:
 
 @contextlib.contextmanager
 def host_reads_recorded(monkeypatch):
-    """Patches the tensor methods that read values to the host, and `Training.optimizer_step` to mark each step's
+    """Patches the tensor methods that read values to the host, and `TrainingLoop.optimizer_step` to mark each step's
     end; yields the `HostReads` record."""
-    from fsdp_recipes.run import training
+    from fsdp_recipes.run import training_loop
 
     reads = HostReads()
     for method in READS:
@@ -73,7 +73,7 @@ def host_reads_recorded(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, method, counted)
-    step_of = training.Training.optimizer_step
+    step_of = training_loop.TrainingLoop.optimizer_step
 
     def optimizer_step(self, step, *args, **kwargs):
         try:
@@ -81,5 +81,5 @@ def host_reads_recorded(monkeypatch):
         finally:
             reads.step = step + 1
 
-    monkeypatch.setattr(training.Training, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(training_loop.TrainingLoop, "optimizer_step", optimizer_step)
     yield reads

@@ -15,12 +15,12 @@ Nothing here knows a particular recipe: the recipe passes its name, its task (ca
 and its config, a `TrainingConfig` subclass.
 
 Modules: `starting` (`start`, `start_evaluation`: the accelerator and the checks before loading), `runs` (`StartedRun`,
-`EvaluationRun`, `Run` with `begin`), `training` (`Training`: the loop's parts, `optimizer_step`, `finish`).
+`EvaluationRun`, `Run` with `begin`), `training_loop` (`TrainingLoop`: the loop's parts, `optimizer_step`, `finish`).
 """
 
 # The one re-export spot: the names recipes call as `run_lib.<name>`; everything else is imported from its module.
 from fsdp_recipes.run.runs import EvaluationRun, Run, StartedRun
 from fsdp_recipes.run.starting import start, start_evaluation
-from fsdp_recipes.run.training import Training
+from fsdp_recipes.run.training_loop import TrainingLoop
 
-__all__ = ["EvaluationRun", "Run", "StartedRun", "Training", "start", "start_evaluation"]
+__all__ = ["EvaluationRun", "Run", "StartedRun", "TrainingLoop", "start", "start_evaluation"]

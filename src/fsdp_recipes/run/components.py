@@ -1,6 +1,6 @@
 """The parts `Run.begin` puts together after `accelerator.prepare`, one job each: where the data resumes, the run
 summary, the metrics log and trackers, the bytes each rank really holds, the step logger and the checkpointer. Each
-takes the `Run` (what `start` checked and built) and returns its part; `begin` hands them to the loop as `Training`."""
+takes the `Run` (what `start` checked and built) and returns its part; `begin` hands them to the loop as `TrainingLoop`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from fsdp_recipes.models.export_dtype import dtype_name
 from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters
 from fsdp_recipes.tools.estimator.live import estimate_for_run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import loop, trainer_arguments
+from fsdp_recipes.train import loop, router_balance, trainer_arguments
 from fsdp_recipes.train.config import config_to_dict
 from fsdp_recipes.train.loop import BatchStream
 from fsdp_recipes.train.metrics import (
@@ -66,8 +66,9 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
     config, accelerator = run.config, run.accelerator
     described = describe_run(accelerator, model, run.wrap_classes)
     moe = experts.describe_experts(accelerator.unwrap_model(model).config)
+    balance = router_balance.attached(model)
     if moe is not None:
-        if "router_aux_loss" in (summary or {}):  # the recipe adds it (train/router_balance.py) and says how
+        if balance is not None:  # the recipe adds it (train/router_balance.py), said below
             del moe["router_aux_loss"]
         described["mixture_of_experts"] = moe
     rows = len(getattr(train_loader, "dataset", None) or []) if shared(train_loader) else None
@@ -81,6 +82,7 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
         task=run.task,
         attn_implementation=run.attention_note,
         **(summary or {}),
+        **(balance.summary() if balance is not None else {}),
         upstream_keys=trainer_arguments.upstream_key_notes(config) or None,
         **adapters.parameter_counts(model),
         lora=adapters.describe(config),
@@ -149,6 +151,7 @@ def record_state_bytes_after_first_step(run, model, optimizer, frozen_models=Non
 def step_logger(run, model, log: MetricsLog, batches, scheduler) -> StepLogger:
     """The step figures at `logging_steps`: loss, speed against the device's peak, position and learning rate."""
     accelerator = run.accelerator
+    balance = router_balance.attached(model)  # a mixture of experts' aux_loss: a figure the loop does not pass
     return StepLogger(
         accelerator,
         log,
@@ -158,6 +161,7 @@ def step_logger(run, model, log: MetricsLog, batches, scheduler) -> StepLogger:
         non_embedding_parameters=count_non_embedding_parameters(accelerator.unwrap_model(model)),
         peak_flops=peak_flops_per_device(run.summary["device_name"], run.config.peak_flops_per_device),
         position=lambda: {"epoch": batches.epoch, "lr": scheduler.get_last_lr()[0]},
+        step_figures=dict if balance is None else balance.figures,
     )
 
 

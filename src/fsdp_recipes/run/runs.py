@@ -1,5 +1,5 @@
 """The objects a recipe drives: `StartedRun` (what `start` checked and built), `EvaluationRun` (an evaluation's
-start) and `Run` (a training run whose `begin`, after `accelerator.prepare`, returns the loop's `Training`)."""
+start) and `Run` (a training run whose `begin`, after `accelerator.prepare`, returns the loop's `TrainingLoop`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 import torch
 from accelerate import Accelerator
 
-from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.accelerator import launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_tensor_over_ranks, values_of_all_ranks
@@ -22,7 +21,7 @@ from fsdp_recipes.publish.export import export_model_folder, write_model_card
 from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.run import components
-from fsdp_recipes.run.training import Training
+from fsdp_recipes.run.training_loop import TrainingLoop
 from fsdp_recipes.train import trainer_arguments
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
@@ -131,7 +130,8 @@ class EvaluationRun(StartedRun):
 
 @dataclasses.dataclass
 class Run(StartedRun):
-    """A training run: `begin` after `accelerator.prepare` returns its `Training` (the loop's parts and `finish`)."""
+    """A training run, around its loop: the set-up (`load_model`, `loss_evaluator`, then `begin` after
+    `accelerator.prepare`, which returns the `TrainingLoop` the loop reads) and the end (`export`, the Hub pushes)."""
 
     config: TrainingConfig
     checkpoint: Path | None
@@ -145,10 +145,6 @@ class Run(StartedRun):
     @property
     def resumed(self) -> bool:
         return self.checkpoint is not None
-
-    def fault_point(self, step: int) -> None:
-        """Where FSDP_RECIPES_FAULT can kill or fail a rank after a step, to rehearse crashes; nothing otherwise."""
-        inject_fault("after-step", step, self.accelerator.process_index)
 
     def load_model(self, **options) -> torch.nn.Module:
         """The model for this run's task: the pretrained weights of `model_name_or_path`, or initialised from the
@@ -186,10 +182,10 @@ class Run(StartedRun):
         checkpoint_files: dict[str, str] | None = None,
         frozen_models: dict[str, torch.nn.Module | None] | None = None,
         save_multiple: int = 1,
-    ) -> Training:
+    ) -> TrainingLoop:
         """Collective, after `accelerator.prepare`. Restores the checkpoint (if resuming), writes the run summary,
         starts the metrics log and trackers, and sets up logging, evaluation and checkpoint cadence. Returns the
-        `Training`: the batch stream at the right data position, the steps still to run and those components.
+        `TrainingLoop`: the batch stream at the right data position, the steps still to run and those components.
 
         `train_loader` is a prepared DataLoader (its position is progress.json's, valid on any world size), or a
         stream that keeps each rank's own position: it has BatchStream's `take`, `epoch` and `batches_into_epoch`
@@ -219,7 +215,7 @@ class Run(StartedRun):
             component.cadence = trainer_arguments.cadence(
                 self.config, kind, total_steps=total_steps, steps_per_epoch=per_epoch
             )
-        return Training(
+        return TrainingLoop(
             self,
             batches=batches,
             first_step=first_step,

@@ -254,11 +254,13 @@ class StepLogger:
         non_embedding_parameters: int,
         peak_flops: float | None,
         position: Callable[[], dict[str, Any]] = dict,
+        step_figures: Callable[[], dict[str, Any]] = dict,
     ):
         """`position()`: what every record carries besides the step's figures (the run gives the epoch and the
-        scheduler's learning rate)."""
+        scheduler's learning rate). `step_figures()`: figures of the step that its loop does not pass (a mixture of
+        experts' `aux_loss`, from the router balance the loop never sees)."""
         self.accelerator, self.log, self.cadence = accelerator, log, Cadence(every, total_steps)
-        self.position = position
+        self.position, self.step_figures = position, step_figures
         self.model_config, self.non_embedding_parameters, self.peak_flops = (
             model_config,
             non_embedding_parameters,
@@ -290,6 +292,7 @@ class StepLogger:
             return
         means, divisor = {}, 1.0 if target_count is None else max(float(target_count), 1.0)
         sums = sums() if callable(sums) else sums
+        fields = {**self.step_figures(), **fields}
         fields = {name: float(value) if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
         if sums:
             names = sorted(sums)

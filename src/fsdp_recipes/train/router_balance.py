@@ -13,10 +13,13 @@ coefficient)."""
 
 from __future__ import annotations
 
+import collections
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.collectives import sum_tensor_over_ranks
 from fsdp_recipes.models.experts import expert_routing, router_aux_loss_coefficient
 
@@ -34,17 +37,6 @@ class RouterBalance:
         experts = self.shares.numel()
         summed = router_probability_sums(router_logits, real)
         return self.coefficient * experts * (self.shares.to(summed.device) * summed).sum() / self.assignments
-
-
-def summary(config) -> dict[str, str]:
-    """The run summary's `router_aux_loss` line for a recipe that adds the loss (none when the model does not ask)."""
-    coefficient = router_aux_loss_coefficient(config)
-    if not coefficient:
-        return {}
-    return {
-        "router_aux_loss": f"added: {coefficient:g} x aux over each step's global batch (one more forward without "
-        "gradients per step), logged as aux_loss"
-    }
 
 
 def real_token_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -72,54 +64,152 @@ def router_assignment_counts(router_logits: tuple[torch.Tensor, ...], real: torc
     return counts
 
 
-class RouterLogitsRecorder:
-    """The router logits (one [tokens, experts] tensor per layer) and real-token mask of the last forward of a mixture
-    of experts' decoder, read by a hook on the decoder itself: for recipes whose model output does not carry them (a
-    sequence-classification head returns scores only) or whose rows mark padding in their own way (GRPO's
-    left-padded prompts and packed rows). The mask is the decoder's 2-D attention mask where it gets one, else every
-    token (packed rows have no padding)."""
+class RouterBalanceLoss:
+    """The load-balancing loss of a mixture of experts, attached to the model once at set-up (`attach`) so that the
+    training loop is the same loop as a dense model's. Its two parts ride on what every loop already does:
 
-    def __init__(self, model: torch.nn.Module):
-        self.router_logits: tuple[torch.Tensor, ...] = ()
-        self.real: torch.Tensor | None = None
+    - `loop.micro_batches_in_sync` calls `before_step` with the step's micro-batches: the pass without gradients that
+      finds the global expert shares f (`for_step`), running the recipe's own `forward` on each micro-batch's rows;
+    - a forward hook on the decoder stack adds each later forward-with-gradients' share of coefficient x aux to the
+      backward of whatever uses the decoder's output (`_AddLossGradient`): the loop's losses, values and logs are
+      those of the dense model, and the router's parameters get the balance's gradient, as if the share had been
+      added to the loss the loop passes to `backward`.
+
+    The forwards with gradients of a step must be the micro-batches' forwards, in their order (each recipe runs one
+    per micro-batch; its other forwards, the reference's, the KL estimate's, generation, evaluation, run without
+    gradients): each takes the real-token mask the pass found for its micro-batch, and a forward with another token
+    count, one too many, or one missing is an error, not a silently wrong loss."""
+
+    def __init__(self, model: torch.nn.Module, forward, rows_of=None, real_of=None):
+        self.coefficient = router_aux_loss_coefficient(model.config)
+        self.forward, self.rows_of, self.real_of = forward, rows_of, real_of
+        self.step: RouterBalance | None = None  # the current step's shares and aux (None before the first step)
+        self._pending: collections.deque[torch.Tensor] = collections.deque()  # real masks of forwards still to come
+        self._capture: list | None = None  # during the pass: [router logits, decoder attention mask] of the forward
+        self._gradient_weight = 1.0
+        self._scaler = None
         decoder = _decoder_of(model)
-        self._handle = decoder.register_forward_hook(self._record, with_kwargs=True)
+        decoder.register_forward_hook(self._on_decoder_output, with_kwargs=True)
+        _ATTACHED[decoder] = self
 
-    @classmethod
-    def for_model(cls, accelerator, model) -> RouterLogitsRecorder | None:
-        """A recorder on `model`, or None when its config does not ask for the load-balancing loss."""
-        return cls(model) if router_aux_loss_coefficient(accelerator.unwrap_model(model).config) else None
-
-    def _record(self, module, args, kwargs, output) -> None:
-        self.router_logits = tuple(getattr(output, "router_logits", None) or ())  # none while generating
-        if not self.router_logits:
-            self.real = None
-            return
-        tokens = self.router_logits[0].shape[0]
-        mask = kwargs.get("attention_mask")
-        if torch.is_tensor(mask) and mask.dim() == 2 and mask.numel() == tokens:
-            self.real = mask.bool().flatten()
-        else:
-            self.real = torch.ones(tokens, dtype=torch.bool, device=self.router_logits[0].device)
-
-    def balance_for_step(self, accelerator, model, micro_batches, run_forward) -> RouterBalance | None:
-        """Collective: `for_step` with the recipe's own forward `run_forward(model, batch)` (its output unused: the
-        router logits and mask come from the hook)."""
+    def before_step(self, accelerator, model, micro_batches) -> None:
+        """Collective: the step's global expert shares, from the recipe's forward on every micro-batch."""
+        if self._pending:
+            raise RuntimeError(
+                f"the last step ran {len(self._pending)} forward(s) with gradients fewer than its micro-batches: "
+                "the router's load-balancing loss expects one per micro-batch"
+            )
+        # FSDP averages gradients over the data-parallel ranks; the shares sum to the global loss (undo the average)
+        self._gradient_weight = float(tensor_parallel.data_parallel_size(accelerator))
+        self._scaler = accelerator.scaler  # fp16: the loss scale applies to this loss too
+        reals: list[torch.Tensor] = []
 
         def forward(model, batch):
-            run_forward(model, batch)
-            return self._recorded()
+            rows = batch if self.rows_of is None else self.rows_of(batch)
+            self._capture = [(), None]
+            try:
+                self.forward(model, rows)
+                router_logits, mask = self._capture
+            finally:
+                self._capture = None
+            if not router_logits:
+                raise RuntimeError("the forward returned no router_logits although the model config asks for them")
+            if self.real_of is not None:
+                reals.append(self.real_of(rows))
+            elif mask is not None:
+                reals.append(mask)
+            else:  # packed rows: no padding
+                reals.append(torch.ones(router_logits[0].shape[0], dtype=torch.bool, device=router_logits[0].device))
+            return router_logits
 
-        return for_step(accelerator, model, micro_batches, forward, real_of=lambda: self.real)
+        self.step = for_step(accelerator, model, micro_batches, forward, real_of=lambda: reals[-1])
+        self._pending = collections.deque(reals)
 
-    def loss_share(self, balance: RouterBalance) -> torch.Tensor:
-        """The last forward's part of the step's coefficient x aux."""
-        return balance.loss_share(self._recorded(), self.real)
+    def figures(self) -> dict[str, float]:
+        """What the step's log record carries: `aux_loss` (aux over the step's global batch, before the coefficient)."""
+        return {} if self.step is None else {"aux_loss": self.step.aux_loss}
 
-    def _recorded(self) -> tuple[torch.Tensor, ...]:
-        if not self.router_logits:
-            raise RuntimeError("the last forward returned no router_logits although the model config asks for them")
-        return self.router_logits
+    def summary(self) -> dict[str, str]:
+        return {
+            "router_aux_loss": f"added: {self.coefficient:g} x aux over each step's global batch (one more forward "
+            "without gradients per step), logged as aux_loss"
+        }
+
+    def _on_decoder_output(self, module, args, kwargs, output):
+        router_logits = tuple(getattr(output, "router_logits", None) or ())
+        if self._capture is not None:
+            tokens = router_logits[0].shape[0] if router_logits else -1
+            mask = kwargs.get("attention_mask")
+            self._capture[:] = (
+                router_logits,
+                (
+                    mask.bool().flatten()
+                    if torch.is_tensor(mask) and mask.dim() == 2 and mask.numel() == tokens
+                    else None
+                ),
+            )
+            return None
+        if not router_logits or not torch.is_grad_enabled():
+            return None  # generation, evaluation, reference values: no gradient, nothing to add
+        if not self._pending:
+            raise RuntimeError(
+                "a forward with gradients outside the step's micro-batches (or one more than their count): the "
+                "router's load-balancing loss has no expert shares for it (loop.micro_batches_in_sync computes them)"
+            )
+        real = self._pending.popleft()
+        if real.numel() != router_logits[0].shape[0]:
+            raise RuntimeError(
+                f"the forward routed {router_logits[0].shape[0]} tokens where its micro-batch had {real.numel()}: "
+                "the step's forwards with gradients must be its micro-batches' forwards, in order"
+            )
+        share = self.step.loss_share(router_logits, real)
+        output.last_hidden_state = _AddLossGradient.apply(output.last_hidden_state, share, self._weight)
+        return output
+
+    def _weight(self) -> float:
+        scale = 1.0 if self._scaler is None else float(self._scaler.get_scale())
+        return self._gradient_weight * scale
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """`hidden` unchanged; in the backward, `loss` (a scalar with its own graph) also gets `weight()` as its gradient,
+    so it joins the backward of whatever uses `hidden` at that fixed weight, whatever that use's own scale. Megatron-LM
+    adds its MoE auxiliary loss the same way (MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, hidden, loss, weight):
+        ctx.weight, ctx.loss_like = weight, (loss.shape, loss.dtype, loss.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad_hidden):
+        shape, dtype, device = ctx.loss_like
+        return grad_hidden, torch.full(shape, ctx.weight(), dtype=dtype, device=device), None
+
+
+_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, RouterBalanceLoss] = weakref.WeakKeyDictionary()
+
+
+def attach(model: torch.nn.Module, forward, *, rows_of=None, real_of=None) -> RouterBalanceLoss | None:
+    """At set-up: the model's router balance, added to the gradient of every step from then on, or None when its
+    config does not ask for the loss (a dense model, or `router_aux_loss_coef` 0). `forward(model, rows)`: the
+    recipe's own forward with gradients (the pass before each step runs it without). `rows_of(batch)`: the rows of a
+    micro-batch that forward runs on (default: all of them; KTO: the examples', not the KL estimate's).
+    `real_of(rows)`: the real-token mask of those rows (`real_token_mask` for right-padded rows; default: the
+    decoder's 2-D attention mask where it gets one, else every token)."""
+    if not router_aux_loss_coefficient(model.config):
+        return None
+    return RouterBalanceLoss(model, forward, rows_of, real_of)
+
+
+def attached(model: torch.nn.Module) -> RouterBalanceLoss | None:
+    """The router balance `attach` put on this model (through any wrapper), or None."""
+    if not _ATTACHED:
+        return None
+    for module in model.modules():
+        if module in _ATTACHED:
+            return _ATTACHED[module]
+    return None
 
 
 def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -134,7 +224,7 @@ def for_step(accelerator, model, micro_batches, forward, real_of=None) -> Router
     """Collective (every rank, every step): the step's RouterBalance, or None when the model does not ask for the
     loss. `forward(model, batch)` runs the recipe's own forward and returns the router logits (one tensor [tokens,
     experts] per layer); it runs here without gradients. `real_of()`: the real-token mask of that forward (default:
-    `real_token_mask(batch)`; a RouterLogitsRecorder's `real`)."""
+    `real_token_mask(batch)`; `RouterBalanceLoss` gives the mask its pass found)."""
     config = accelerator.unwrap_model(model).config
     coefficient = router_aux_loss_coefficient(config)
     if not coefficient:

@@ -1,7 +1,9 @@
-"""`Training`: what `Run.begin` hands the loop, every part built and none of them None. The batch stream at the resumed
-data position, the steps still to run (with the progress bar), the one optimizer step every recipe calls, and the
-components that keep their own cadence: `metrics` (logging), `evaluation` (the recipe's evaluator), `checkpoints`
-(saves), over the run's `log`. `finish` ends the run."""
+"""`TrainingLoop`: what the loop reads, handed over by `Run.begin`, every part built and none of them None. `Run` is
+the run around the loop (its set-up: `start`, `load_model`, `begin`; its end: the export and the Hub); the loop itself
+reads only this: the batch stream at the resumed data position, the steps still to run (with the progress bar), the
+one optimizer step every recipe calls (with the fault point that rehearses crashes), and the components that keep
+their own cadence: `metrics` (logging), `evaluation` (the recipe's evaluator), `checkpoints` (saves), over the run's
+`log`. `finish` ends the run."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from fsdp_recipes.train.metrics import MetricsLog, StepLogger, memory_figure_not
 
 
 @dataclasses.dataclass
-class Training:
+class TrainingLoop:
     run: Any  # the `Run` whose begin built this (runs.py imports this module, not the other way round)
     batches: BatchStream
     first_step: int
@@ -100,7 +102,7 @@ class Training:
         optimizer.zero_grad(set_to_none=True)
         if self.bar is not None:
             self.bar.update(1)
-        self.run.fault_point(step)
+        inject_fault("after-step", step, self.run.accelerator.process_index)  # FSDP_RECIPES_FAULT: rehearsed crashes
         return grad_norm
 
     def _nonfinite_step(self, step: int, grad_norm: torch.Tensor) -> None:
