@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         distillation.check_no_logits_transform(run.model_config, which="student")
         distillation.check_no_logits_transform(teacher_config, which="teacher")
+        distillation.check_teacher_splits(teacher_config)  # sequence parallelism: its heads split like the student's
         return teacher_config
 
     teacher_config = run.on_every_rank(check_teacher)

@@ -5,11 +5,14 @@ group stays: each recipe's `accelerator.end_training()` would destroy it, and fo
 races (a rank can hang in the rendezvous), so that is made a no-op until the last recipe has run. A recipe that fails
 stops the script (its traceback, a nonzero exit). `grpo+scripted_tools` runs GRPO with the scripted tool-calling policy
 of tests/helpers/scripted_tools.py (the model's own generation runs, then its tokens are replaced);
-`grpo+scripted_tools_mixed` with the policy that answers some prompts without the tool."""
+`grpo+scripted_tools_mixed` with the policy that answers some prompts without the tool. `RECIPE@NAME=VALUE,...` runs
+the recipe with those launch variables changed (another layout over the same processes, e.g.
+`pretrain@PARALLELISM_CONFIG_SP_SIZE=4,PARALLELISM_CONFIG_DP_SHARD_SIZE=1`), restored after it."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +29,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: recipes_in_sequence.py RECIPE CONFIG [RECIPE CONFIG ...]")
     PartialState.destroy_process_group = lambda self, group=None: None
     for recipe, config in zip(argv[::2], argv[1::2]):
+        recipe, _, layout = recipe.partition("@")
         recipe, _, option = recipe.partition("+")
         if option.startswith("scripted_tools"):
             from helpers.scripted_tools import scripted_generation
@@ -33,8 +37,18 @@ def main(argv: list[str]) -> None:
             context = scripted_generation(direct_on_short=option == "scripted_tools_mixed")
         else:
             context = contextlib.nullcontext()
-        with context:
-            load_recipe(recipe).main(["--config", config])
+        changed = dict(pair.split("=", 1) for pair in layout.split(",")) if layout else {}
+        saved = {name: os.environ.get(name) for name in changed}
+        os.environ.update(changed)
+        try:
+            with context:
+                load_recipe(recipe).main(["--config", config])
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         if dist.is_initialized():
             dist.barrier()
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_recipes.common.errors import ConfigError
-from fsdp_recipes.distributed import parallel_dims, tensor_parallel
+from fsdp_recipes.distributed import parallel_dims, sequence_parallel, tensor_parallel
 
 COMPUTE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # bytes per element of the compute dtype
 FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -102,6 +102,7 @@ class LaunchLayout:
     state_dict_type: str = "SHARDED_STATE_DICT"
     tp_size: int = 1  # tensor parallelism: ranks splitting each layer (transformers' DistributedConfig route)
     ep_size: int = 1  # expert parallelism: ranks splitting a layer's routed experts (the same route; no batch change)
+    sp_size: int = 1  # sequence parallelism: ranks splitting each row by position (one batch; FSDP shards over them)
 
     @classmethod
     def data_parallel(cls, world_size: int, num_machines: int = 1, mixed_precision: str = "no") -> LaunchLayout:
@@ -127,33 +128,35 @@ class LaunchLayout:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that each see a distinct batch: the world size over the tensor-parallel size."""
+        """Ranks that each see a distinct batch: the world size over the tensor- and sequence-parallel sizes."""
+        return self.world_size // (self.tp_size * self.sp_size)
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP spans (replicas x shards): the world size over the tensor-parallel size (a sequence-parallel
+        group's ranks hold shards of one model like any other)."""
         return self.world_size // self.tp_size
 
     @property
     def hsdp_replicate(self) -> int | None:
-        """Copies of the model under HSDP (world size / shard size); None when every rank shares one copy."""
-        return (
-            self.data_parallel_size // self.shard_size
-            if self.is_fsdp and 1 < self.shard_size < self.data_parallel_size
-            else None
-        )
+        """Copies of the model under HSDP (FSDP's ranks / shard size); None when every rank shares one copy."""
+        return self.fsdp_size // self.shard_size if self.is_fsdp and 1 < self.shard_size < self.fsdp_size else None
 
     @property
     def sharding(self) -> str:
-        if not self.is_fsdp or self.shard_size == 1 and self.data_parallel_size > 1:
+        if not self.is_fsdp or self.shard_size == 1 and self.fsdp_size > 1:
             return "NO_SHARD"
         kind = "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
-        if self.shard_size < self.data_parallel_size:
+        if self.shard_size < self.fsdp_size:
             return "HSDP" if self.reshard_after_forward else "HSDP_SHARD_GRAD_OP"
         return kind
 
     @property
     def fsdp1_strategy(self) -> str:
         """The layout as FSDP1's fsdp_sharding_strategy."""
-        if self.shard_size == 1 and self.data_parallel_size > 1:
+        if self.shard_size == 1 and self.fsdp_size > 1:
             return "NO_SHARD"
-        if self.shard_size < self.data_parallel_size:
+        if self.shard_size < self.fsdp_size:
             return "HYBRID_SHARD" if self.reshard_after_forward else "_HYBRID_SHARD_ZERO2"
         return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
 
@@ -167,12 +170,14 @@ class LaunchLayout:
         if self.distributed_type == "MULTI_GPU":
             return f"{self.world_size} processes, DDP (NO_SHARD), {self.mixed_precision}"
         parts = [f"{self.world_size} processes", f"FSDP{self.fsdp_version} {self.sharding}"]
-        if self.shard_size < self.data_parallel_size:
-            parts[-1] += f" ({self.data_parallel_size // self.shard_size} replicas x {self.shard_size} shards)"
+        if self.shard_size < self.fsdp_size:
+            parts[-1] += f" ({self.fsdp_size // self.shard_size} replicas x {self.shard_size} shards)"
         if self.tp_size > 1:
             parts[-1] += f" x TP {self.tp_size}"
         if self.ep_size > 1:
             parts[-1] += f" x EP {self.ep_size}"
+        if self.sp_size > 1:
+            parts[-1] += f" over SP {self.sp_size} (rows split by position)"
         parts.append(self.mixed_precision if self.mixed_precision != "no" else "fp32")
         if self.cpu_offload:
             parts.append("CPU offload")
@@ -235,15 +240,16 @@ class LaunchLayout:
         replicate = int(parallelism.get("dp_replicate_size", 1) or 1)
         tp = int(parallelism.get("tp_size", 1) or 1)
         ep = int(parallelism.get("ep_size", 1) or 1)
-        if replicate > 1 or tp > 1 or ep > 1:
+        sp = int(parallelism.get("sp_size", 1) or 1)
+        if replicate > 1 or tp > 1 or ep > 1 or sp > 1:
             shard = int(parallelism.get("dp_shard_size", -1) or -1)
-            shard = world // (replicate * tp) if shard in (-1, 0) else shard
-            if shard * replicate * tp != world:
+            shard = world // (replicate * tp * sp) if shard in (-1, 0) else shard
+            if shard * replicate * tp * sp != world:
                 raise ConfigError(
                     f"parallelism_config in {where}: dp_replicate_size {replicate} x dp_shard_size {shard} x "
-                    f"tp_size {tp} != num_processes {world}"
+                    f"tp_size {tp}" + (f" x sp_size {sp}" if sp > 1 else "") + f" != num_processes {world}"
                 )
-            shard_size = shard
+            shard_size = shard * sp  # FSDP shards over a sequence-parallel group's ranks too
         # FSDP1 saves full state dicts unless told otherwise, FSDP2 sharded ones (the plugin's defaults).
         state_dict_type = fsdp.get("fsdp_state_dict_type") or (
             "FULL_STATE_DICT" if version == 1 else "SHARDED_STATE_DICT"
@@ -269,6 +275,7 @@ class LaunchLayout:
             state_dict_type=str(state_dict_type).upper(),
             tp_size=tp,
             ep_size=ep,
+            sp_size=sp,
         )
 
     @classmethod
@@ -328,6 +335,12 @@ class LaunchLayout:
                 "dp_shard_size": tensor_parallel_layout.dp_shard,
                 "tp_size": tensor_parallel_layout.tp,
                 "ep_size": tensor_parallel_layout.ep,
+            }
+        elif (sp := sequence_parallel.size_of(accelerator)) > 1:  # attached with FSDP's shard size (x sp)
+            raw["parallelism_config"] = {
+                "dp_replicate_size": parallelism.dp_replicate_size,
+                "dp_shard_size": parallelism.dp_shard_size // sp,
+                "sp_size": sp,
             }
         elif parallelism is not None and getattr(parallelism, "dp_replicate_size", 1) > 1:
             raw["parallelism_config"] = {

@@ -24,7 +24,7 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, gather_object
 
 from fsdp_recipes.common.errors import DistributedSetupError
-from fsdp_recipes.distributed import buffer_loading, expert_parallel, float8, tensor_parallel
+from fsdp_recipes.distributed import buffer_loading, expert_parallel, float8, sequence_parallel, tensor_parallel
 
 T = TypeVar("T")
 
@@ -60,6 +60,14 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
             else:
                 accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
         tensor_parallel.attach_data_parallel_mesh(accelerator, layout)
+    elif sequence_parallel.size_from_environment() > 1:
+        # accelerate 1.15 runs parallelism_config_sp_size only with DeepSpeed: its parallelism config is hidden and
+        # the sequence-parallel mesh attached (distributed/sequence_parallel.py)
+        with _environment_without("ACCELERATE_USE_PARALLELISM_CONFIG"):
+            if has_accelerator_device():
+                accelerator = Accelerator(**accelerator_kwargs)
+            else:
+                accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
     elif fsdp_requested() and not has_accelerator_device():
         accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
     elif launched_world_size() > 1 and not has_accelerator_device():
@@ -68,6 +76,7 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
         accelerator = Accelerator(cpu=True, **accelerator_kwargs)
     else:
         accelerator = Accelerator(**accelerator_kwargs)
+    sequence_parallel.attach(accelerator, sequence_parallel.size_from_environment())  # sp 1: none
     refuse_degraded_launch(accelerator)
     keep_fp32_module_outputs(accelerator)
     return accelerator
@@ -216,6 +225,7 @@ def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes:
         ),
         "fsdp": None,
         "tensor_parallel": tensor_parallel.describe(tensor_parallel.layout_of(accelerator)),
+        "sequence_parallel": sequence_parallel.describe(accelerator),
     }
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin

@@ -84,7 +84,7 @@ def sum_tensor_over_ranks(accelerator: Accelerator, tensor: torch.Tensor) -> tor
     over all ranks divided by the TP size)."""
     if accelerator.num_processes == 1:
         return tensor
-    return accelerator.reduce(tensor, reduction="sum") / tensor_parallel.tensor_parallel_size(accelerator)
+    return accelerator.reduce(tensor, reduction="sum") / tensor_parallel.batch_sharing_size(accelerator)
 
 
 def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
@@ -95,13 +95,13 @@ def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
     return [float(v) for v in gathered]
 
 
-# Under tensor parallelism every rank of a TP group holds the same batch and so the same values: the gathers below
-# keep one copy per data-parallel rank (the first rank of each group), in data-parallel rank order.
+# Under tensor (or sequence) parallelism every rank of a TP (SP) group holds the same batch and so the same values: the
+# gathers below keep one copy per data-parallel rank (the first rank of each group), in data-parallel rank order.
 def gather_lists(accelerator: Accelerator, values: list) -> list:
     """Collective: every data-parallel rank's `values`, concatenated in rank order, on every rank."""
     if accelerator.num_processes == 1:
         return list(values)
-    tp = tensor_parallel.tensor_parallel_size(accelerator)
+    tp = tensor_parallel.batch_sharing_size(accelerator)
     if tp == 1:
         return gather_object(list(values))
     per_rank = gather_object([list(values)])
@@ -113,7 +113,7 @@ def gather_tensors(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tens
     if accelerator.num_processes == 1:
         return tensor
     gathered = accelerator.gather(tensor)
-    tp = tensor_parallel.tensor_parallel_size(accelerator)
+    tp = tensor_parallel.batch_sharing_size(accelerator)
     if tp == 1:
         return gathered
     return gathered.reshape(accelerator.num_processes, *tensor.shape)[::tp].flatten(0, 1)
@@ -122,7 +122,7 @@ def gather_tensors(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tens
 def gather_for_metrics(accelerator: Accelerator, value, *, use_gather_object: bool = False):
     """`accelerator.gather_for_metrics` (one copy of every example of a prepared loader's batch, the copies padding
     an uneven last batch dropped) that also counts a TP group's shared batch once."""
-    if tensor_parallel.tensor_parallel_size(accelerator) == 1:
+    if tensor_parallel.batch_sharing_size(accelerator) == 1:
         return accelerator.gather_for_metrics(value, use_gather_object=use_gather_object)
     data = gather_lists(accelerator, list(value)) if use_gather_object else gather_tensors(accelerator, value)
     state = accelerator.gradient_state

@@ -22,7 +22,7 @@ from unittest import mock
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.yaml_json import load_yaml_mapping
-from fsdp_recipes.distributed import expert_parallel, float8, parallel_dims, tensor_parallel
+from fsdp_recipes.distributed import expert_parallel, float8, parallel_dims, sequence_parallel, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
 
 ERROR, WARNING = "error", "warning"
@@ -260,7 +260,11 @@ def lint_launch_environment(
 ) -> list[Finding]:
     """Checks on what the launcher exported. `local_device_count`: accelerators on this node, if any; `has_cuda`:
     whether this machine has CUDA (None: not known, the file checked offline)."""
-    refused = parallel_dims.problems(environ, has_cuda) | tensor_parallel.problems(environ)
+    refused = (
+        parallel_dims.problems(environ, has_cuda)
+        | tensor_parallel.problems(environ)
+        | sequence_parallel.layout_problems(environ)
+    )
     findings = [Finding(ERROR, key, problem) for key, problem in refused.items()]
     world_size = int(environ.get("WORLD_SIZE", "1"))
     if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
@@ -281,11 +285,11 @@ def lint_launch_environment(
                     "parallelism_config",
                     f"{shown} = {product} processes, but the launch has {world_size}: make "
                     f"parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size x "
-                    f"parallelism_config_tp_size = {world_size} (num_processes is the global count over all nodes)",
+                    f"parallelism_config_tp_size = {world_size} (x parallelism_config_sp_size where set; num_processes is the global count over all nodes)",
                 )
             )
         elif (
-            sizes["dp_shard"] * sizes["cp"] * sizes["tp"] == 1
+            sizes["dp_shard"] * sizes["cp"] * sizes["tp"] * sizes["sp"] == 1
             and environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         ):
             findings.append(

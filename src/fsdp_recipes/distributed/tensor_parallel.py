@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fsdp_recipes.distributed import expert_parallel, parallel_dims
+from fsdp_recipes.distributed import expert_parallel, parallel_dims, sequence_parallel
 
 TRANSFORMERS_VERSION = "5.24"
 
@@ -260,9 +260,15 @@ def tensor_parallel_size(accelerator) -> int:
     return 1 if layout is None else layout.tp
 
 
+def batch_sharing_size(accelerator) -> int:
+    """Ranks that hold one batch together and so the same values outside the model: a TP group, or a
+    sequence-parallel group (its rows split by position inside the forward only); 1 without either."""
+    return tensor_parallel_size(accelerator) * sequence_parallel.size_of(accelerator)
+
+
 def data_parallel_size(accelerator) -> int:
-    """Ranks that each see a distinct batch: the world size over the TP size."""
-    return accelerator.num_processes // tensor_parallel_size(accelerator)
+    """Ranks that each see a distinct batch: the world size over the TP (or SP) size."""
+    return accelerator.num_processes // batch_sharing_size(accelerator)
 
 
 @contextlib.contextmanager
@@ -307,8 +313,9 @@ def sharded_root(accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def data_parallel_rank(accelerator) -> int:
-    """This rank's index among the data-parallel ranks (transformers' mesh puts TP innermost: rank // tp)."""
-    return accelerator.process_index // tensor_parallel_size(accelerator)
+    """This rank's index among the data-parallel ranks (transformers' mesh puts TP innermost, the sequence-parallel
+    mesh SP: rank // tp, rank // sp)."""
+    return accelerator.process_index // batch_sharing_size(accelerator)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, To
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
-from fsdp_recipes.distributed import float8, logs, tensor_parallel
+from fsdp_recipes.distributed import float8, logs, sequence_parallel, tensor_parallel
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
@@ -56,7 +56,7 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     if not config.resume_from_checkpoint and (reason := preemption.automatic_resume(config.output_dir)):
         logs.info(reason)
         config.resume_from_checkpoint = "latest"
-    checks = on_every_rank_together(accelerator, lambda: _checks_before_loading(accelerator, config, task))
+    checks = on_every_rank_together(accelerator, lambda: _checks_before_loading(accelerator, config, task, name))
     return Run(config=config, name=name, task=task, accelerator=accelerator, compile_note=compile_note, **checks)
 
 
@@ -93,6 +93,7 @@ def start_evaluation(
         )
         model_task = task or model_source_task(source, model_config)
         check_tensor_parallel(accelerator, config, model_config, model_task, adapter=source.kind == "adapter")
+        check_sequence_parallel(accelerator, model_config, config.attn_implementation, recipe=name)
         check_generation_backend(accelerator, config, model_config)
         return dict(
             source=source,
@@ -240,7 +241,16 @@ def check_tensor_parallel(
         raise ConfigError(problems)
 
 
-def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, task: str) -> dict[str, Any]:
+def check_sequence_parallel(accelerator: Accelerator, model_config, attn_implementation: str | None, *, recipe: str):
+    """Under a sequence-parallel launch: the recipe, the model's heads and its attention can be split by position."""
+    problems = sequence_parallel.model_problems(
+        sequence_parallel.size_of(accelerator), model_config, attn_implementation=attn_implementation, recipe=recipe
+    )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, task: str, name: str) -> dict[str, Any]:
     checkpoint = None
     if config.resume_from_checkpoint:
         checkpoint = checkpoints_lib.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
@@ -281,6 +291,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     if problem:
         raise ConfigError(problem)
     check_tensor_parallel(accelerator, config, model_config, task)
+    check_sequence_parallel(accelerator, model_config, layout["attn_implementation"], recipe=name)
     check_generation_backend(accelerator, config, model_config)
     if config.use_liger_kernel and (
         problem := fused_kernels.liger_problem(

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from fsdp_recipes.distributed import expert_parallel, tensor_parallel
+from fsdp_recipes.distributed import expert_parallel, sequence_parallel, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import (
     UnreadableAccelerateConfig,
     fsdp_settings,
@@ -66,6 +66,11 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
     present = {type(module).__name__ for module in instance.modules()}
     no_split = list(getattr(instance, "_no_split_modules", None) or [])
     findings = _lint_tensor_parallel_model(raw, config, type(instance))
+    sp = int((raw.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1) or 1)
+    findings += [  # the heads the all-to-all splits (the recipe and attention are checked at start-up)
+        Finding(ERROR, sequence_parallel.KEY, problem)
+        for problem in sequence_parallel.model_problems(sp, config, attn_implementation=None, recipe="sft")
+    ]
     policy = str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()
     requested = list(wrap_class_names(fsdp.get("fsdp_transformer_layer_cls_to_wrap")) or [])
     if policy == "TRANSFORMER_BASED_WRAP":

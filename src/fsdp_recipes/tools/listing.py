@@ -49,6 +49,8 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
                 split.append(f"TP {layout.tp_size} x FSDP {layout.shard_size}")
             if layout.ep_size > 1:  # a layer's routed experts split ep ways
                 split.append(f"EP {layout.ep_size}")
+            if layout.sp_size > 1:  # each row split sp ways by position
+                split.append(f"SP {layout.sp_size}")
             if split:
                 processes += f" ({', '.join(split)})"
             memory = short_size(estimate.total)

@@ -72,6 +72,7 @@ class TopologyEntry:
     hsdp_replicate: int | None = None  # HYBRID_SHARD: copies of the model (usually nodes); shard = world / (this x tp)
     tp: int = 1  # tensor parallelism: ranks splitting each layer (within a node); FSDP shards over world / tp
     ep: int = 1  # expert parallelism: ranks splitting a layer's routed experts (a multiple of tp dividing fsdp x tp)
+    sp: int = 1  # sequence parallelism: ranks splitting each row by position (FSDP shards over them too)
     mixed_precision: str = "bf16"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
@@ -89,7 +90,7 @@ class TopologyEntry:
         """What the generated file asks `accelerate launch` for (LaunchLayout.from_file reads the same back)."""
         if self.sharding == "NO_SHARD":
             return LaunchLayout.data_parallel(self.world_size, self.nodes, self.mixed_precision)
-        data_parallel = self.world_size // self.tp
+        data_parallel = self.world_size // self.tp  # FSDP's ranks (a sequence-parallel group's included)
         shard_size = data_parallel // self.hsdp_replicate if self.sharding == "HYBRID_SHARD" else data_parallel
         size_based = self.wrap_policy == "SIZE_BASED_WRAP" and self.min_num_params
         return LaunchLayout(
@@ -108,6 +109,7 @@ class TopologyEntry:
             state_dict_type=self.state_dict_type,
             tp_size=self.tp,
             ep_size=self.ep,
+            sp_size=self.sp,
         )
 
     def describe(self) -> str:
@@ -137,6 +139,8 @@ def describe_hardware(layout: LaunchLayout, device: str = "gpu") -> str:
         parts[-1] += f" x TP {layout.tp_size}"
     if layout.ep_size > 1:
         parts[-1] += f" x EP {layout.ep_size}"
+    if layout.sp_size > 1:
+        parts[-1] += f" over SP {layout.sp_size} (Ulysses)"
     if layout.is_fsdp and (layout.tp_size > 1 and layout.shard_size > 1 or layout.ep_size > 1):
         parts[-1] += " (transformers' DistributedConfig)"
     parts.append("fp32" if layout.mixed_precision == "no" else layout.mixed_precision)
@@ -214,6 +218,10 @@ def _semantic_problems(topology: TopologyEntry) -> list[str]:
         problems += [
             f"{where}: {p}" for p in expert_parallel.layout_problems(ep=topology.ep, tp=topology.tp, dp_shard=shard)
         ]
+    if topology.sp > 1 and (
+        topology.tp > 1 or topology.ep > 1 or topology.fsdp_version != 2 or topology.world_size % topology.sp
+    ):
+        problems.append(f"{where}: sp {topology.sp} runs with FSDP2 alone (no tp, no ep), dividing the processes")
     sharded_by_transformers = [name for name in ("tp", "ep") if getattr(topology, name) > 1]
     if sharded_by_transformers:  # transformers' DistributedConfig route: what it cannot take
         named = " and ".join(sharded_by_transformers)
@@ -292,15 +300,19 @@ def cluster_config(layout: LaunchLayout) -> ClusterConfig:
     """The layout as accelerate's own config object (what `accelerate config` would have written)."""
     multi_node = layout.num_machines > 1
     parallelism = {}
-    if (layout.hsdp_replicate or layout.tp_size > 1 or layout.ep_size > 1) and layout.fsdp_version == 2:
+    if (layout.hsdp_replicate or layout.tp_size > 1 or layout.ep_size > 1 or layout.sp_size > 1) and (
+        layout.fsdp_version == 2
+    ):
         parallelism = {
             "parallelism_config_dp_replicate_size": layout.hsdp_replicate or 1,
-            "parallelism_config_dp_shard_size": layout.shard_size,
+            "parallelism_config_dp_shard_size": layout.shard_size // layout.sp_size,
             "parallelism_config_tp_size": layout.tp_size,
             "parallelism_config_cp_size": 1,
         }
         if layout.ep_size > 1:  # read by the recipes from this file (fsdp_recipes.distributed.expert_parallel)
             parallelism[expert_parallel.CONFIG_KEY] = layout.ep_size
+        if layout.sp_size > 1:  # accelerate's own key (its launcher exports it); the recipes attach the mesh
+            parallelism["parallelism_config_sp_size"] = layout.sp_size
     return ClusterConfig(
         compute_environment="LOCAL_MACHINE",
         distributed_type=layout.distributed_type,
@@ -342,6 +354,11 @@ def _header(topology: TopologyEntry) -> list[str]:
         lines.append(
             f"# EP: {expert_parallel.CONFIG_KEY} is read by the recipes from this file (accelerate's launcher does "
             "not export it); transformers splits the routed experts by the model's ep_plan (docs/moe.md)."
+        )
+    if topology.sp > 1:
+        lines.append(
+            f"# SP: each row split over {topology.sp} ranks by position, all-to-all around attention (Ulysses, "
+            "fsdp_recipes.distributed.sequence_parallel; docs/parallelism.md)."
         )
     if topology.tp > 1:
         lines.append(

@@ -7,13 +7,15 @@ over every target token of the global batch, whatever its split into ranks and m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
-from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed import sequence_parallel, tensor_parallel
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -217,22 +219,31 @@ class TokenLoss:
             self.head.forward = lambda hidden: self._head_forward(original, hidden)
 
     def token_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-token NLL, shaped like the batch's targets (0 where there is no target), in fp32."""
+        """Per-token NLL, shaped like the batch's targets (0 where there is no target), in fp32. Under sequence
+        parallelism each rank runs its slice of every row and the losses come back whole on every rank of the group
+        (distributed/sequence_parallel.py)."""
         inputs = model_inputs(model, batch)
         targets = batch["targets"].reshape(inputs["input_ids"].shape)
+        shards = sequence_parallel.active()
+        if shards is None:
+            return self._losses_of(model, inputs, targets).reshape(batch["targets"].shape)
+        forward = functools.partial(self._losses_of, model)
+        return shards.per_token(forward, inputs, targets, IGNORE_INDEX).reshape(batch["targets"].shape)
+
+    def _losses_of(self, model, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         if self.implementation == "full_logits":
             output = model(**inputs)
             logits, self.router_logits = output.logits, getattr(output, "router_logits", None)
             return F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-            ).reshape(batch["targets"].shape)
+            ).reshape(targets.shape)
         self._targets = targets
         try:
             output = model(**inputs)
             losses, self.router_logits = self._check_untouched(output.logits), getattr(output, "router_logits", None)
         finally:
             self._targets = None
-        return losses.reshape(batch["targets"].shape)
+        return losses.reshape(targets.shape)
 
     def router_logits_of(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The forward of `token_losses`, for its router logits (`train.router_balance`'s pass before the step)."""

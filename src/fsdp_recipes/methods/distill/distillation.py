@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
-from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed import sequence_parallel, tensor_parallel
 from fsdp_recipes.train.losses import _logits_transform, chunked_token_losses, model_inputs
 
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
@@ -199,6 +199,9 @@ class DistillationLoss:
         self._active: dict | None = None
         self._returned = None
         self.last_parts: dict[str, torch.Tensor] = {}
+        self._parts: dict[
+            str, torch.Tensor
+        ] = {}  # the last forward's per-token parts (sequence parallelism gathers them)
         self.router_logits = None  # a mixture of experts with output_router_logits: the student's last forward's
         original = self.head.forward
         self.head.forward = lambda hidden: original(hidden) if self._active is None else self._head_forward(hidden)
@@ -212,14 +215,27 @@ class DistillationLoss:
     ) -> torch.Tensor:
         """Per-token loss shaped like the batch's targets (0 where there is no target), fp32. A collective under FSDP
         (the teacher's forward, then the student's). `kd_ratio`: this batch's, instead of the configured one (the
-        student's own samples train on KD alone: cross-entropy on them would teach it what it already says)."""
-        teacher_hidden = self.teacher(batch)
+        student's own samples train on KD alone: cross-entropy on them would teach it what it already says). Under
+        sequence parallelism each rank runs both models on its slice of every row, and the loss and its parts come
+        back whole on every rank of the group (distributed/sequence_parallel.py)."""
         inputs = model_inputs(model, batch)
-        self._active = {
-            "targets": batch["targets"].reshape(inputs["input_ids"].shape),
-            "teacher": teacher_hidden,
-            "kd_ratio": self.kd_ratio if kd_ratio is None else kd_ratio,
-        }
+        targets = batch["targets"].reshape(inputs["input_ids"].shape)
+        ratio = self.kd_ratio if kd_ratio is None else kd_ratio
+        shards = sequence_parallel.active()
+        if shards is None:
+            return self._losses_of(model, inputs, targets, ratio).reshape(batch["targets"].shape)
+
+        def with_parts(local_inputs, local_targets):  # the parts ride along: a rank's own sums would be its slice's
+            total = self._losses_of(model, local_inputs, local_targets, ratio)
+            return torch.stack([total, *(part.reshape(total.shape) for part in self._parts.values())], dim=-1)
+
+        stacked = shards.per_token(with_parts, inputs, targets, IGNORE_INDEX)
+        self.last_parts = {name: stacked[..., 1 + k].detach().sum() for k, name in enumerate(self._parts)}
+        return stacked[..., 0].reshape(batch["targets"].shape)
+
+    def _losses_of(self, model, inputs: dict[str, torch.Tensor], targets: torch.Tensor, ratio: float) -> torch.Tensor:
+        teacher_hidden = self.teacher(inputs)
+        self._active = {"targets": targets, "teacher": teacher_hidden, "kd_ratio": ratio}
         try:
             output = model(**inputs)
         finally:
@@ -228,7 +244,7 @@ class DistillationLoss:
         if losses is not self._returned:  # check_no_logits_transform refuses known cases before loading
             raise RuntimeError("the student transformed its output layer's result: distillation cannot run on it")
         self._returned = None
-        return losses.reshape(batch["targets"].shape)
+        return losses.reshape(targets.shape)
 
     def loss_sum(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], *, kd_ratio: float | None = None
@@ -271,6 +287,7 @@ class DistillationLoss:
             )
             total = parts["kd"] * kd_ratio if total is None else total + kd_ratio * parts["kd"]
         self.last_parts = {name: value.detach().sum() for name, value in parts.items()}  # read at logging steps
+        self._parts = {name: value.detach() for name, value in parts.items()}
         self._returned = total
         return total
 
@@ -320,3 +337,13 @@ def check_no_logits_transform(model_config, *, which: str) -> None:
             f"the {which} ({model_config.model_type}) {reason} after its output layer, which chunked distillation "
             "does not reproduce: pick a model family without it"
         )
+
+
+def check_teacher_splits(teacher_config) -> None:
+    """Before loading, under sequence parallelism: the teacher's heads split as the student's (its forward runs on
+    the same slices of every row). ConfigError."""
+    problems = sequence_parallel.model_problems(
+        sequence_parallel.active_size(), teacher_config, attn_implementation=None, recipe="distill"
+    )
+    if problems:
+        raise ConfigError([f"the teacher: {problem}" for problem in problems])

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
-from fsdp_recipes.tools.estimator.formulas import Estimate, estimate_for_recipe
+from fsdp_recipes.tools.estimator.formulas import Estimate, activation_bytes, estimate_for_recipe
 from fsdp_recipes.tools.estimator.shapes import ModelInfo
 from fsdp_recipes.train.config import TrainingConfig
 
@@ -143,3 +143,25 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
             new_recipe=smaller,
         )
     return out
+
+
+def longest_row(info: ModelInfo, current: Estimate, *, most: int = 1 << 22) -> int:
+    """The longest row (tokens) that fits beside everything else `current` holds, at its rows per micro-batch, layout
+    and activation checkpointing (only the activations grow with the row); a multiple of the sequence-parallel size;
+    0 when not even that fits."""
+    layout, step = current.layout, current.layout.sp_size
+
+    def fits(length: int) -> bool:
+        workload = dataclasses.replace(current.workload, row_length=length)
+        activations = activation_bytes(info, workload, layout.compute_bytes, tp=layout.tp_size, sp=layout.sp_size)
+        return dataclasses.replace(current, workload=workload, activations=activations).fits
+
+    low, high = 0, step  # fits(low) (or low is 0); find the first length that does not fit
+    while high <= most and fits(high):
+        low, high = high, high * 2
+    if high > most:
+        return low
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low

@@ -145,7 +145,9 @@ def adapter_state_bytes_on_rank(
     }
 
 
-def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int, tp: int = 1) -> dict[str, int]:
+def activation_bytes(
+    info: ModelInfo, workload: Workload, compute_bytes: int, tp: int = 1, sp: int = 1
+) -> dict[str, int]:
     """Activations of one micro-batch kept for backward (bytes), decoder-only transformer (Llama-style: RMSNorm, GQA,
     gated MLP, no dropout). Per layer and token: c*(2h + 3q + 2kv + 4i) + 4*2h + 4*heads (+ c*heads*s + 4*heads*s for eager;
     kv = q for sdpa and eager, which get keys and values repeated to every head). Under tensor parallelism `tp` the
@@ -154,16 +156,21 @@ def activation_bytes(info: ModelInfo, workload: Workload, compute_bytes: int, tp
     i is the width a token runs through (`ModelInfo.mlp_width_per_token`: top-k experts plus shared ones), and each
     token also keeps its k routed copies in and out of the experts (c * 2kh) and the router's logits (4 bytes x
     experts, kept for the load-balancing loss). With expert parallelism a rank's experts process, on average, as many
-    tokens as it sends: balanced routing is assumed, and a skewed router can exceed the estimate."""
+    tokens as it sends: balanced routing is assumed, and a skewed router can exceed the estimate. Under sequence
+    parallelism `sp` a rank holds 1/sp of every row's tokens (the row padded to a multiple of sp), and its attention
+    the whole row for heads / sp: the same bytes, plus the all-to-all's copies of queries, keys, values and output;
+    its sdpa runs each example causal with no mask, so keys and values keep their KV heads."""
     c, h, i = compute_bytes, info.hidden_size, info.mlp_width_per_token
     kv = info.num_kv_heads * info.head_dim
     q = info.num_heads * info.head_dim
-    s, tokens = workload.row_length, workload.tokens
-    if workload.attn_implementation in ("sdpa", "eager"):
+    s, tokens = workload.row_length, workload.micro_batch_rows * -(-workload.row_length // sp)
+    if workload.attn_implementation in ("sdpa", "eager") and sp == 1:
         # Packed and padded rows carry a mask, and with a mask transformers repeats keys and values to every query
         # head before sdpa on CUDA (its use_gqa_in_sdpa), as eager always does: they are saved at that size
         kv = q
     per_token_layer = c * (2 * h + (3 * q + 2 * kv + 4 * i) // tp) + FP32 * 2 * h + FP32 * info.num_heads // tp
+    if sp > 1:  # the all-to-all's outputs kept for backward: queries, keys, values by heads, output by position
+        per_token_layer += c * (2 * q + 2 * kv)
     if info.routing is not None:
         per_token_layer += c * 2 * info.routing.experts_per_token * h + FP32 * info.routing.num_experts
     if workload.attn_implementation == "eager":
@@ -358,7 +365,7 @@ def estimate(
         state["reference_model"] = frozen_copies * copy  # its gathered units are in flight when the policy's are not
     if frozen_models:
         state["teacher_model"] = sum(frozen_model_bytes(other, layout) for other in frozen_models)
-    activations = activation_bytes(info, workload, compute, tp=layout.tp_size)
+    activations = activation_bytes(info, workload, compute, tp=layout.tp_size, sp=layout.sp_size)
     host = dict(state) if layout.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
     return Estimate(

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from fsdp_recipes.common.sizes import gib
-from fsdp_recipes.tools.estimator.advice import suggestions
+from fsdp_recipes.tools.estimator.advice import longest_row, suggestions
 from fsdp_recipes.tools.estimator.formulas import Estimate
 from fsdp_recipes.tools.estimator.shapes import ModelInfo
 from fsdp_recipes.train.config import TrainingConfig
@@ -39,6 +39,7 @@ def estimate_report(est: Estimate, info: ModelInfo, recipe: TrainingConfig) -> d
         "usable_bytes": est.usable,
         "fits": est.fits,
         "headroom_bytes": est.usable - est.total,
+        "longest_row_tokens": longest_row(info, est),  # at this micro-batch's rows, layout and checkpointing
         "suggestions": suggestions(info, est, recipe),
     }
 
@@ -116,6 +117,11 @@ def render_report(report: dict[str, Any]) -> str:
         f"\n{verdict} in {gib(report['usable_bytes'])} usable per GPU ({gib(report['gpu_memory_bytes'])} minus "
         f"{gib(report['reserve_bytes'])} kept for the CUDA context, NCCL and fragmentation); headroom "
         f"{gib(report['headroom_bytes'])}"
+    )
+    split = f", {topo['sp_size']} ranks splitting each" if topo.get("sp_size", 1) > 1 else ""
+    lines.append(
+        f"longest row that fits: {report['longest_row_tokens']:,} tokens ({work['micro_batch_rows']} per micro-batch"
+        f"{split}; the rest as above)"
     )
     if report["suggestions"]:
         lines.append("\nto make it fit:")

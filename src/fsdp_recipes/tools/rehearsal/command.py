@@ -93,9 +93,9 @@ def _last_loss(output_dir: Path) -> tuple[int, float] | None:
     return max(steps) if steps else None
 
 
-def real_size_checks(real_config, mesh: layout.Mesh) -> list[str]:
-    """What the real run would refuse before loading for the real model under the real mesh (its TP/EP split)."""
-    from fsdp_recipes.distributed import tensor_parallel
+def real_size_checks(real_config, mesh: layout.Mesh, *, recipe: str, attn_implementation: str | None) -> list[str]:
+    """What the real run would refuse before loading for the real model under the real mesh (its TP/EP/SP split)."""
+    from fsdp_recipes.distributed import sequence_parallel, tensor_parallel
     from fsdp_recipes.models.experts import expert_routing
     from fsdp_recipes.models.modeling import model_class_for
 
@@ -106,6 +106,9 @@ def real_size_checks(real_config, mesh: layout.Mesh) -> list[str]:
         problems += tensor_parallel.model_problems(
             real, real_config, model_class_for(real_config, "causal-lm"), routing and routing.num_experts
         )
+    problems += sequence_parallel.model_problems(
+        mesh.sp, real_config, attn_implementation=attn_implementation, recipe=recipe
+    )
     return problems
 
 
@@ -188,7 +191,16 @@ def rehearse(
         raise ConfigError("the recipe config names no model (model_name_or_path or model_config)")
     real_name = stand_ins.resolve(str(model_name), locals_)
     real_config = stand_ins.load_real_config(real_name, trust_remote_code=trust)
-    problems = real_size_checks(real_config, real_mesh) if real_mesh else []
+    problems = (
+        real_size_checks(
+            real_config,
+            real_mesh,
+            recipe=Path(launch.recipe).stem,
+            attn_implementation=values.get("attn_implementation"),
+        )
+        if real_mesh
+        else []
+    )
     if launch.accelerate_config and not problems:  # the linter would repeat a TP/EP problem in its own words
         from fsdp_recipes.distributed.launch_checks import ERROR
         from fsdp_recipes.tools.linter import lint_config_file
@@ -207,7 +219,8 @@ def rehearse(
     # --- stand-ins: model, data, layout --------------------------------------------------------------------------------
     flags, cpu_notes = cpu_overrides(values)
     notes += cpu_notes
-    tp, ep = (mesh.tp, mesh.ep) if mesh else (1, 1)
+    # heads and KV heads divisible by the scaled TP (or SP: the all-to-all splits them the same way)
+    tp, ep = (max(mesh.tp, mesh.sp), mesh.ep) if mesh else (1, 1)
     for field in _MODEL_FIELDS:
         if values.get(field):
             tokenizer = values.get("tokenizer_name_or_path") if field == "model_name_or_path" else None

@@ -1,5 +1,5 @@
 """The user's Accelerate config, scaled down to a few CPU processes on one machine with its mesh's shape kept: each
-dimension the real layout splits (replicas, FSDP shards, TP, EP) is split 2 ways here, one it does not split is not.
+dimension the real layout splits (replicas, FSDP shards, TP, EP, SP) is split 2 ways here, one it does not split is not.
 Everything else (precision, wrap policy, resharding, state-dict type, activation checkpointing, efficient loading)
 is the user's own; what cannot be kept on a CPU is changed and said."""
 
@@ -20,13 +20,14 @@ class Mesh:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
+    sp: int = 1
 
     @property
     def processes(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.tp * self.sp
 
     def describe(self) -> str:
-        names = {"dp_replicate": "replicas", "dp_shard": "fsdp", "tp": "tp", "ep": "ep"}
+        names = {"dp_replicate": "replicas", "dp_shard": "fsdp", "tp": "tp", "ep": "ep", "sp": "sp"}
         parts = [f"{names[name]} {size}" for name, size in dataclasses.asdict(self).items() if size > 1]
         return " x ".join(parts) or "one process"
 
@@ -39,9 +40,10 @@ def real_mesh(mapping: dict[str, Any]) -> Mesh:
         dp_replicate=int(sizes.get(f"{_PREFIX}dp_replicate_size") or 1),
         tp=int(sizes.get(f"{_PREFIX}tp_size") or 1),
         ep=int(sizes.get(f"{_PREFIX}ep_size") or 1),
+        sp=int(sizes.get(f"{_PREFIX}sp_size") or 1),
     )
     shard = int(sizes.get(f"{_PREFIX}dp_shard_size") or 0)
-    mesh.dp_shard = shard if shard > 0 else max(processes // (mesh.dp_replicate * mesh.tp), 1)
+    mesh.dp_shard = shard if shard > 0 else max(processes // (mesh.dp_replicate * mesh.tp * mesh.sp), 1)
     if mapping.get("distributed_type") not in ("FSDP", "MULTI_GPU") and processes <= 1:
         return Mesh()
     return mesh
@@ -50,9 +52,12 @@ def real_mesh(mapping: dict[str, Any]) -> Mesh:
 def scaled_mesh(real: Mesh, processes: int | None) -> Mesh:
     """The real mesh with each split dimension 2 ways (the FSDP shards taking what `processes` leaves)."""
     scaled = Mesh(
-        dp_replicate=2 if real.dp_replicate > 1 else 1, tp=2 if real.tp > 1 else 1, ep=2 if real.ep > 1 else 1
+        dp_replicate=2 if real.dp_replicate > 1 else 1,
+        tp=2 if real.tp > 1 else 1,
+        ep=2 if real.ep > 1 else 1,
+        sp=2 if real.sp > 1 else 1,
     )
-    fixed = scaled.dp_replicate * scaled.tp
+    fixed = scaled.dp_replicate * scaled.tp * scaled.sp
     if processes is None:
         scaled.dp_shard = 2 if real.dp_shard > 1 else 1
     elif processes % fixed:
@@ -81,7 +86,7 @@ def scaled_config(mapping: dict[str, Any], processes: int | None) -> tuple[dict[
         notes.append(f"{mapping['num_machines']} machines -> one (the processes talk over gloo, not NCCL)")
     if mapping.get("parallelism_config"):
         sizes = dict(mapping["parallelism_config"])
-        for name in ("dp_replicate", "dp_shard", "tp", "ep"):
+        for name in ("dp_replicate", "dp_shard", "tp", "ep", "sp"):
             if f"{_PREFIX}{name}_size" in sizes:
                 sizes[f"{_PREFIX}{name}_size"] = getattr(mesh, name)
         scaled["parallelism_config"] = sizes
