@@ -23,6 +23,7 @@ pytest_plugins = [
     "fixtures.preference",
     "fixtures.grpo",
     "fixtures.every_recipe",
+    "fixtures.four_processes",
 ]
 
 

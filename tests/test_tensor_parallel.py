@@ -6,8 +6,9 @@ ranks, gradient accumulation, the model's activation checkpointing, the router's
 process too, its checkpoint resumes exactly on the same layout and on one process (DCP reshards the experts), and
 exports offline to the end-of-run model.
 
-Launches are few: one 2-process launch runs every recipe in turn (tests/scripts/recipes_in_sequence.py), one
-4-process launch runs SFT and its resume; the one-process references run here meanwhile. The tiny models of the
+Launches are few: one 2-process launch runs every recipe in turn (tests/scripts/recipes_in_sequence.py); the MoE's
+SFT and its resume run in the suite's one 4-process launch (tests/fixtures/four_processes.py); the one-process
+references run here meanwhile. The tiny models of the
 other tests have 103 vocabulary entries, which TP 2 cannot split: this module's fixtures give them 104."""
 
 from __future__ import annotations
@@ -21,25 +22,18 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.every_recipe import TRAINING_RECIPES
+from fixtures.four_processes import moe_values
 from fixtures.grpo import tool_run_values
 from fsdp_recipes.tools import cli
 from helpers.data import write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
 from helpers.paths import REPO
-from helpers.recipes import (
-    base_recipe_values,
-    read_metrics,
-    recipe_config,
-    run_recipe_in_process,
-    run_recipe_launched_here,
-)
+from helpers.recipes import read_metrics, recipe_config, run_recipe_in_process, run_recipe_launched_here
 from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, scripted_generation
 
 TP_VOCAB = 104  # the tokenizer's 103 entries, padded to what TP 2 divides
 SEQUENCE = REPO / "tests" / "scripts" / "recipes_in_sequence.py"
 TP_2 = REPO / "accelerate_configs" / "tp_2proc_cpu.yaml"
-FSDP_2_TP_2_EP_2 = REPO / "accelerate_configs" / "fsdp2_tp2_ep2_4proc_cpu.yaml"
-DEMO_MOE = REPO / "demo" / "tiny_qwen3_moe.json"  # 8 experts, top 2, router aux loss on, 104 vocabulary entries
 ONE_PROCESS_FSDP = REPO / "accelerate_configs" / "fsdp_2proc_cpu.yaml"
 
 
@@ -144,26 +138,16 @@ def test_every_recipe_under_tp_2_equals_one_process(
 
 
 def test_an_moe_under_fsdp_2_x_tp_2_x_ep_2_equals_one_process_and_its_checkpoint_resumes_on_the_same_layout_and_on_one(
-    tmp_path, chat_data
+    tmp_path, four_process_launch, chat_data
 ):
-    common = dict(
-        max_steps=3, save_steps=2, gradient_accumulation_steps=2, warmup_steps=0, exact_match_eval_samples=0,
-        eval_steps=None, gradient_checkpointing=True,  # the model's own: what TP takes instead of FSDP's
-    )  # fmt: skip
-    full = base_recipe_values(DEMO_MOE, chat_data, tmp_path / "nd", **common)  # 3 steps in epoch 0
-    checkpoint = tmp_path / "nd" / "checkpoints" / "step-00000002"
-    resumed = {**full, "output_dir": str(tmp_path / "nd_resumed"), "resume_from_checkpoint": str(checkpoint)}
-    arguments = ["sft", str(recipe_config(tmp_path / "nd.yaml", **full))]
-    arguments += ["sft", str(recipe_config(tmp_path / "nd_resumed.yaml", **resumed))]
-    one = {**full, "output_dir": str(tmp_path / "one"), "per_device_train_batch_size": 8}  # the same global batch
-    _, (result,) = alongside(
-        lambda: run_recipe_in_process("sft", tmp_path, "one", one),
-        lambda: launch(SEQUENCE, arguments, num_processes=4, accelerate_config=FSDP_2_TP_2_EP_2),
+    """Run in the suite's 4-process launch (tests/fixtures/four_processes.py): SFT of the MoE for 3 steps with a
+    checkpoint at 2 under FSDP 2 x TP 2 x EP 2, then resumed from it; the one-process twin ran alongside."""
+    launched = four_process_launch
+    assert_same_run(
+        launched / "nd", launched / "one_moe", "fsdp 2 x tp 2 x ep 2", keys=("loss", "aux_loss", "grad_norm")
     )
-    require_success(result)
-    assert_same_run(tmp_path / "nd", tmp_path / "one", "fsdp 2 x tp 2 x ep 2", keys=("loss", "aux_loss", "grad_norm"))
-    summary = json.loads((tmp_path / "nd" / "run_summary.json").read_text())
-    # ep reached every rank from the launched YAML (the launcher does not export it)
+    summary = json.loads((launched / "nd" / "run_summary.json").read_text())
+    # ep reached every rank (here through the launch's environment; from a launched YAML, expert_parallel reads it)
     assert summary["tensor_parallel"]["layout"] == "fsdp 2 x tp 2 x ep 2" and summary["global_batch_rows"] == 16
     assert "('efsdp', 'ep')" in summary["parameter_meshes"], summary["parameter_meshes"]  # the experts' own mesh
     # the estimator's expert split: each rank holds 1/(ep x efsdp) of the routed experts, exactly as predicted
@@ -171,17 +155,21 @@ def test_an_moe_under_fsdp_2_x_tp_2_x_ep_2_equals_one_process_and_its_checkpoint
     predicted = [rank["routed_expert_parameters"] for rank in summary["memory_estimate"]["rank_state_bytes_per_rank"]]
     assert held == predicted and held[0] > 0, (held, predicted)
     # resumed on the same layout: step 3 as the uninterrupted run had it, bitwise
-    assert step_values(tmp_path / "nd_resumed")[(3, "loss")] == step_values(tmp_path / "nd")[(3, "loss")]
-    for name, tensor in load_file(tmp_path / "nd" / "model.safetensors").items():
-        assert torch.equal(load_file(tmp_path / "nd_resumed" / "model.safetensors")[name], tensor), name
+    assert step_values(launched / "nd_resumed")[(3, "loss")] == step_values(launched / "nd")[(3, "loss")]
+    for name, tensor in load_file(launched / "nd" / "model.safetensors").items():
+        assert torch.equal(load_file(launched / "nd_resumed" / "model.safetensors")[name], tensor), name
     # the offline export of the last checkpoint (one CPU process) is the end-of-run export, bitwise
     exported = tmp_path / "exported"
-    assert cli.main(["export", str(tmp_path / "nd" / "checkpoints" / "step-00000003"), str(exported)]) == 0
-    for name, tensor in load_file(tmp_path / "nd" / "model.safetensors").items():
+    assert cli.main(["export", str(launched / "nd" / "checkpoints" / "step-00000003"), str(exported)]) == 0
+    for name, tensor in load_file(launched / "nd" / "model.safetensors").items():
         assert torch.equal(load_file(exported / "model.safetensors")[name], tensor), name
     # resumed on one process (FSDP2 over 1 rank): DCP reshards the TP x FSDP checkpoint
-    on_one = {**resumed, "output_dir": str(tmp_path / "resumed_on_one"), "per_device_train_batch_size": 8}
+    on_one = {
+        **moe_values(chat_data, tmp_path / "resumed_on_one"),
+        "resume_from_checkpoint": str(launched / "nd" / "checkpoints" / "step-00000002"),
+        "per_device_train_batch_size": 8,
+    }
     run_recipe_launched_here("sft", tmp_path, "resumed_on_one", on_one, ONE_PROCESS_FSDP)
     assert step_values(tmp_path / "resumed_on_one")[(3, "loss")] == pytest.approx(
-        step_values(tmp_path / "nd")[(3, "loss")], rel=1e-5
+        step_values(launched / "nd")[(3, "loss")], rel=1e-5
     )

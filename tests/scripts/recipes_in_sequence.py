@@ -7,11 +7,13 @@ stops the script (its traceback, a nonzero exit). `grpo+scripted_tools` runs GRP
 of tests/helpers/scripted_tools.py (the model's own generation runs, then its tokens are replaced);
 `grpo+scripted_tools_mixed` with the policy that answers some prompts without the tool. `RECIPE@NAME=VALUE,...` runs
 the recipe with those launch variables changed (another layout over the same processes, e.g.
-`pretrain@PARALLELISM_CONFIG_SP_SIZE=4,PARALLELISM_CONFIG_DP_SHARD_SIZE=1`), restored after it."""
+`pretrain@PARALLELISM_CONFIG_SP_SIZE=4,PARALLELISM_CONFIG_DP_SHARD_SIZE=1`), restored after it. `check:NAME OUTPUT`
+runs tests/helpers/NAME.py's `main(OUTPUT)` in the launch's processes instead of a recipe."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -42,7 +44,10 @@ def main(argv: list[str]) -> None:
         os.environ.update(changed)
         try:
             with context:
-                load_recipe(recipe).main(["--config", config])
+                if recipe.startswith("check:"):  # a check of tests/helpers run in the launch: main(its output file)
+                    importlib.import_module(f"helpers.{recipe.removeprefix('check:')}").main(config)
+                else:
+                    load_recipe(recipe).main(["--config", config])
         finally:
             for name, value in saved.items():
                 if value is None:
