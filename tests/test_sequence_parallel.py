@@ -110,6 +110,9 @@ def test_per_token_values_and_every_recipe_split_by_position_equal_one_process_a
             assert loss_error < 1e-5 and gradient_error < 1e-4, (rank, case, loss_error, gradient_error)
     for name in ("sft", "dpo", "kto", "distill", "pretrain"):
         _assert_same_steps(launched / "sp" / name, launched / "one" / name, name)
+    _assert_same_steps(launched / "sp" / "hsdp", launched / "one" / "sft", "hsdp 2 x sp 2")  # replicas, not shards
+    hsdp = json.loads((launched / "sp" / "hsdp" / "run_summary.json").read_text())
+    assert hsdp["parameter_placements"] == ["(Replicate(), Shard(dim=0))"], hsdp["parameter_placements"]
     summary = json.loads((launched / "sp" / "sft" / "run_summary.json").read_text())
     assert summary["world_size"] == 4 and summary["global_batch_rows"] == 2
     assert summary["sequence_parallel"]["size"] == 2 and summary["sequence_parallel"]["data_parallel_size"] == 2
