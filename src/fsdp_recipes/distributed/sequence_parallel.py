@@ -10,19 +10,19 @@ does a TP group's.
 What a group of `sp` ranks does with its batch:
 - every value outside the model's forward is the whole batch's, the same on each rank of the group (counts, losses,
   log-probabilities, metrics): the group shares its batch as a TP group does (`tensor_parallel.batch_sharing_size`);
-- inside a forward run through `SequenceShards.per_token` (the token losses), each rank runs its slice of every row
-  (the row padded to a multiple of `sp`, position ids kept, so rotary embeddings and packed examples stay right);
-  around attention an all-to-all turns the sequence slices into head slices over the whole row and back
-  (`_ulysses_sdpa`: sdpa over each example of the whole row in turn, causal with no mask tensor, so no
-  width x width mask is built however long the row); the per-token results are gathered back to the whole row, whose backward hands each rank the
-  gradient of its own slice (times `sp`: FSDP averages gradients over dp x sp ranks, while each group's loss is
-  counted once);
+- inside a forward run through `SequenceShards.per_token` (the token losses, distillation's, GRPO's packed policy
+  passes), each rank runs its slice of every row (the row padded to a multiple of `sp`, position ids kept, so rotary
+  embeddings and packed examples stay right); around attention an all-to-all turns the sequence slices into head
+  slices over the whole row and back (`_ulysses_sdpa`: sdpa over each example of the row in turn, causal with no mask
+  tensor, so no width x width mask is built however long the row); the per-token results are gathered back to the
+  whole row, whose backward hands each rank the gradient of its own slice (times `sp`: FSDP averages gradients over
+  dp x sp ranks, while each group's loss is counted once);
 - forwards outside it (generation, a sequence-classification head) see whole rows on every rank of the group, with
   plain sdpa.
 
-Activation memory per rank so falls by `sp`: attention holds whole rows, but heads / sp of them. Composes with FSDP2 and HSDP; refused with tensor or expert parallelism, context parallelism, an
-attention implementation other than sdpa, heads or KV heads that `sp` does not divide, and a mixture of experts'
-router loss (its counts are per token slice).
+Activation memory per rank so falls by `sp`: attention holds whole rows, but heads / sp of them. Composes with FSDP2
+and HSDP; refused with tensor or expert parallelism, context parallelism, an attention implementation other than
+sdpa, heads or KV heads that `sp` does not divide, and a mixture of experts' router loss (its counts are per slice).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from fsdp_recipes.distributed import parallel_dims
 
 MESH_DIMENSION = "cp"  # accelerate's dataloader gives the ranks of a "cp" dimension the same batch
-SUPPORTED_RECIPES = ("sft", "pretrain", "dpo", "kto", "distill")  # their forwards go through per-token losses
+SUPPORTED_RECIPES = ("sft", "pretrain", "dpo", "kto", "distill", "grpo")  # their forwards give per-token values
 KEY = "parallelism_config.parallelism_config_sp_size"
 DOCS = "docs/parallelism.md#sequence-parallelism"
 
@@ -72,7 +72,7 @@ def model_problems(sp: int, model_config, *, attn_implementation: str | None, re
     problems = []
     if recipe not in SUPPORTED_RECIPES:
         problems.append(
-            f"sequence parallelism runs the recipes whose forwards go through per-token losses "
+            f"sequence parallelism runs the recipes whose forwards give per-token values "
             f"({', '.join(SUPPORTED_RECIPES)}); {recipe} is not one of them yet: run it without ({fix[3:]})"
         )
     config = getattr(model_config, "text_config", None) or model_config

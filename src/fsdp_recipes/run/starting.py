@@ -292,6 +292,8 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         raise ConfigError(problem)
     check_tensor_parallel(accelerator, config, model_config, task)
     check_sequence_parallel(accelerator, model_config, layout["attn_implementation"], recipe=name)
+    if sequence_parallel.size_of(accelerator) > 1 and (problem := config.sequence_split_problem()):
+        raise ConfigError(f"under sequence parallelism: {problem}")
     check_generation_backend(accelerator, config, model_config)
     if config.use_liger_kernel and (
         problem := fused_kernels.liger_problem(

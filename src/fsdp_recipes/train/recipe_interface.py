@@ -40,6 +40,10 @@ class RecipeTraits:
         cross-entropy reuses one; a loss comparing two models' distributions holds more."""
         return 1
 
+    def sequence_split_problem(self) -> str | None:
+        """Why this config's forwards cannot be split by position under sequence parallelism (None: they can)."""
+        return None
+
     def generation_footprint(self) -> tuple[int, int, bool]:
         """What one generation pass during training holds (online RL): (sequences, tokens each) in its KV cache, and
         whether the whole model is gathered on every rank for it. (0, 0, False): the recipe does not generate."""

@@ -17,6 +17,8 @@ import contextlib
 
 import torch
 
+from fsdp_recipes.data.rows import IGNORE_INDEX
+from fsdp_recipes.distributed import sequence_parallel
 from fsdp_recipes.methods.grpo.policy_gradient import token_log_probs
 
 
@@ -89,6 +91,8 @@ def completion_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rollouts.completion_log_probs` from the packed layout: the same [rows, completion width] tensors (0 where
     there is no completion token)."""
+    if (shards := sequence_parallel.active()) is not None:
+        return _split_completion_log_probs(model, batch, temperature, shards)
     input_ids, position_ids = batch["packed_input_ids"], batch["packed_position_ids"]
     config = getattr(model, "module", model).config
     if str(getattr(config, "_attn_implementation", "")).startswith("flash"):  # varlen reads one row's restarts
@@ -102,4 +106,30 @@ def completion_log_probs(
     entropies = torch.zeros_like(log_probs)
     log_probs = log_probs.index_put((batch["packed_targets"],), chosen[0])
     entropies = entropies.index_put((batch["packed_targets"],), entropy[0])
+    return log_probs.view_as(completion_ids), entropies.view_as(completion_ids)
+
+
+def _split_completion_log_probs(model, batch: dict[str, torch.Tensor], temperature: float, shards):
+    """The same, under sequence parallelism: each rank runs its slice of every packed row, the log-probabilities and
+    entropies of the positions it holds are gathered back whole (distributed/sequence_parallel.py)."""
+    input_ids = batch["packed_input_ids"]
+    completion_ids = batch["completion_ids"]
+    predicted = torch.full((input_ids.numel(),), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
+    predicted[batch["packed_predicting"]] = completion_ids.flatten()[batch["packed_targets"]]
+
+    def forward(local_inputs: dict[str, torch.Tensor], local_predicted: torch.Tensor) -> torch.Tensor:
+        positions = (local_predicted.flatten() != IGNORE_INDEX).nonzero().flatten()
+        with output_layer_on(model, positions):
+            logits = model(**local_inputs).logits
+        chosen, entropy = token_log_probs(logits, local_predicted.flatten()[positions].unsqueeze(0), temperature)
+        values = torch.zeros(local_predicted.numel(), 2, dtype=chosen.dtype, device=chosen.device)
+        values = values.index_put((positions,), torch.stack([chosen[0], entropy[0]], dim=-1))
+        return values.view(*local_predicted.shape, 2)
+
+    inputs = {"input_ids": input_ids, "position_ids": batch["packed_position_ids"], "use_cache": False}
+    whole = shards.per_token(forward, inputs, predicted.view_as(input_ids), IGNORE_INDEX).flatten(0, 1)
+    picked = whole[batch["packed_predicting"]]
+    log_probs = torch.zeros(completion_ids.numel(), dtype=picked.dtype, device=picked.device)
+    log_probs = log_probs.index_put((batch["packed_targets"],), picked[:, 0])
+    entropies = torch.zeros_like(log_probs).index_put((batch["packed_targets"],), picked[:, 1])
     return log_probs.view_as(completion_ids), entropies.view_as(completion_ids)

@@ -191,6 +191,14 @@ class PolicyObjectiveFields:
     def packs_examples(self) -> bool:
         return self.padding_free
 
+    def sequence_split_problem(self) -> str | None:
+        if self.padding_free:
+            return None
+        return (
+            "GRPO's policy passes split by position from the packed layout only (left-padded rows carry an "
+            "attention mask the split does not take): set padding_free: true"
+        )
+
     def reference_mode(self) -> str | None:
         """What the KL term compares with: None (beta 0), the policy with its LoRA adapters off, or a frozen copy."""
         if self.beta == 0:
