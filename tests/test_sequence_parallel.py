@@ -57,8 +57,13 @@ def test_what_sequence_parallelism_cannot_split_is_refused_with_its_fix():
     assert sequence_parallel.model_problems(1, moe, attn_implementation="eager", recipe="grpo") == []
     from types import SimpleNamespace
 
+    from fsdp_recipes.common.errors import ConfigError
     from fsdp_recipes.methods.grpo.settings import PolicyObjectiveFields
+    from fsdp_recipes.train.compilation import compile_choice
 
+    with pytest.raises(ConfigError, match="set torch_compile: false"):
+        compile_choice(True, device_type="cuda", max_steps=0, sequence_parallel=2)
+    assert compile_choice("auto", device_type="cuda", max_steps=0, sequence_parallel=2)[0] is False
     padded = PolicyObjectiveFields.sequence_split_problem(SimpleNamespace(padding_free=False))
     assert "set padding_free: true" in padded  # GRPO splits its policy passes from the packed layout only
     assert PolicyObjectiveFields.sequence_split_problem(SimpleNamespace(padding_free=True)) is None
@@ -117,7 +122,7 @@ def test_per_token_values_and_every_recipe_split_by_position_equal_one_process_a
             assert loss_error < 1e-5 and gradient_error < 1e-4, (rank, case, loss_error, gradient_error)
     for name in ("sft", "dpo", "kto", "distill", "grpo", "pretrain"):
         _assert_same_steps(launched / "sp" / name, launched / "one" / name, name)
-    _assert_same_steps(launched / "sp" / "hsdp", launched / "one" / "sft", "hsdp 2 x sp 2")  # replicas, not shards
+    _assert_same_steps(launched / "sp" / "hsdp", launched / "one" / "sft", "hsdp 2 x sp 2, checkpointed")
     hsdp = json.loads((launched / "sp" / "hsdp" / "run_summary.json").read_text())
     assert hsdp["parameter_placements"] == ["(Replicate(), Shard(dim=0))"], hsdp["parameter_placements"]
     summary = json.loads((launched / "sp" / "sft" / "run_summary.json").read_text())

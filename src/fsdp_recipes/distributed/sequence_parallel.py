@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from fsdp_recipes.distributed import parallel_dims
 
+SHARDS_KEYWORD = "sequence_parallel_shards"  # the model call's keyword that reaches the attention
 MESH_DIMENSION = "cp"  # accelerate's dataloader gives the ranks of a "cp" dimension the same batch
 SUPPORTED_RECIPES = ("sft", "pretrain", "dpo", "kto", "distill", "grpo")  # their forwards give per-token values
 KEY = "parallelism_config.parallelism_config_sp_size"
@@ -124,12 +125,16 @@ class SequenceShards:
             tail = torch.arange(pad, device=position_ids.device).expand(rows, pad)
             position_ids = torch.cat([position_ids, tail.to(position_ids.dtype)], dim=1)
             targets = torch.cat([targets, targets.new_full((rows, pad), ignore_index)], dim=1)
+        examples = _examples(position_ids)
         local_inputs = {
             **inputs,
             "input_ids": input_ids[:, start : start + local],
             "position_ids": position_ids[:, start : start + local],
+            # down to the attention as a keyword of the layers' call, so that activation checkpointing's recompute,
+            # in the backward, splits its attention again (the context below is gone by then)
+            SHARDS_KEYWORD: (self, examples),
         }
-        with _sharded(self, _examples(position_ids)):
+        with _sharded(self, examples):  # for forwards that build their own inputs (the distillation teacher's)
             values = forward(local_inputs, targets[:, start : start + local])
         return _GatherSequence.apply(values, self)[:, :width]
 
@@ -286,9 +291,10 @@ def _install_attention() -> None:
 
 
 def _ulysses_sdpa(module, query, key, value, attention_mask, **kwargs):
-    if _SHARDED is None:
+    sharded = kwargs.pop(SHARDS_KEYWORD, None) or _SHARDED
+    if sharded is None:
         return _PLAIN_SDPA(module, query, key, value, attention_mask, **kwargs)
-    shards, rows = _SHARDED
+    shards, rows = sharded
     query, key, value = (_sequence_to_heads(states, shards) for states in (query, key, value))
     output = torch.empty_like(query)
     for row, examples in enumerate(rows):

@@ -48,8 +48,14 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     expensive: the Accelerate config, the checkpoint to resume (same global batch, same model), output_dir, the Hub
     token, tokenizer and model config, the wrap classes, activation checkpointing, the attention implementation."""
     accelerator = accelerator_for(config)
-    compiled, compile_note = compile_choice(
-        config.torch_compile, device_type=accelerator.device.type, max_steps=config.max_steps
+    compiled, compile_note = on_every_rank_together(
+        accelerator,
+        lambda: compile_choice(
+            config.torch_compile,
+            device_type=accelerator.device.type,
+            max_steps=config.max_steps,
+            sequence_parallel=sequence_parallel.size_of(accelerator),
+        ),
     )
     if compiled:  # read by prepare; attached here because the device decides `auto`
         accelerator.state.dynamo_plugin = compile_plugin(config)

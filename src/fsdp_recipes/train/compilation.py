@@ -3,6 +3,8 @@ device and the run's length, with the reason for the run summary."""
 
 from __future__ import annotations
 
+from fsdp_recipes.common.errors import ConfigError
+
 # Compile pays back its start-up pause only over enough steps. The one GPU run (docs/gpu.md: 1.1B model, one H200)
 # saved 0.10 s a step (0.291 -> 0.188 s); a start-up pause of about 30 s for regional compilation (one layer compiled,
 # the others reuse it) is then repaid after ~300 steps. The start-up itself is measured by the GPU check
@@ -20,9 +22,17 @@ def compile_setting_problem(name: str, value) -> str | None:
     return f"{name} {value!r} is not one of true, false, auto"
 
 
-def compile_choice(torch_compile, *, device_type: str, max_steps: int) -> tuple[bool, str]:
-    """(compile the layers?, why) for the run summary."""
+def compile_choice(torch_compile, *, device_type: str, max_steps: int, sequence_parallel: int = 1) -> tuple[bool, str]:
+    """(compile the layers?, why) for the run summary. ConfigError for `true` under sequence parallelism: its
+    attention runs outside compiled regions, and each batch's examples would be guarded into a new graph."""
     setting = str(torch_compile).lower()
+    if sequence_parallel > 1:
+        if setting == "true":
+            raise ConfigError(
+                f"torch_compile: true under sequence parallelism (sp {sequence_parallel}): the split attention runs "
+                "outside compiled regions and each batch would recompile the layers; set torch_compile: false (or auto)"
+            )
+        return False, f"off (sequence parallelism, sp {sequence_parallel}: its attention is not compiled)"
     if setting == "true":
         return True, "on (torch_compile: true)"
     if setting != "auto":

@@ -161,6 +161,8 @@ def write_data(
     loader's) when the data cannot be read."""
     from fsdp_recipes.data import files
 
+    if dataset_name in locals_:  # a --local folder stands for the subset the config names (its files have none)
+        dataset_config = None
     raw = files.load_raw_dataset(
         resolve(dataset_name, locals_) if dataset_name else None, dataset_config, mixture=mixture
     )
