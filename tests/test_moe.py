@@ -256,6 +256,20 @@ def test_an_attached_router_balance_adds_the_loss_shares_gradient_and_changes_no
         next(iter(loop.micro_batches_in_sync(accelerator, model, micro_batches)))
     assert router_balance.attach(tiny_moe("qwen3_moe"), forward) is None  # its config does not ask for the loss
 
+    def problem(**asked):  # the checkpointing the hook cannot ride on, refused before loading
+        settings = dict(fsdp_checkpointing=False, wrap_policy="TRANSFORMER_BASED_WRAP", gradient_checkpointing=False)
+        return router_balance.checkpointing_problem(model.config, **{**settings, "kwargs": None, **asked})
+
+    assert (
+        problem() is None and problem(fsdp_checkpointing=True) is None and problem(gradient_checkpointing=True) is None
+    )
+    assert "TRANSFORMER_BASED_WRAP" in problem(fsdp_checkpointing=True, wrap_policy="SIZE_BASED_WRAP")
+    assert "use_reentrant: false" in problem(gradient_checkpointing=True, kwargs={"use_reentrant": True})
+    assert router_balance.checkpointing_problem(
+        tiny_moe("qwen3_moe").config, fsdp_checkpointing=True, wrap_policy="SIZE_BASED_WRAP",
+        gradient_checkpointing=False, kwargs=None,
+    ) is None  # fmt: skip
+
 
 @pytest.mark.parametrize("recipe", ["dpo", "kto"])
 def test_preference_tuning_an_moe_adds_the_router_balance_and_logs_it(tmp_path, preference_data, recipe):

@@ -38,7 +38,7 @@ from fsdp_recipes.distributed import parallel_dims
 
 SHARDS_KEYWORD = "sequence_parallel_shards"  # the model call's keyword that reaches the attention
 MESH_DIMENSION = "cp"  # accelerate's dataloader gives the ranks of a "cp" dimension the same batch
-SUPPORTED_RECIPES = ("sft", "pretrain", "dpo", "kto", "distill", "grpo")  # their forwards give per-token values
+SUPPORTED_RECIPES = ("sft", "pretrain", "dpo", "kto", "distill", "grpo", "reward")  # per-token values, split
 KEY = "parallelism_config.parallelism_config_sp_size"
 DOCS = "docs/parallelism.md#sequence-parallelism"
 
@@ -296,12 +296,19 @@ def _ulysses_sdpa(module, query, key, value, attention_mask, **kwargs):
         return _PLAIN_SDPA(module, query, key, value, attention_mask, **kwargs)
     shards, rows = sharded
     query, key, value = (_sequence_to_heads(states, shards) for states in (query, key, value))
-    output = torch.empty_like(query)
-    for row, examples in enumerate(rows):
-        for start, end in examples:
-            output[row, :, start:end] = _causal_attention(
-                module, *(states[row : row + 1, :, start:end] for states in (query, key, value)), **kwargs
-            )[0]
+    # each example in turn, joined by concatenation (slice assignments would each copy the whole gradient back)
+    output = torch.cat(
+        [
+            torch.cat(
+                [
+                    _causal_attention(module, *(x[row : row + 1, :, start:end] for x in (query, key, value)), **kwargs)
+                    for start, end in examples
+                ],
+                dim=2,
+            )
+            for row, examples in enumerate(rows)
+        ]
+    )
     return _heads_to_sequence(output, shards).transpose(1, 2).contiguous(), None
 
 

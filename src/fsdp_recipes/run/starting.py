@@ -15,6 +15,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, To
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
 from fsdp_recipes.distributed import float8, logs, sequence_parallel, tensor_parallel
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
@@ -36,7 +37,7 @@ from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import generation_backends, preemption, trainer_arguments
+from fsdp_recipes.train import generation_backends, preemption, router_balance, trainer_arguments
 from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
@@ -286,6 +287,15 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
         check_packing_is_isolated(model_config)
     layout = model_layout(accelerator, config, model_config, task)
     check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
+    launch = LaunchLayout.from_accelerator(accelerator)
+    if problem := router_balance.checkpointing_problem(
+        model_config,
+        fsdp_checkpointing=launch.activation_checkpointing,
+        wrap_policy=launch.wrap_policy,
+        gradient_checkpointing=config.gradient_checkpointing,
+        kwargs=config.gradient_checkpointing_kwargs,
+    ):
+        raise ConfigError(problem)
     adapters.check_before_loading(
         config,
         model_config,

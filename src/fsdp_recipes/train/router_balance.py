@@ -163,6 +163,10 @@ class RouterBalanceLoss:
                 "the step's forwards with gradients must be its micro-batches' forwards, in order"
             )
         share = self.step.loss_share(router_logits, real)
+        if not share.requires_grad:  # checkpointing_problem refuses the known cause before loading
+            raise RuntimeError(
+                "the router logits of a forward with gradients carry none: the balance would add nothing"
+            )
         output.last_hidden_state = _AddLossGradient.apply(output.last_hidden_state, share, self._weight)
         return output
 
@@ -200,6 +204,31 @@ def attach(model: torch.nn.Module, forward, *, rows_of=None, real_of=None) -> Ro
     if not router_aux_loss_coefficient(model.config):
         return None
     return RouterBalanceLoss(model, forward, rows_of, real_of)
+
+
+def checkpointing_problem(
+    model_config, *, fsdp_checkpointing: bool, wrap_policy: str, gradient_checkpointing: bool, kwargs: dict | None
+) -> str | None:
+    """Before loading: the activation checkpointing the balance cannot ride on, with the fix (None: fine). Its hook
+    sits on the decoder stack and reads the router logits of a forward with gradients: FSDP's checkpointing under a
+    wrap policy other than the layer classes may checkpoint the whole stack (the hook would run again in the
+    backward), and reentrant checkpointing runs the layers' first forward without gradients (the loss would add
+    nothing, silently)."""
+    if not router_aux_loss_coefficient(model_config):
+        return None
+    if fsdp_checkpointing and wrap_policy != "TRANSFORMER_BASED_WRAP":
+        return (
+            f"the router's load-balancing loss with fsdp_activation_checkpointing under {wrap_policy}: the whole "
+            "decoder stack may be checkpointed, which the loss cannot ride on; use fsdp_auto_wrap_policy: "
+            "TRANSFORMER_BASED_WRAP (one checkpointed unit per layer), or router_aux_loss_coef: 0"
+        )
+    if gradient_checkpointing and (kwargs or {}).get("use_reentrant"):
+        return (
+            "the router's load-balancing loss with gradient_checkpointing_kwargs use_reentrant: true: reentrant "
+            "checkpointing runs the layers without gradients first, so the loss would reach no router; set "
+            "use_reentrant: false (the default), or router_aux_loss_coef: 0"
+        )
+    return None
 
 
 def attached(model: torch.nn.Module) -> RouterBalanceLoss | None:
