@@ -126,7 +126,7 @@ def test_context_parallelism_needs_cuda_on_this_machine_and_is_not_wired_anywher
     path = config_with(tmp_path, "cp8.yaml", 8, dp_replicate=1, dp_shard=1, tp=1, cp=8)
     offline = errors_of(lint_config_file(path))
     assert list(offline) == [CP_KEY]  # cp alone gives FSDP a dimension to shard over: no dp_shard error
-    assert "do not shard batches along the sequence" in offline[CP_KEY]
+    assert "set parallelism_config_sp_size" in offline[CP_KEY]  # what splits rows here: sequence parallelism
     environment = exported_environment(path)
     on_cpu = errors_of(lint_launch_environment(environment, has_cuda=False))[CP_KEY]
     assert on_cpu.startswith("context parallelism needs CUDA: cp_size 8")

@@ -5,8 +5,9 @@ weights load and by `fsdp-recipes validate-config`.
 - TP runs through transformers' own N-D engine (fsdp_recipes.distributed.tensor_parallel), not accelerate's TP
   preparation, which on the pinned accelerate 1.15 imports a class transformers 5 removed (docs/parallelism.md); the
   Accelerate settings that route cannot honour are refused with the reason.
-- CP: torch's `context_parallel` has no sharding rule for the CPU attention kernel, so it needs CUDA; and the recipes
-  do not yet shard batches along the sequence (the seam is `context_parallel_problem`).
+- CP: torch's `context_parallel` has no sharding rule for the CPU attention kernel, so it needs CUDA; and it is not
+  wired: rows are split by position with sequence parallelism (`sequence_parallel`) instead (the seam is
+  `context_parallel_problem`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def context_parallel_problem(cp_size: int, *, has_cuda: bool | None) -> str | No
     if cp_size <= 1:
         return None
     not_wired = (
-        "these recipes do not shard batches along the sequence yet (the model would see whole sequences on every "
-        f"cp rank; {DOCS})"
+        "torch's context_parallel (ring attention) is not wired into these recipes, which split rows by position "
+        "with sequence parallelism instead: set parallelism_config_sp_size (Ulysses, an all-to-all around attention; "
+        f"{DOCS}#sequence-parallelism)"
     )
     if has_cuda is False:
         return (
