@@ -49,8 +49,8 @@ def test_what_sequence_parallelism_cannot_split_is_refused_with_its_fix():
     assert ["num_attention_heads (6)" in problems[0], "num_key_value_heads (2)" in problems[1]] == [True, True]
     (problem,) = sequence_parallel.model_problems(2, llama, attn_implementation="flash_attention_2", recipe="dpo")
     assert "set attn_implementation: sdpa" in problem
-    (problem,) = sequence_parallel.model_problems(2, llama, attn_implementation="sdpa", recipe="classify")
-    assert "classify is not one of them yet" in problem and "sft, pretrain, dpo, kto, distill, grpo, reward" in problem
+    (problem,) = sequence_parallel.model_problems(2, llama, attn_implementation="sdpa", recipe="eval")
+    assert "eval is not one of them yet" in problem and "distill, grpo, reward, classify" in problem
     moe = Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, output_router_logits=True)
     (problem,) = sequence_parallel.model_problems(2, moe, attn_implementation="sdpa", recipe="sft")
     assert "router_aux_loss_coef: 0" in problem
@@ -120,7 +120,7 @@ def test_per_token_values_and_every_recipe_split_by_position_equal_one_process_a
         assert len(cases) == 4, cases
         for case, (loss_error, gradient_error) in cases.items():
             assert loss_error < 1e-5 and gradient_error < 1e-4, (rank, case, loss_error, gradient_error)
-    for name in ("sft", "dpo", "kto", "distill", "grpo", "reward", "pretrain"):
+    for name in ("sft", "dpo", "kto", "distill", "grpo", "reward", "classify", "pretrain"):
         _assert_same_steps(launched / "sp" / name, launched / "one" / name, name)
     _assert_same_steps(launched / "sp" / "hsdp", launched / "one" / "sft", "hsdp 2 x sp 2, checkpointed")
     hsdp = json.loads((launched / "sp" / "hsdp" / "run_summary.json").read_text())

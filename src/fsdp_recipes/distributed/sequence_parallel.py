@@ -38,7 +38,7 @@ from fsdp_recipes.distributed import parallel_dims
 
 SHARDS_KEYWORD = "sequence_parallel_shards"  # the model call's keyword that reaches the attention
 MESH_DIMENSION = "cp"  # accelerate's dataloader gives the ranks of a "cp" dimension the same batch
-SUPPORTED_RECIPES = ("sft", "pretrain", "dpo", "kto", "distill", "grpo", "reward")  # per-token values, split
+SUPPORTED_RECIPES = ("sft", "pretrain", "dpo", "kto", "distill", "grpo", "reward", "classify")  # split forwards
 KEY = "parallelism_config.parallelism_config_sp_size"
 DOCS = "docs/parallelism.md#sequence-parallelism"
 

@@ -43,6 +43,40 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
 
 
+def sequence_classification_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """A sequence classifier's logits [rows, labels], fp32, for right-padded rows. Under sequence parallelism each rank
+    runs its slice of every row: the head's per-token scores come back whole and each row's is taken where
+    transformers' own pooling takes it (the rightmost token that is not the pad token); with positions 0..width-1 and
+    no mask every real token sees what it sees in the padded pass (causal: never the padding after it)."""
+    shards = sequence_parallel.active()
+    if shards is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    head = next(module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in ("score", "classifier"))
+
+    def forward(local_inputs: dict[str, torch.Tensor], _targets: torch.Tensor) -> torch.Tensor:
+        captured = []
+        handle = head.register_forward_hook(lambda _module, _args, output: captured.append(output))
+        try:
+            model(**local_inputs)  # its own pooling, on a slice, is not used
+        finally:
+            handle.remove()
+        return captured[-1].float()  # [rows, local width, labels]
+
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    inputs = {"input_ids": input_ids, "position_ids": positions, "use_cache": False}
+    per_token = shards.per_token(forward, inputs, torch.zeros_like(input_ids), IGNORE_INDEX)
+    pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    index = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (
+        torch.full_like(attention_mask[:, 0], input_ids.shape[1] - 1)
+        if pad_token_id is None
+        else (index * (input_ids != pad_token_id)).argmax(dim=-1)
+    )
+    return per_token[torch.arange(input_ids.shape[0], device=last.device), last]
+
+
 def global_mean_scale(accelerator: Accelerator, global_total: torch.Tensor) -> torch.Tensor:
     """Factor turning a rank's summed loss into its share of the global mean: FSDP/DDP average gradients over
     ranks, so each rank scales by the data-parallel size / (what the mean divides by in the whole optimizer step, all ranks and

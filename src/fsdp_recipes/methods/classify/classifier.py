@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.train import losses
 from fsdp_recipes.train.checkpoint import saved_model_config_path
 
 
@@ -59,9 +60,9 @@ def loss_sum(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Sum over the batch of weight[label] x cross-entropy (weight 1 without class weights)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = losses.sequence_classification_logits(model, batch["input_ids"], batch["attention_mask"])
     weights = weights.to(logits.device) if weights is not None else None
-    return F.cross_entropy(logits.float(), batch["labels"], weight=weights, reduction="sum")
+    return F.cross_entropy(logits, batch["labels"], weight=weights, reduction="sum")
 
 
 def weight_sum(batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor | float:

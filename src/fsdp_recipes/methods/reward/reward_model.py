@@ -23,8 +23,8 @@ from datasets import Dataset
 
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.data import files
-from fsdp_recipes.distributed import sequence_parallel
 from fsdp_recipes.methods.preference.paired import PairCollator
+from fsdp_recipes.train import losses
 
 LABEL = "reward"  # the one output's name in config.id2label (what pipeline("text-classification") reports)
 MARGIN_COLUMN = "margin"
@@ -89,42 +89,10 @@ class RewardCollator:
 
 
 def rewards(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) scores in fp32, one per pair, from one forward over the batch's 2B rows. Under sequence
-    parallelism each rank runs its slice of every row and the score of each row's last real token is taken from the
-    head's per-token scores, gathered whole (distributed/sequence_parallel.py)."""
-    if (shards := sequence_parallel.active()) is not None:
-        return _split_scores(model, batch, shards).squeeze(-1).chunk(2)
-    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return scores.float().squeeze(-1).chunk(2)
-
-
-def _split_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor], shards) -> torch.Tensor:
-    """[rows, labels] fp32: the head's score at each row's last token, chosen as transformers' pooling chooses it. The
-    rows are right-padded, so with positions 0..width-1 and no mask every real token sees what it sees in the padded
-    pass (causal: never the padding after it); the head runs on every position of a rank's slice (the model's own
-    pooling, on a slice, is not used)."""
-    input_ids, mask = batch["input_ids"], batch["attention_mask"]
-    head = next(module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in ("score", "classifier"))
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-
-    def forward(local_inputs: dict[str, torch.Tensor], _targets: torch.Tensor) -> torch.Tensor:
-        captured = []
-        handle = head.register_forward_hook(lambda _module, _args, output: captured.append(output))
-        try:
-            model(**local_inputs)
-        finally:
-            handle.remove()
-        return captured[-1].float()  # [rows, local width, labels]
-
-    inputs = {"input_ids": input_ids, "position_ids": positions, "use_cache": False}
-    per_token = shards.per_token(forward, inputs, torch.zeros_like(input_ids), -100)
-    pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-    if pad_token_id is None:  # as transformers pools: the last position
-        last = torch.full_like(mask[:, 0], input_ids.shape[1] - 1)
-    else:  # as transformers pools: the rightmost token that is not the pad token
-        index = torch.arange(input_ids.shape[1], device=input_ids.device)
-        last = (index * (input_ids != pad_token_id)).argmax(dim=-1)
-    return per_token[torch.arange(input_ids.shape[0], device=last.device), last]
+    """(chosen, rejected) scores in fp32, one per pair, from one forward over the batch's 2B rows (split by position
+    under sequence parallelism: `losses.sequence_classification_logits`)."""
+    scores = losses.sequence_classification_logits(model, batch["input_ids"], batch["attention_mask"])
+    return scores.squeeze(-1).chunk(2)
 
 
 def bradley_terry_losses(
