@@ -120,7 +120,7 @@ def test_per_token_values_and_every_recipe_split_by_position_equal_one_process_a
         assert len(cases) == 4, cases
         for case, (loss_error, gradient_error) in cases.items():
             assert loss_error < 1e-5 and gradient_error < 1e-4, (rank, case, loss_error, gradient_error)
-    for name in ("sft", "dpo", "kto", "distill", "grpo", "reward", "classify", "pretrain"):
+    for name in ("sft", "lora", "dpo", "kto", "distill", "grpo", "reward", "classify", "pretrain"):
         _assert_same_steps(launched / "sp" / name, launched / "one" / name, name)
     _assert_same_steps(launched / "sp" / "hsdp", launched / "one" / "sft", "hsdp 2 x sp 2, checkpointed")
     hsdp = json.loads((launched / "sp" / "hsdp" / "run_summary.json").read_text())
