@@ -4,22 +4,26 @@ one deadline, each step in its own process with its own timeout, every result in
     python benchmarks/gpu_check.py --out outputs/gpu_check            # on a machine with one CUDA GPU
     python benchmarks/gpu_check.py --out /tmp/gpu_dry --dry-run       # the same steps on CPU at toy sizes (~4 min)
 
-Steps (a step that fails is recorded with its output's tail, and the run goes on):
+Steps, in the order of issue 50's priorities (a step that fails is recorded with its output's tail, and the run goes on;
+a step that would start too near the deadline is skipped and recorded as skipped):
  1. versions and device;
- 2. the memory estimator's prediction for the 1.1B SFT (benchmarks/llama_1b.json, recipes/configs/sft/gpu_check_1b.yaml);
- 3. that SFT under FSDP2 bf16 on one GPU (accelerate_configs/fsdp_8gpu.yaml, one process), through recipes/sft.py
-    with its export and read-back: tokens/s, MFU, step time, peak memory; its model is what steps 5, 6 and 8 load;
- 3b. the fast path on the same SFT, the loop only (first_step_time_s holds the compile pause): FlexAttention, + compile,
-    + liger-kernel (use_liger_kernel, loss_implementation liger), + float8 (fsdp_8gpu_float8.yaml), float8 + compile;
- 4. torch's loss kernels at a 128k vocabulary (benchmarks/chunked_loss_memory.py): whole logits, chunked, torch's
-    linear_cross_entropy;
- 5. LoRA, then QLoRA (bitsandbytes), on the exported 1.1B model: a few steps, adapter exported and read back;
- 6. the same SFT with activation checkpointing (fsdp_8gpu_activation_checkpointing.yaml), then with per-layer
-    torch.compile: the training loop only (the process is stopped once the last step is logged: step 3 checks export);
- 7. a ~400M-parameter Qwen3-MoE (benchmarks/qwen3_moe_small.json) SFT: the loop only, as in 6;
- 8. GRPO from the exported model, with generation_backend generate and then paged: the step-time shares; then
-    each generation backend's completion tokens/s, 64 prompts x 8 at 32 and 256 new tokens
-    (benchmarks/generation_backends.py).
+ 2. the memory estimator's prediction for the 1.1B SFT (benchmarks/llama_1b.json, recipes/configs/sft/gpu_check_1b.yaml)
+    at batch 4 and at batch 16, beside the measured peaks of the steps below;
+ 3. that SFT under FSDP2 bf16 on one GPU (accelerate_configs/fsdp_8gpu.yaml, one process), through recipes/sft.py, at
+    batch 16 with sdpa, its export and read-back: tokens/s, MFU, step time, peak memory; its model is what the GRPO
+    and LoRA steps load. Then the fast path at batch 16, the loop only (first_step_time_s holds the compile pause):
+    FlexAttention, + compile, + liger-kernel (use_liger_kernel, loss_implementation liger);
+ 4. TRL's SFTTrainer on the same model, data and rows at batch 16, packed padding-free, Liger on
+    (benchmarks/sft_vs_trl.py; runs where trl is importable);
+ 5. GRPO from the exported model, with generation_backend generate and then paged: the step-time shares; then each
+    generation backend's completion tokens/s, 64 prompts x 8 at 32 and 256 new tokens (benchmarks/generation_backends.py);
+ 6. float8 on the fast path at batch 16 (fsdp_8gpu_float8.yaml: torchao's float8 matmuls, FSDP2 gathering float8
+    weights); then the same routes and TRL at batch 4 (sdpa, flex, + compile, + liger, + float8);
+ 7. what the 4 December run measured, again if time is left: torch's loss kernels at a 128k vocabulary
+    (benchmarks/chunked_loss_memory.py), activation checkpointing, LoRA and QLoRA on the exported model, a
+    ~400M-parameter Qwen3-MoE (benchmarks/qwen3_moe_small.json).
+On the CPU dry run, flex has no backward and Liger's kernels are Triton's: those steps run with sdpa and without Liger,
+to rehearse everything else; float8 runs where torchao is importable, TRL where trl is.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class Check:
             "    try: v[n] = importlib.import_module(n).__version__\n"
             "    except Exception as e: v[n] = f'missing: {e}'[:120]\n"
             "v['device'] = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'\n"
+            "v['gpu_memory_gib'] = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0\n"
             "v['linear_cross_entropy'] = hasattr(torch.nn.functional, 'linear_cross_entropy')\n"
             "print(json.dumps(v))"
         )
@@ -115,29 +120,57 @@ class Check:
         self.record("versions", json.loads(text.strip().splitlines()[-1]) if code == 0 else {"error": text})
 
     def estimate(self) -> None:
-        for name, config in (
-            ("estimate", "fsdp_8gpu.yaml"),
-            ("estimate_ac", "fsdp_8gpu_activation_checkpointing.yaml"),
+        for name, config, batch in (
+            ("estimate", "fsdp_8gpu.yaml", 4),
+            ("estimate_bs16", "fsdp_8gpu.yaml", 16),
+            ("estimate_ac", "fsdp_8gpu_activation_checkpointing.yaml", 4),
         ):
             command = [sys.executable, "-m", "fsdp_recipes.tools.cli", "estimate", "--model", self.model_config()]
             command += ["--accelerate-config", f"accelerate_configs/{config}", "--num-processes", "1"]
-            command += ["--recipe-config", SFT_CONFIG, "--json", *self.sizes_for_estimate()]
+            command += ["--recipe-config", SFT_CONFIG, "--json", "--batch-size", str(batch)]
+            command += ["--max-length", "128"] if self.args.dry_run else []
             code, seconds, text = self.run(name, command, timeout=120)
             try:
                 self.record(name, {"rc": code, **json.loads(text[text.index("{") :])})
             except ValueError:
                 self.record(name, {"rc": code, "tail": text})
 
-    def sft(self, name: str, config: str, *extra: str, steps: int, loop_only: bool = False) -> Path:
+    def sft(self, name: str, config: str, *extra: str, steps: int, loop_only: bool = False, batch: int = 4) -> Path:
         output = self.out / name
         command = self.accelerate(
             f"accelerate_configs/{config}", "recipes/sft.py", "--config", SFT_CONFIG, "--output_dir", str(output),
-            "--max_steps", str(steps), *self.sizes(), *extra,
+            "--max_steps", str(steps), "--per_device_train_batch_size", str(batch), *self.sizes(), *extra,
         )  # fmt: skip
         until = (output / "metrics.jsonl", steps) if loop_only else None
-        code, seconds, text = self.run(name, command, timeout=300, until_metrics=until)
+        code, seconds, text = self.run(name, command, timeout=240 if loop_only else 300, until_metrics=until)
         self.record(name, {"rc": code, "seconds": seconds, **training_figures(output), **failure(code, text)})
         return output
+
+    def trl_sft(self, name: str, batch: int, *, flex: bool, liger: bool) -> None:
+        """TRL's SFTTrainer on the same work (benchmarks/sft_vs_trl.py), one process, no FSDP."""
+        if importlib.util.find_spec("trl") is None:
+            self.record(name, {"skipped": "trl is not importable (benchmarks/gpu_wheels.sh carries it)"})
+            return
+        command = [
+            sys.executable,
+            "benchmarks/sft_vs_trl.py",
+            "--batch-size",
+            str(batch),
+            "--out",
+            str(self.out / name),
+        ]
+        command += ["--attn", "flex_attention"] if flex else []
+        command += ["--liger"] if liger else []
+        command += ["--steps", "15"] if not self.args.dry_run else []
+        if self.args.dry_run:
+            command += ["--model-config", "demo/tiny_llama.json", "--max-length", "128", "--steps", "6"]
+            command += ["--warmup-steps", "2"]
+        code, seconds, text = self.run(name, command, timeout=240)
+        try:
+            figures = json.loads(text[text.rindex("== report") + len("== report") :].splitlines()[0])
+            self.record(name, {"rc": code, "seconds": seconds, **figures})
+        except ValueError:
+            self.record(name, {"rc": code, "seconds": seconds, "tail": text[-3000:]})
 
     def loss_kernels(self) -> None:
         command = [sys.executable, "benchmarks/chunked_loss_memory.py", "--json"]
@@ -195,9 +228,6 @@ class Check:
             return ["--model_config", "demo/tiny_llama.json", "--max_length", "128", "--logging_steps", "2"]
         return []
 
-    def sizes_for_estimate(self) -> list[str]:
-        return []
-
 
 def _logged_step(metrics: Path, step: int) -> bool:
     try:
@@ -230,6 +260,8 @@ def training_figures(output: Path) -> dict:
         "mfu": mean("mfu"),
         "achieved_flops_per_device": mean("achieved_flops_per_device"),
         "step_time_s": mean("step_time_s"),
+        # the compile pause beyond the first step: the first window's steps, against the steady ones
+        "first_window_step_time_s": records[0].get("step_time_s"),
         "first_step_time_s": next(
             (r["first_step_time_s"] for r in map(json.loads, lines) if "first_step_time_s" in r), None
         ),
@@ -272,31 +304,57 @@ def main() -> None:
     args.budget_s = args.budget_s or (1800 if args.dry_run else 480)
     check = Check(args)
     wanted = lambda name: not args.only or name in args.only  # noqa: E731
-    steps_base, steps_variant = (6, 4) if args.dry_run else (30, 20)
+    steps_base, steps_variant = (6, 4) if args.dry_run else (20, 15)
+    on_gpu = not args.dry_run
+    has = lambda package: importlib.util.find_spec(package) is not None  # noqa: E731
     check.versions()
     if wanted("estimate"):
         check.estimate()
+    # 1. the routes at batch 16, where one GPU is kept busy (4 December: 1.5x batch 4's speed at sdpa). The first
+    # run exports the model that GRPO and LoRA load. Flex is what `auto` takes on CUDA; the check's config pins sdpa.
+    flex = ["--attn_implementation", "flex_attention"] if on_gpu else []
+    compile_on = ["--torch_compile", "true"]
+    liger = ["--use_liger_kernel", "true", "--loss_implementation", "liger"] if on_gpu else []
+    # batch 16 with sdpa's mask reserved 88 GiB on 4 December: an 80 GB card exports its model from batch 4 instead
+    gpu_memory = check.results["steps"]["versions"].get("gpu_memory_gib") or 0
+    base_batch = 16 if args.dry_run or gpu_memory > 100 else 4
     base = check.out / "sft_bf16"
     if wanted("sft_bf16"):
-        base = check.sft("sft_bf16", "fsdp_8gpu.yaml", steps=steps_base)
-    # FlexAttention for the packed rows (what auto takes on CUDA; the check's config pins sdpa): alone and compiled.
-    # On the CPU dry run flex cannot train (no backward there): the steps run with auto (sdpa) to rehearse the rest.
-    flex = [] if args.dry_run else ["--attn_implementation", "flex_attention"]
-    if wanted("sft_flex"):
-        check.sft("sft_flex", "fsdp_8gpu.yaml", *flex, steps=steps_variant, loop_only=True)
-    if wanted("sft_flex_compile"):
-        check.sft("sft_flex_compile", "fsdp_8gpu.yaml", *flex, "--torch_compile", "true", steps=steps_variant,
-                  loop_only=True)  # fmt: skip
-    # liger-kernel's fused norms, rotary and MLP, with its fused linear cross-entropy (Triton: CUDA only)
-    if wanted("sft_flex_liger") and not args.dry_run:
-        check.sft("sft_flex_liger", "fsdp_8gpu.yaml", *flex, "--use_liger_kernel", "true", "--loss_implementation",
-                  "liger", steps=steps_variant, loop_only=True)  # fmt: skip
-    # torchao's float8 matmuls, FSDP2 gathering float8 weights (the CPU dry run needs torchao on its path)
-    if wanted("sft_flex_float8") and (not args.dry_run or importlib.util.find_spec("torchao")):
-        check.sft("sft_flex_float8", "fsdp_8gpu_float8.yaml", *flex, steps=steps_variant, loop_only=True)
-    if wanted("sft_flex_compile_float8") and (not args.dry_run or importlib.util.find_spec("torchao")):
-        check.sft("sft_flex_compile_float8", "fsdp_8gpu_float8.yaml", *flex, "--torch_compile", "true",
-                  steps=steps_variant, loop_only=True)  # fmt: skip
+        base = check.sft("sft_bf16", "fsdp_8gpu.yaml", batch=base_batch, steps=steps_base)
+    routes = {
+        "flex": ("fsdp_8gpu.yaml", flex),
+        "flex_compile": ("fsdp_8gpu.yaml", flex + compile_on),
+        "flex_compile_liger": ("fsdp_8gpu.yaml", flex + compile_on + liger),
+        "flex_compile_liger_float8": ("fsdp_8gpu_float8.yaml", flex + compile_on + liger),
+    }
+
+    def route(name: str, batch: int) -> None:
+        config, extra = routes[name]
+        step = f"sft_bs{batch}_{name}"
+        if not wanted(step):
+            return
+        if name.endswith("float8") and not has("torchao"):
+            check.record(step, {"skipped": "torchao is not importable (benchmarks/gpu_wheels.sh carries it)"})
+            return
+        check.sft(step, config, *extra, batch=batch, steps=steps_variant, loop_only=True)
+
+    for name in ("flex", "flex_compile", "flex_compile_liger"):
+        route(name, 16)
+    # 2. TRL's SFTTrainer on the same rows: the ratio to the recipe's best
+    if wanted("trl_bs16"):
+        check.trl_sft("trl_bs16", 16, flex=on_gpu, liger=on_gpu)
+    # 3. GRPO generation with each backend
+    if wanted("grpo"):
+        check.grpo(base)
+    # 4. float8, then batch 4 (4 December measured sdpa at batch 4: 28,903 tokens/s)
+    route("flex_compile_liger_float8", 16)
+    if wanted("sft_bs4_sdpa"):
+        check.sft("sft_bs4_sdpa", "fsdp_8gpu.yaml", batch=4, steps=steps_variant, loop_only=True)
+    for name in routes:
+        route(name, 4)
+    if wanted("trl_bs4"):
+        check.trl_sft("trl_bs4", 4, flex=on_gpu, liger=on_gpu)
+    # 5. again what 4 December measured, if time is left
     if wanted("loss_kernels"):
         check.loss_kernels()
     if wanted("sft_bf16_ac"):
@@ -304,16 +362,13 @@ def main() -> None:
     if wanted("lora"):
         check.sft("lora", "fsdp_8gpu.yaml", "--model_name_or_path", str(base), "--model_config", "null",
                   "--use_peft", "true", steps=steps_variant)  # fmt: skip
-    if wanted("qlora") and not args.dry_run:  # bitsandbytes' 4-bit layers need CUDA under FSDP here
+    # bitsandbytes' 4-bit layers need CUDA under FSDP here; its wheel (43 MB) is not carried with the others
+    if wanted("qlora") and has("bitsandbytes") and on_gpu:
         check.sft("qlora", "fsdp_8gpu.yaml", "--model_name_or_path", str(base), "--model_config", "null",
                   "--use_peft", "true", "--load_in_4bit", "true", "--bnb_4bit_compute_dtype", "bfloat16",
                   "--bnb_4bit_quant_storage", "bfloat16", steps=steps_variant)  # fmt: skip
-    if wanted("grpo"):
-        check.grpo(base)
     if wanted("moe"):
         check.sft("moe", "fsdp_8gpu.yaml", "--model_config", check.moe_config(), steps=steps_variant, loop_only=True)
-    if wanted("sft_bf16_compile"):
-        check.sft("sft_bf16_compile", "fsdp_8gpu.yaml", "--torch_compile", "true", steps=steps_variant, loop_only=True)
     check.results["seconds_left_of_budget"] = round(check.left())
     check.save()
     print(f"== done: {check.out / 'gpu_check.json'}")
