@@ -3,6 +3,8 @@ so that its tokens/s stand beside the recipe's (the ratio is the issue's measure
 
     python benchmarks/sft_vs_trl.py --batch-size 16 --liger                 # one CUDA GPU, trl installed
     python benchmarks/sft_vs_trl.py --model-config demo/tiny_llama.json --max-length 128 --steps 6   # CPU smoke run
+    python benchmarks/sft_vs_trl.py --with-recipe --model-config small --max-length 512 --batch-size 8 --steps 30 \
+        --rounds 3                          # CPU: recipes/sft.py and TRL alternated, fp32, one process each
 
 TRL is not a dependency of this repo: on the GPU machine its wheel is carried (benchmarks/gpu_wheels.sh); here it can
 live in a folder of its own on PYTHONPATH. What TRL gets is what its docs recommend for speed without flash-attn:
@@ -16,17 +18,81 @@ live in a folder of its own on PYTHONPATH. What TRL gets is what its docs recomm
 Speed is real tokens per second between the end of step --warmup-steps and the last step's end, the device
 synchronised at both ends. MFU uses the recipe's own FLOPs-per-token accounting and peak (fsdp_recipes.train.metrics).
 One JSON object is printed last, after "== report".
+
+With --with-recipe, recipes/sft.py (recipes/configs/sft/gpu_check_1b.yaml, one plain process) and TRL run alternately
+in fresh processes, --rounds times, on the same sizes; the recipe's speed is the mean of its logged windows after the
+first (5 steps, as TRL's --warmup-steps), and the figure is the median of the rounds' ratios. Both train on every
+token (TRL's default for conversational data; the recipe's `assistant_only_loss: false`): the recipe's default, the
+assistant's tokens only, would spare it the output layer for the other tokens and make the work unequal. `--model-config small`
+is a 4-layer, 512-wide Llama of the 1.1B's shape (GQA 8/2, vocabulary 32,000): 44M parameters, 33M of them the embedding and the output layer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SMALL = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
+
+
+def model_config_path(name: str, folder: Path) -> Path:
+    if name != "small":
+        return REPO / name
+    config = json.loads((REPO / "benchmarks" / "llama_1b.json").read_text()) | SMALL
+    path = folder / "llama_small.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def recipe_run(args, model_config: Path, output_dir: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_check import training_figures
+
+    command = [
+        sys.executable, str(REPO / "recipes" / "sft.py"), "--config", str(REPO / "recipes/configs/sft/gpu_check_1b.yaml"),
+        "--model_config", str(model_config), "--output_dir", str(output_dir), "--max_length", str(args.max_length),
+        "--per_device_train_batch_size", str(args.batch_size), "--max_steps", str(args.steps), "--logging_steps", "5",
+        "--attn_implementation", args.attn, "--assistant_only_loss", "false",
+    ]  # fmt: skip
+    environment = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(command, check=True, cwd=REPO, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return training_figures(output_dir)
+
+
+def trl_run(args, model_config: Path, output_dir: Path) -> dict:
+    command = [sys.executable, __file__, "--model-config", str(model_config), "--max-length", str(args.max_length),
+               "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--attn", args.attn,
+               "--out", str(output_dir)]  # fmt: skip
+    result = subprocess.run(command, check=True, cwd=REPO, capture_output=True, text=True)
+    return json.loads(result.stdout[result.stdout.rindex("== report") + len("== report") :])
+
+
+def side_by_side(args) -> None:
+    ratios, rounds = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        model_config = model_config_path(args.model_config, folder)
+        for index in range(args.rounds):
+            ours = recipe_run(args, model_config, folder / f"ours{index}")
+            theirs = trl_run(args, model_config, folder / f"trl{index}")
+            speeds = ours["tokens_per_second_per_device"], theirs["tokens_per_second_per_device"]
+            ratios.append(speeds[0] / speeds[1])
+            rounds.append({"recipe": round(speeds[0]), "trl": round(speeds[1]), "ratio": round(ratios[-1], 3),
+                           "recipe_tokens_per_step": round(speeds[0] * ours["step_time_s"]),
+                           "trl_tokens_per_step": round(theirs["tokens_per_step"])})  # fmt: skip
+            print(f"round {index + 1}: recipe {speeds[0]:,.0f} tokens/s, TRL {speeds[1]:,.0f}, "
+                  f"ratio {ratios[-1]:.2f}", flush=True)  # fmt: skip
+    report = {"median_ratio": round(statistics.median(ratios), 3), "rounds": rounds, "trl": theirs["trl"]}
+    print("== report " + json.dumps(report), flush=True)
 
 
 def main() -> None:
@@ -41,7 +107,11 @@ def main() -> None:
     parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa, flex_attention...")
     parser.add_argument("--liger", action="store_true", help="use_liger_kernel (Triton: CUDA only)")
     parser.add_argument("--out", default="outputs/sft_vs_trl")
+    parser.add_argument("--with-recipe", action="store_true", help="recipes/sft.py and TRL, alternated (see above)")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.with_recipe:
+        return side_by_side(args)
     sys.path.insert(0, str(REPO / "src"))
 
     import datasets
@@ -54,7 +124,7 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     set_seed(42)
-    model_config = AutoConfig.from_pretrained(REPO / args.model_config)
+    model_config = AutoConfig.from_pretrained(model_config_path(args.model_config, Path(tempfile.mkdtemp())))
     model_config._attn_implementation = args.attn
     model = AutoModelForCausalLM.from_config(model_config, attn_implementation=args.attn)
     tokenizer = AutoTokenizer.from_pretrained(REPO / args.tokenizer)
