@@ -2,7 +2,7 @@
 one deadline, each step in its own process with its own timeout, every result into one JSON file.
 
     python benchmarks/gpu_check.py --out outputs/gpu_check            # on a machine with one CUDA GPU
-    python benchmarks/gpu_check.py --out /tmp/gpu_dry --dry-run       # the same steps on CPU at toy sizes (~4 min)
+    python benchmarks/gpu_check.py --out /tmp/gpu_dry --dry-run       # the same steps on CPU at toy sizes (~12 min)
 
 Steps, in the order of issue 50's priorities (a step that fails is recorded with its output's tail, and the run goes on;
 a step that would start too near the deadline is skipped and recorded as skipped):
@@ -16,7 +16,8 @@ a step that would start too near the deadline is skipped and recorded as skipped
  4. TRL's SFTTrainer on the same model, data and rows at batch 16, packed padding-free, Liger on
     (benchmarks/sft_vs_trl.py; runs where trl is importable);
  5. GRPO from the exported model, with generation_backend generate and then paged: the step-time shares; then each
-    generation backend's completion tokens/s, 64 prompts x 8 at 32 and 256 new tokens (benchmarks/generation_backends.py);
+    generation backend's completion tokens/s, 64 prompts x 8 at 32 and 256 new tokens
+    (benchmarks/generation_backends.py);
  6. float8 on the fast path at batch 16 (fsdp_8gpu_float8.yaml: torchao's float8 matmuls, FSDP2 gathering float8
     weights); then the same routes and TRL at batch 4 (sdpa, flex, + compile, + liger, + float8);
  7. what the 4 December run measured, again if time is left: torch's loss kernels at a 128k vocabulary
@@ -151,20 +152,15 @@ class Check:
         if importlib.util.find_spec("trl") is None:
             self.record(name, {"skipped": "trl is not importable (benchmarks/gpu_wheels.sh carries it)"})
             return
-        command = [
-            sys.executable,
-            "benchmarks/sft_vs_trl.py",
-            "--batch-size",
-            str(batch),
-            "--out",
-            str(self.out / name),
-        ]
+        command = [sys.executable, "benchmarks/sft_vs_trl.py", "--batch-size", str(batch)]
+        command += ["--out", str(self.out / name)]
         command += ["--attn", "flex_attention"] if flex else []
         command += ["--liger"] if liger else []
-        command += ["--steps", "15"] if not self.args.dry_run else []
         if self.args.dry_run:
             command += ["--model-config", "demo/tiny_llama.json", "--max-length", "128", "--steps", "6"]
             command += ["--warmup-steps", "2"]
+        else:
+            command += ["--steps", "15"]
         code, seconds, text = self.run(name, command, timeout=240)
         try:
             figures = json.loads(text[text.rindex("== report") + len("== report") :].splitlines()[0])

@@ -23,8 +23,9 @@ With --with-recipe, recipes/sft.py (recipes/configs/sft/gpu_check_1b.yaml, one p
 in fresh processes, --rounds times, on the same sizes; the recipe's speed is the mean of its logged windows after the
 first (5 steps, as TRL's --warmup-steps), and the figure is the median of the rounds' ratios. Both train on every
 token (TRL's default for conversational data; the recipe's `assistant_only_loss: false`): the recipe's default, the
-assistant's tokens only, would spare it the output layer for the other tokens and make the work unequal. `--model-config small`
-is a 4-layer, 512-wide Llama of the 1.1B's shape (GQA 8/2, vocabulary 32,000): 44M parameters, 33M of them the embedding and the output layer.
+assistant's tokens only, would spare it the output layer for the other tokens and make the work unequal.
+`--model-config small` is a 4-layer, 512-wide Llama of the 1.1B's shape (GQA 8/2, vocabulary 32,000): 44M parameters,
+33M of them the embedding and the output layer.
 """
 
 from __future__ import annotations
@@ -125,7 +126,6 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     set_seed(42)
     model_config = AutoConfig.from_pretrained(model_config_path(args.model_config, Path(tempfile.mkdtemp())))
-    model_config._attn_implementation = args.attn
     model = AutoModelForCausalLM.from_config(model_config, attn_implementation=args.attn)
     tokenizer = AutoTokenizer.from_pretrained(REPO / args.tokenizer)
     data = datasets.load_dataset("json", data_files=str(REPO / args.data), split="train")
