@@ -1,9 +1,11 @@
 # Two commands work on a fresh machine (Python 3.11+ with venv): `make demo` and `make test`.
-# Each creates .venv from requirements.txt on first use; nothing else needs installing by hand.
+# Each creates .venv from requirements.txt, and .venv-vllm (vLLM's server, requirements-vllm.txt), on first use;
+# nothing else needs installing by hand.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-gpu.txt pyproject.toml | cksum | cut -d' ' -f1)
+VLLM_VENV := .venv-vllm
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-gpu.txt requirements-vllm.txt pyproject.toml | cksum | cut -d' ' -f1)
 # CUDA builds of torch bring triton; the CPU build does not, and liger-kernel imports it
 TRITON := triton==3.9.0
 DEMO_OUTPUT := outputs/demo_reverse/$(shell date +%Y%m%d-%H%M%S)
@@ -16,7 +18,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
+$(STAMP): requirements.txt requirements-gpu.txt requirements-vllm.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# --no-compile: bytecode is written on first import, for the modules actually used (~40 s less CPU here)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
@@ -24,6 +26,10 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	rm -rf $(VENV)/kernels
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
 		--target $(VENV)/kernels -r requirements-gpu.txt $(TRITON)
+	# vLLM's server in its own environment (it pins an older transformers); ~1 minute, 3 GB
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -55,4 +61,4 @@ test-fast: venv
 	$(BIN)/python -m pytest -m "not slow"
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(VLLM_VENV) outputs

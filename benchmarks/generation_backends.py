@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[12])
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (generate, static)")
-    parser.add_argument("--backends", nargs="+", default=list(generation_backends.BACKENDS))
+    parser.add_argument("--backends", nargs="+", default=list(generation_backends.TRANSFORMERS_BACKENDS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")

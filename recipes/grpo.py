@@ -18,23 +18,28 @@ import torch
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, checks, errors
-from fsdp_recipes.methods.grpo import completion_log, groups, rollouts
+from fsdp_recipes.methods.grpo import completion_log, groups, rollouts, round_generation, sampler_mismatch
 from fsdp_recipes.methods.grpo import policy_gradient as pg
 from fsdp_recipes.methods.grpo import settings as online_rl
 from fsdp_recipes.methods.grpo import task as grpo_task
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import checkpoint as checkpoint_lib
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import frozen_copy, generation, loop, router_balance
+from fsdp_recipes.train import frozen_copy, loop, router_balance, vllm_settings
 
 
 @dataclasses.dataclass
 class GRPOConfig(
-    online_rl.PolicyObjectiveFields, online_rl.GenerationFields, online_rl.RewardFields, config_lib.TrainingConfig
+    online_rl.PolicyObjectiveFields,
+    online_rl.GenerationFields,
+    sampler_mismatch.SamplerCorrectionFields,
+    vllm_settings.VLLMFields,
+    online_rl.RewardFields,
+    config_lib.TrainingConfig,
 ):
-    """The GRPO recipe's settings in four groups: the policy objective, generation, rewards and tools
-    (`methods/grpo/settings.py`), and the run (every training recipe's), with defaults for RL. Names follow TRL's
-    GRPOConfig."""
+    """The GRPO recipe's settings in six groups: the policy objective, generation, the sampler's correction, vLLM,
+    rewards and tools (`methods/grpo/settings.py`, `methods/grpo/sampler_mismatch.py`, `train/vllm_settings.py`), and
+    the run (every training recipe's), with defaults for RL. Names follow TRL's GRPOConfig."""
 
     output_dir: str = arguments.setting("outputs/grpo", "the run's folder (see sft.py)", resume="free")
     learning_rate: float = arguments.setting(
@@ -103,7 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     if reference_copy is not None:
         reference_copy = frozen_copy.shard_frozen_copy(accelerator, reference_copy)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    settings = config.generation_settings(batch_size=config.per_device_eval_batch_size, seed=config.seed)
+    settings = config.generation_settings(
+        batch_size=config.per_device_eval_batch_size, seed=config.seed, server=run.generation_server
+    )
+    generator = round_generation.RoundGeneration(
+        run, config, task, model, settings, schedule=schedule, total_rounds=-(-total_steps // config.num_iterations)
+    )  # the policy, or a vLLM server it pushes its weights to
+    correction = sampler_mismatch.Correction.of(config)  # None unless vLLM samples
 
     def reference_log_probs(batch):
         with torch.no_grad():
@@ -125,9 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             reward_funcs=[name for name, _ in task.functions],
             loss=config.describe_objective(),
             reference="none (beta 0)" if reference_mode is None else reference_mode,
-            generation=generation.describe_backend(config.generation_backend)
-            + "; "
-            + generation.describe_gathering(model, enabled=config.gather_weights_for_generation),
+            generation=generator.describe(model),
         ),
         save_multiple=config.num_iterations,  # a preemption saves between generation rounds
     )
@@ -147,18 +156,8 @@ def main(argv: list[str] | None = None) -> None:
                     schedule.more_prompts(prompts_per_round) if attempt else schedule.prompts_for_round(round_index)
                 )
                 slots = rollouts.rank_slots(indices, config.num_generations, rank=rank, world_size=world)
-                with (
-                    watch.phase("generation"),
-                    generation.weights_gathered(
-                        model,
-                        enabled=config.gather_weights_for_generation,
-                        reshard_after_forward=generation.reshard_after_forward(accelerator),
-                    ),
-                ):  # the policy's completions, its tool calls answered
-                    rolled = task.generate(
-                        model, tokenizer, slots, round_index, attempt, settings, synced_gpus=world > 1,
-                        most_pending=run.most_over_ranks,
-                    )  # fmt: skip
+                with watch.phase("generation"):  # the policy's completions, its tool calls answered
+                    rolled = generator.generate(model, step, round_index, attempt, slots)
                 with watch.phase("scoring"):
                     pool.add(task.score(accelerator, tokenizer, slots, rolled, run.on_every_rank))
                 if pool.full():
@@ -187,13 +186,16 @@ def main(argv: list[str] | None = None) -> None:
             for part in loop.micro_batches_in_sync(accelerator, model, micro):
                 training.metrics.count_batch(rollouts.rows_run(part))
                 log_probs, entropy = rollouts.completion_log_probs(model, part, config.temperature)
+                old_log_probs = part.get("old_log_probs", log_probs.detach())
+                # vLLM sampled the tokens: each token's loss weighed by p_trainer / p_vLLM (TRL's correction)
+                sampling_weights = correction.weights(old_log_probs, part, global_tokens) if correction else None
                 terms = pg.per_token_losses(
-                    log_probs, part.get("old_log_probs", log_probs.detach()), part["advantages"],
+                    log_probs, old_log_probs, part["advantages"],
                     epsilon=config.epsilon, epsilon_high=config.epsilon_high, beta=config.beta,
                     reference_log_probs=part.get("reference_log_probs"), loss_type=config.loss_type,
                     importance_sampling_level=config.importance_sampling_level, mask=part["completion_mask"],
                     delta=config.delta, sapo_temperatures=(config.sapo_temperature_pos, config.sapo_temperature_neg),
-                    entropy_mask=part.get("entropy_mask"),
+                    entropy_mask=part.get("entropy_mask"), sampling_weights=sampling_weights,
                 )  # fmt: skip
                 token_weights = pg.token_weights(
                     part["completion_mask"], config.loss_type, global_completions=completions_per_step,
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                     figures[name] = figures.get(name, 0.0) + value / max(global_tokens, 1.0)
             grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad
 
+        sampler_sums, extremes = correction.figures() if correction else ({}, {})
         timing = watch.shares()
         speed = {}
         if iteration == 0:
@@ -214,7 +217,14 @@ def main(argv: list[str] | None = None) -> None:
         if training.metrics.due(step):
             shown.write(step)
         training.metrics.log_step(
-            step, loss_sum=loss_sum, grad_norm=grad_norm, sums=figures, **rollout, **timing, **speed
+            step,
+            loss_sum=loss_sum,
+            grad_norm=grad_norm,
+            sums={**figures, **sampler_sums},
+            extremes=extremes,
+            **rollout,
+            **timing,
+            **speed,
         )
         watch = rollouts.Stopwatch()
         training.checkpoints.maybe_save(step)
@@ -222,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- finish: summary, export, card, Hub ---------------------------------------------------------------------------
     shares = {key: training.log.mean(f"time/{key}_share") for key in ("generation", "scoring", "training")}
     training.finish(
-        model, summary={"step_time_shares": shares}
+        model, summary={"step_time_shares": shares, **generator.close()}
     )  # means over the logged steps (each since the last log)
 
 

@@ -485,23 +485,6 @@ def test_trl_gkd_keys_off_are_noted_and_on_are_refused_naming_what_is_missing(tm
     assert any(p.startswith("seq_kd: True in ") and "sequence-level KD" in p for p in problems)
 
 
-def test_a_trl_grpo_configs_use_vllm_false_is_noted_and_true_refused(tmp_path):
-    from fsdp_recipes.common.arguments import parse_config
-    from fsdp_recipes.common.errors import ConfigError
-    from fsdp_recipes.train.config import TrainingConfig
-
-    config_file = tmp_path / "grpo.yaml"
-    config_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nuse_vllm: false\n")
-    assert (
-        "vLLM cannot be used here"
-        in parse_config(TrainingConfig, ["--config", str(config_file)]).upstream_notes["use_vllm"]
-    )
-    config_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nuse_vllm: true\n")
-    with pytest.raises(ConfigError) as refused:
-        parse_config(TrainingConfig, ["--config", str(config_file)])
-    assert any(p.startswith("use_vllm: True in ") for p in refused.value.problems)
-
-
 def test_trls_use_transformers_paged_is_the_paged_generation_backend(tmp_path):
     from fsdp_recipes.common.arguments import parse_config
     from fsdp_recipes.common.errors import ConfigError

@@ -51,7 +51,7 @@ def test_every_backend_writes_the_same_completions(family, tokenizer):
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     results = {}
     for greedy in (False, True):
-        for backend in generation_backends.BACKENDS:
+        for backend in generation_backends.TRANSFORMERS_BACKENDS:
             settings = generation.GenerationSettings(
                 8, temperature=0.8, top_k=40, top_p=0.9, batch_size=2, seed=3, backend=backend,
                 compile_backend="eager", greedy=greedy,
@@ -59,7 +59,7 @@ def test_every_backend_writes_the_same_completions(family, tokenizer):
             results[greedy, backend] = generation.generate_completions(
                 model, tokenizer, prompts, KEYS, settings, synced_gpus=False
             )
-        for backend in generation_backends.BACKENDS:
+        for backend in generation_backends.TRANSFORMERS_BACKENDS:
             assert results[greedy, backend] == results[greedy, "generate"], (greedy, backend)
     completions, truncated = results[False, "paged"]
     assert all(tokens and tokens[0] != tokenizer.eos_token_id for tokens in completions)  # never empty
@@ -76,7 +76,7 @@ def test_every_backend_writes_the_same_completions(family, tokenizer):
         # a token the model's generation config lists ends a completion too, on every backend
         listed = results[True, "generate"][0][0][1]
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, listed]
-        for backend in generation_backends.BACKENDS:
+        for backend in generation_backends.TRANSFORMERS_BACKENDS:
             greedy = generation.GenerationSettings(
                 8, batch_size=2, backend=backend, compile_backend="eager", greedy=True
             )
@@ -117,9 +117,10 @@ def test_a_backend_that_cannot_run_is_refused_with_the_reason():
     llama = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32)
     assert generation_backends.backend_problem("paged", llama, sharded_layers=False) is None
     assert generation_backends.backend_problem("static_compiled", llama, sharded_layers=False) is None
-    assert "one of generate, paged, static_compiled" in generation_backends.backend_problem(
-        "vllm", llama, sharded_layers=False
+    assert "one of generate, paged, static_compiled, vllm" in generation_backends.backend_problem(
+        "sglang", llama, sharded_layers=False
     )
+    assert generation_backends.backend_problem("vllm", llama, sharded_layers=True) is None  # the server's layout
     assert "tensor or expert parallelism" in generation_backends.backend_problem("paged", llama, sharded_layers=True)
     assert generation_backends.backend_problem("generate", llama, sharded_layers=True) is None
     dbrx, bloom = DbrxConfig(d_model=32, n_heads=4, n_layers=1), BloomConfig(hidden_size=32, n_layer=1, n_head=4)

@@ -167,9 +167,8 @@ def test_grpo_tool_rounds_run_on_qwen3s_own_template(monkeypatch):
 
     def scripted(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus):
         turns = [answer if "<tool_response>" in tokenizer.decode(p) else call for p in prompt_ids]
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in turns], [
-            False
-        ] * len(turns)
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in turns]
+        return generation.Generated(ids, [False] * len(turns))
 
     monkeypatch.setattr(generation, "generate_completions", scripted)
     prompt = qwen.apply_chat_template(

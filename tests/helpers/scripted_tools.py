@@ -71,7 +71,7 @@ def scripted_generation(*, run_model: bool = True, always_call: bool = False, di
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             completions.append(ids[: settings.max_completion_length])
             truncated.append(len(ids) > settings.max_completion_length)
-        return completions, truncated
+        return generation.Generated(completions, truncated)
 
     generation.generate_completions = generate
     try:

@@ -13,6 +13,10 @@ from typing import Any
 RENAMED = {
     "max_seq_length": ("max_length", "TRL renamed max_seq_length to max_length"),
     "torch_dtype": ("dtype", "transformers 5 renamed torch_dtype to dtype"),
+    "vllm_importance_sampling_cap": (
+        "vllm_importance_sampling_clip_max",
+        "TRL renamed vllm_importance_sampling_cap to vllm_importance_sampling_clip_max",
+    ),
 }
 
 _ACCELERATE_CONFIG = "accelerate launch --config_file accelerate_configs/<topology>.yaml"
@@ -57,10 +61,9 @@ IGNORED = {
         "on-policy distillation (TRL GKD's lmbda: a share of batches whose completions the student samples and the "
         "teacher scores) is recipes/distill.py's setting; this recipe trains on the data's completions (lmbda 0)",
     ),
-    "use_vllm": (
-        (False,),
-        "vLLM cannot be used here: generation_backend picks one of transformers' engines (generate, paged, "
-        "static_compiled); docs/grpo.md, Generation, says what an external engine needs",
+    "vllm_group_port": (
+        None,
+        "TRL's NCCL group for pushing weights: here the weights reach the vLLM server through files (vllm_weights_dir)",
     ),
     "seq_kd": (
         (False,),
@@ -76,7 +79,12 @@ SWITCHES = {
         "generation_backend",
         "paged",
         "TRL's use_transformers_paged is generation_backend: paged here (transformers' continuous batching)",
-    )
+    ),
+    "use_vllm": (
+        "generation_backend",
+        "vllm",
+        "TRL's use_vllm is generation_backend: vllm here (a vLLM server the run pushes its weights to; docs/vllm.md)",
+    ),
 }
 
 
@@ -100,7 +108,9 @@ def translate(values: dict[str, Any], fields: set[str], where: str) -> tuple[dic
                 problems.append(f"{key!r} in {where}: this recipe has no {new}; remove it")
         elif key in SWITCHES and key not in fields:
             field, chosen, note = SWITCHES[key]
-            if field not in fields:
+            if field not in fields and not value:
+                ignored[key] = f"ignored: this recipe does not generate ({note})"
+            elif field not in fields:
                 problems.append(f"{key!r} in {where}: this recipe has no {field}; remove it")
             elif value and values.get(field, chosen) != chosen:
                 problems.append(f"{key}: true and {field}: {values[field]!r} in {where} disagree: {note}; keep one")

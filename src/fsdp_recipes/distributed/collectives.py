@@ -87,6 +87,16 @@ def sum_tensor_over_ranks(accelerator: Accelerator, tensor: torch.Tensor) -> tor
     return accelerator.reduce(tensor, reduction="sum") / tensor_parallel.batch_sharing_size(accelerator)
 
 
+def extreme_over_ranks(accelerator: Accelerator, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    """Collective: the largest (`kind` "max") or smallest ("min") of every rank's scalar `tensor`."""
+    if accelerator.num_processes == 1:
+        return tensor
+    value = tensor.detach().to(device=accelerator.device, dtype=torch.float64).reshape(1).clone()
+    op = torch.distributed.ReduceOp.MAX if kind == "max" else torch.distributed.ReduceOp.MIN
+    torch.distributed.all_reduce(value, op=op)
+    return value[0]
+
+
 def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
     """Collective: `value` from every rank, in rank order."""
     if accelerator.num_processes == 1:

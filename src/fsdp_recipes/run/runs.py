@@ -126,6 +126,7 @@ class EvaluationRun(StartedRun):
     source: ModelSource
     output_dir: Path
     hub_model_id: str | None
+    generation_server: Any = None  # generation_backend vllm: the server (train.vllm_client.VLLMServer), checked
 
 
 @dataclasses.dataclass
@@ -141,6 +142,7 @@ class Run(StartedRun):
     compile_note: str = ""  # whether the decoder layers are compiled, and why (train/compilation.py)
     fused_kernels: str | None = None  # use_liger_kernel: what liger patched into the model
     uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
+    generation_server: Any = None  # generation_backend vllm: the server (train.vllm_client.VLLMServer), checked
 
     @property
     def resumed(self) -> bool:

@@ -37,7 +37,7 @@ from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import generation_backends, preemption, router_balance, trainer_arguments
+from fsdp_recipes.train import generation_backends, preemption, router_balance, trainer_arguments, vllm_settings
 from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
@@ -101,8 +101,9 @@ def start_evaluation(
         model_task = task or model_source_task(source, model_config)
         check_tensor_parallel(accelerator, config, model_config, model_task, adapter=source.kind == "adapter")
         check_sequence_parallel(accelerator, model_config, config.attn_implementation, recipe=name)
-        check_generation_backend(accelerator, config, model_config)
+        server = check_generation_backend(accelerator, config, model_config, model_name=source.config_files)
         return dict(
+            generation_server=server,
             source=source,
             output_dir=Path(output_dir),
             hub_model_id=hub_model_id,
@@ -212,12 +213,15 @@ def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task
     return dict(wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
 
 
-def check_generation_backend(accelerator: Accelerator, config: RunConfig, model_config) -> None:
-    """A recipe that generates: its `generation_backend` can run this model in this layout (ConfigError: why not)."""
+def check_generation_backend(accelerator: Accelerator, config: RunConfig, model_config, *, model_name: str | None):
+    """A recipe that generates: its `generation_backend` can run this model in this layout (ConfigError: why not);
+    with vLLM, the server, connected and checked against the model (`train.vllm_settings.connect`), else None."""
     backend = getattr(config, "generation_backend", "generate")
     sharded = tensor_parallel.layout_of(accelerator) is not None
     if problem := generation_backends.backend_problem(backend, model_config, sharded_layers=sharded):
         raise ConfigError(problem)
+    longest = getattr(config, "max_length", None) or getattr(config, "max_new_tokens", 0) + 1  # eval: prompt unknown
+    return vllm_settings.connect(config, model_config, model_name=model_name, max_length=longest)
 
 
 def check_tensor_parallel(
@@ -310,7 +314,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     check_sequence_parallel(accelerator, model_config, layout["attn_implementation"], recipe=name)
     if sequence_parallel.size_of(accelerator) > 1 and (problem := config.sequence_split_problem()):
         raise ConfigError(f"under sequence parallelism: {problem}")
-    check_generation_backend(accelerator, config, model_config)
+    server = check_generation_backend(accelerator, config, model_config, model_name=config.model_name_or_path)
     if config.use_liger_kernel and (
         problem := fused_kernels.liger_problem(
             model_config,
@@ -320,6 +324,7 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     ):
         raise ConfigError(problem)
     return dict(
+        generation_server=server,
         checkpoint=checkpoint,
         hub_token=hub_token,
         tokenizer=tokenizer,

@@ -17,7 +17,7 @@ from fsdp_recipes.tools.estimator.arguments import add_estimate_arguments
 DESCRIPTION = (
     "The tools around FSDP Recipes' training scripts: list, copy and adapt the recipes and their configs, check an "
     "Accelerate config, estimate the memory per GPU of a model under a layout, export a training checkpoint, translate "
-    "a DeepSpeed config."
+    "a DeepSpeed config, start vLLM's server for a run to generate through."
 )
 EPILOG = (
     "Training itself is a launch of a recipe: accelerate launch --config_file accelerate_configs/<topology>.yaml "
@@ -260,6 +260,16 @@ def rehearse_command(parser: argparse.ArgumentParser) -> Runner:
             words, processes=args.processes, steps=args.steps, rows=args.rows, work_dir=args.work_dir, locals_=locals_
         )
 
+    return run
+
+
+@subcommand(
+    "vllm-serve", help="start vLLM's server for a model, ready for runs that generate through it (use_vllm: true)"
+)
+def vllm_serve_command(parser: argparse.ArgumentParser) -> Runner:
+    from fsdp_recipes.tools.vllm_serve import add_arguments, run
+
+    add_arguments(parser)
     return run
 
 

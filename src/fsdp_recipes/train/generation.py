@@ -2,7 +2,9 @@
 distillation, eval.py): `generate_completions` (the configured `generation_backend`, `train.generation_backends`, each
 completion's noise keyed by its own key, `train.sampling`, so it depends neither on its batch neighbours, the rank
 split nor the backend) and `weights_gathered` (an FSDP2 model's layers gathered once per generation pass instead of
-once per decoded token)."""
+once per decoded token). The `vllm` backend sends the same keyed requests to a vLLM server (`train.vllm_client`):
+its completions are vLLM's sampling, not transformers' (the same greedy ones), and come with vLLM's log-probabilities
+of the sampled tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -32,6 +35,18 @@ class GenerationSettings:
     compile_mode: str | None = None
     greedy: bool = False  # argmax instead of sampling (evaluation's default)
     block_eos_first: bool = True  # no empty completion (training: it carries no signal); evaluation allows it
+    server: Any = None  # the vLLM server (train.vllm_client.VLLMServer) of backend vllm
+
+
+class Generated(tuple):
+    """A generation pass's result: unpacks as (token_ids, truncated), one entry per prompt, like the pairs the
+    backends have always returned; `sampling_log_probs`: each completion token's log-probability as the engine
+    sampled it (vLLM's, after temperature, top-k and top-p), None where the engine reports none (transformers')."""
+
+    def __new__(cls, token_ids, truncated, sampling_log_probs=None):
+        made = super().__new__(cls, (token_ids, truncated))
+        made.sampling_log_probs = sampling_log_probs
+        return made
 
 
 def backend_setting():
@@ -42,7 +57,8 @@ def backend_setting():
         "(dynamic KV cache, padded batches; works everywhere), paged (continuous batching over a paged KV cache: "
         "finished rows leave, waiting prompts join, no padding; FSDP2 or one process, whole weights per rank), "
         "static_compiled (static KV cache, decoding step torch.compile'd with torch_compile_backend/_mode: fastest "
-        "per token once compiled, a compile per new shape)",
+        "per token once compiled, a compile per new shape); vllm (a vLLM server, use_vllm's: its own sampling, "
+        "fastest by far, weights pushed to it after each step that changes them; docs/vllm.md)",
         resume="free",
         check=checks.one_of(generation_backends.BACKENDS),
     )
@@ -64,6 +80,7 @@ def describe_backend(backend: str) -> str:
         "generate": "transformers generate (dynamic KV cache, padded batches)",
         "paged": "transformers continuous batching (paged KV cache)",
         "static_compiled": "transformers generate with a static KV cache, decoding step compiled",
+        "vllm": "vLLM server (weights pushed after each step that changes them)",
     }[backend]
 
 
@@ -128,7 +145,7 @@ def generate_completions(
     settings: GenerationSettings,
     *,
     synced_gpus: bool,
-) -> tuple[list[list[int]], list[bool]]:
+) -> Generated:
     """The generation step: one completion per prompt (token ids, up to and including the first end-of-sequence
     token, never that token first) and whether it stopped at the length limit instead (truncated). Sampling at
     `temperature` within `top_k` and `top_p` is keyed (`train.sampling`): noise is a function of (seed, the prompt's
@@ -137,12 +154,30 @@ def generate_completions(
     is a collective: `synced_gpus` keeps ranks decoding in lockstep (`generate`/`static_compiled`; `paged` is refused
     there before loading).
 
-    An external engine (vLLM, SGLang) would be one more backend here: same inputs, same outputs (docs/grpo.md)."""
+    Backend `vllm` asks `settings.server` for them instead (the model is not run; its weights must have been pushed):
+    the same inputs, the same outputs, plus vLLM's log-probabilities of the sampled tokens."""
+    if settings.backend == "vllm":
+        return _vllm_completions(model, tokenizer, prompt_ids, keys, settings)
     was_training = model.training
     model.eval()
     try:
-        return generation_backends.run_backend(
+        token_ids, truncated = generation_backends.run_backend(
             model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus, options=generation_options(model)
         )
     finally:
         model.train(was_training)
+    return Generated(token_ids, truncated)
+
+
+def _vllm_completions(model, tokenizer, prompt_ids, keys, settings: GenerationSettings) -> Generated:
+    if settings.server is None:
+        raise RuntimeError("generation_backend vllm needs GenerationSettings.server (the recipe connects it)")
+    if not prompt_ids:
+        return Generated([], [], [])
+    sampled = settings.server.generate(
+        prompt_ids, keys, seed=settings.seed, max_tokens=settings.max_completion_length,
+        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+        stop_token_ids=generation_backends.stop_tokens(model, tokenizer), min_tokens=int(settings.block_eos_first),
+        greedy=settings.greedy,
+    )  # fmt: skip
+    return Generated(sampled.token_ids, sampled.truncated, sampled.log_probs)

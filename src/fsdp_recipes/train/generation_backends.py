@@ -18,7 +18,8 @@ import torch
 
 from fsdp_recipes.train import sampling
 
-BACKENDS = ("generate", "paged", "static_compiled")
+TRANSFORMERS_BACKENDS = ("generate", "paged", "static_compiled")  # this module's: the model itself generates
+BACKENDS = (*TRANSFORMERS_BACKENDS, "vllm")  # vllm: a server (train.vllm_client) generates, from pushed weights
 PAGE_SIZE = 64  # tokens per page of the paged KV cache: completions of a few hundred tokens waste < 64 slots each
 _PAGED_ATTENTION = ("sdpa", "eager", "paged|eager", "paged|sdpa")
 
@@ -34,7 +35,7 @@ def backend_problem(backend: str, model_config, *, sharded_layers: bool) -> str 
     """Why `backend` cannot generate for this model and layout (None: it can), before any weight loads."""
     if backend not in BACKENDS:
         return f"generation_backend must be one of {', '.join(BACKENDS)}; got {backend!r}"
-    if backend == "generate":
+    if backend in ("generate", "vllm"):  # vllm runs the model elsewhere, whatever its sharding here
         return None
     if sharded_layers:
         return (

@@ -277,6 +277,7 @@ class StepLogger:
         target_count: float | None = None,
         grad_norm=None,
         sums: dict | Callable[[], dict] | None = None,
+        extremes: dict | None = None,
         **fields,
     ) -> None:
         """Collective at logging steps (all ranks call it every step). `loss_sum` is this rank's summed loss over the
@@ -284,8 +285,9 @@ class StepLogger:
         figure, logged as its mean over the step's global batch. Without `target_count`, `loss_sum` and `sums` are
         this rank's shares of means already taken over the global batch (GRPO's token weights), summed over ranks.
         Values may be tensors on the device, and `sums` a function giving them: they are read here, at logging steps
-        only, so that no step waits for the device to report a figure that is not logged."""
-        from fsdp_recipes.distributed.collectives import sum_over_ranks
+        only, so that no step waits for the device to report a figure that is not logged. `extremes`: {name: ("max"
+        or "min", this rank's value)}, logged as the largest or smallest over the ranks."""
+        from fsdp_recipes.distributed.collectives import extreme_over_ranks, sum_over_ranks
 
         self.window.steps += 1
         if not self.cadence.due(step):
@@ -298,6 +300,8 @@ class StepLogger:
             names = sorted(sums)
             totals = [sum_over_ranks(self.accelerator, sums[name]) for name in names]  # a few scalars: cheap
             means = {name: total / divisor for name, total in zip(names, totals)}
+        for name, (kind, value) in sorted((extremes or {}).items()):
+            means[name] = float(extreme_over_ranks(self.accelerator, value, kind))
         record = {
             "step": step,
             **self.position(),

@@ -31,6 +31,7 @@ class ScoredSlots:
     per_function: torch.Tensor  # [slots, functions]
     policy_masks: list[list[int]] | None = None  # with tools: 1 on the policy's tokens, 0 on the tool messages
     tool_calls: list[tuple[int, int]] | None = None  # with tools: (calls, failed calls) of each completion
+    sampling_log_probs: list[list[float]] | None = None  # vLLM: each token's log-probability as it was sampled
 
     def __len__(self) -> int:
         return len(self.prompt_indices)
@@ -45,6 +46,7 @@ class ScoredSlots:
             self.per_function[index],
             None if self.policy_masks is None else [self.policy_masks[s] for s in slots],
             None if self.tool_calls is None else [self.tool_calls[s] for s in slots],
+            None if self.sampling_log_probs is None else [self.sampling_log_probs[s] for s in slots],
         )
 
     @staticmethod
@@ -57,6 +59,7 @@ class ScoredSlots:
             torch.cat([part.per_function for part in parts]),
             None if parts[0].policy_masks is None else [m for part in parts for m in part.policy_masks],
             None if parts[0].tool_calls is None else [c for part in parts for c in part.tool_calls],
+            None if parts[0].sampling_log_probs is None else [v for part in parts for v in part.sampling_log_probs],
         )
 
 
@@ -69,6 +72,7 @@ def gather_scored(
     per_function: torch.Tensor,
     policy_masks: list[list[int]] | None = None,
     tool_calls: list[tuple[int, int]] | None = None,
+    sampling_log_probs: list[list[float]] | None = None,
 ) -> ScoredSlots:
     """Collective: this rank's scored slots (`per_function` [functions, slots], as `rewards.score` gives it) joined
     with every other rank's, in rank order (the slot order of the round), on every rank. Token ids travel as Python
@@ -77,7 +81,7 @@ def gather_scored(
     if accelerator.num_processes == 1:
         return ScoredSlots(
             list(prompt_indices), list(completion_ids), list(truncated), rewards.cpu(), per_slot.cpu(),
-            policy_masks, tool_calls,
+            policy_masks, tool_calls, sampling_log_probs,
         )  # fmt: skip
     device = accelerator.device
     return ScoredSlots(
@@ -88,6 +92,7 @@ def gather_scored(
         gather_tensors(accelerator, per_slot.to(device)).cpu(),
         None if policy_masks is None else gather_lists(accelerator, list(policy_masks)),
         None if tool_calls is None else [tuple(c) for c in gather_lists(accelerator, list(tool_calls))],
+        None if sampling_log_probs is None else gather_lists(accelerator, list(sampling_log_probs)),
     )
 
 

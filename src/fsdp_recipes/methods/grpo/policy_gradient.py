@@ -139,6 +139,7 @@ def per_token_losses(
     delta: float | None = None,
     sapo_temperatures: tuple[float, float] = (1.0, 1.05),
     entropy_mask: torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The per-token policy loss [rows, width] (`advantages` is one value per row) and what is logged of it:
     `ratio`, `low_clipped` (ratio < 1 - epsilon where the advantage is negative), `high_clipped` (ratio > 1 +
@@ -152,7 +153,8 @@ def per_token_losses(
       epsilon_high itself, TRL's reading of CISPO's epsilon_max, e.g. 5.0: not 1 + epsilon_high);
     - sapo: -(4 / tau) sigmoid(tau (r - 1)) A, tau = the positive or negative temperature by the advantage's sign: a
       soft gate whose gradient r sech^2(tau (r - 1) / 2) A fades as r leaves 1, instead of stopping at a bound;
-    `entropy_mask` (top_entropy_quantile) multiplies that policy term; then `beta` times the k3 estimate of
+    `entropy_mask` (top_entropy_quantile) and `sampling_weights` (the importance weights of completions another
+    engine sampled: `methods.grpo.sampler_mismatch`) multiply that policy term; then `beta` times the k3 estimate of
     KL(policy || reference), exp(ref - log p) - (ref - log p) - 1, is added on every token (as TRL)."""
     high = epsilon if epsilon_high is None else epsilon_high
     log_ratio = log_probs - old_log_probs
@@ -179,6 +181,8 @@ def per_token_losses(
         loss = -torch.min(unclipped, clipped)
     if entropy_mask is not None:
         loss = loss * entropy_mask
+    if sampling_weights is not None:
+        loss = loss * sampling_weights
     kl = torch.zeros_like(loss)
     if beta:
         if reference_log_probs is None:

@@ -40,10 +40,10 @@ class GenerationFields:
     )
     generation_backend: str = generation.backend_setting()
 
-    def generation_settings(self, *, batch_size: int, seed: int) -> generation.GenerationSettings:
+    def generation_settings(self, *, batch_size: int, seed: int, server=None) -> generation.GenerationSettings:
         return generation.GenerationSettings(
             self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed,
-            **generation.backend_options(self),
+            **generation.backend_options(self), server=server,
         )  # fmt: skip
 
     def generation_passes(self) -> int:
@@ -55,7 +55,7 @@ class GenerationFields:
 
     def cross_field_problems(self) -> list[str]:
         problems = generation.sampling_problems(self.temperature, self.top_p, self.top_k)
-        if self.generation_backend != "generate" and not self.gather_weights_for_generation:
+        if self.generation_backend not in ("generate", "vllm") and not self.gather_weights_for_generation:
             problems.append(
                 f"generation_backend {self.generation_backend} runs each rank's model on its own and needs the whole "
                 "weights there: set gather_weights_for_generation: true, or use generation_backend generate"

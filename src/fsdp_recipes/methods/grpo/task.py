@@ -57,7 +57,7 @@ class Task:
         )  # fmt: skip
         return groups.gather_scored(
             accelerator, indices, rolled.completion_ids, rolled.truncated, *scores, rolled.policy_masks,
-            rolled.tool_calls,
+            rolled.tool_calls, rolled.sampling_log_probs,
         )  # fmt: skip
 
 

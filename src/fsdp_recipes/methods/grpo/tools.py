@@ -290,7 +290,9 @@ def _calling_turn(tokenizer, calls: list[dict]) -> str:
 class Rollout:
     """Generated completions: the token ids and whether each hit the length limit; with tools also which tokens the
     policy wrote (1) and which the template added (0: the tool messages between its turns), the conversation each
-    is to the reward functions, and the (calls, failed calls) each made. Without tools those three are None."""
+    is to the reward functions, and the (calls, failed calls) each made. Without tools those three are None.
+    `sampling_log_probs`: each token's log-probability as the engine sampled it (vLLM; 0.0 on tool messages), None
+    where the engine reports none."""
 
     completion_ids: list[list[int]]
     truncated: list[bool]
@@ -298,6 +300,7 @@ class Rollout:
     conversations: list[list[dict]] | None = None
     tool_calls: list[tuple[int, int]] | None = None
     environments: list | None = None  # an environment: each completion's instance, for the reward functions
+    sampling_log_probs: list[list[float]] | None = None
 
 
 def generate_with_tools(
@@ -320,12 +323,13 @@ def generate_with_tools(
     messages included) are reached. Every rank runs the same number of generation passes, padded with throw-away
     rows, so ranks stay in step; a row's tokens depend only on its prompt, its key and the tools. `row_tools`: each
     row's own tools (bound to its environment) instead of `tools`."""
-    first, truncated = generation.generate_completions(
-        model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus
-    )
+    generated = generation.generate_completions(model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus)
+    first, truncated = generated
+    sampled = generated.sampling_log_probs
     if not tools and not row_tools:
-        return Rollout(first, truncated)
+        return Rollout(first, truncated, sampling_log_probs=sampled)
     ids, masks = [list(c) for c in first], [[1] * len(c) for c in first]
+    sampled = None if sampled is None else [list(values) for values in sampled]
     turns = [[{"role": "assistant", "content": tokenizer.decode(c, skip_special_tokens=True)}] for c in first]
     calls, failures = [0] * len(ids), [0] * len(ids)
     by_name = {tool.name: tool for tool in tools}
@@ -353,13 +357,15 @@ def generate_with_tools(
             turns[row] += [{"role": "tool", "name": c["name"], "content": a} for c, a in zip(asked, answers)]
             ids[row] += suffix
             masks[row] += [0] * len(suffix)
+            if sampled is not None:
+                sampled[row] += [0.0] * len(suffix)
             resumed.append((row, room))
         width = most_pending(len(resumed))
         if width == 0:
             break
         padded = resumed + [resumed[0] if resumed else (0, 1)] * (width - len(resumed))  # thrown away after
         more = dataclasses.replace(settings, max_completion_length=max(room for _, room in padded))
-        continued, stopped_short = generation.generate_completions(
+        more_generated = generation.generate_completions(
             model,
             tokenizer,
             [prompt_ids[row] + ids[row] for row, _ in padded],
@@ -367,11 +373,14 @@ def generate_with_tools(
             more,
             synced_gpus=synced_gpus,
         )
-        for (row, room), tokens, short in zip(resumed, continued, stopped_short):
+        continued, stopped_short = more_generated
+        for index, ((row, room), tokens, short) in enumerate(zip(resumed, continued, stopped_short)):
             kept = tokens[:room]
             ids[row] += kept
             masks[row] += [1] * len(kept)
+            if sampled is not None:
+                sampled[row] += list(more_generated.sampling_log_probs[index][:room])
             truncated[row] = short or len(tokens) > room
             turns[row].append({"role": "assistant", "content": tokenizer.decode(kept, skip_special_tokens=True)})
         pending = [row for row, _ in resumed]
-    return Rollout(ids, truncated, masks, turns, list(zip(calls, failures)))
+    return Rollout(ids, truncated, masks, turns, list(zip(calls, failures)), sampling_log_probs=sampled)
