@@ -23,11 +23,11 @@ from fsdp_recipes.methods.distill import distillation, on_policy
 from fsdp_recipes.methods.sft import supervised
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import frozen_copy, generation, loop, losses, router_balance
+from fsdp_recipes.train import frozen_copy, generation, loop, losses, router_balance, vllm_settings
 
 
 @dataclasses.dataclass
-class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
+class DistillConfig(supervised.SupervisedFields, vllm_settings.VLLMFields, config_lib.TrainingConfig):
     """The distillation recipe's own settings (SFT's data settings, and the teacher's), on top of those every training
     recipe has. Names follow TRL's SFTConfig/GKDConfig and torchtune's KD recipes."""
 
@@ -85,6 +85,11 @@ class DistillConfig(supervised.SupervisedFields, config_lib.TrainingConfig):
 
     def cross_field_problems(self) -> list[str]:
         problems = []
+        if self.generation_backend == "vllm" and self.seq_kd:
+            problems.append(
+                "seq_kd samples with the teacher, and the vLLM server serves the student (lmbda's samples): use "
+                "seq_kd with a transformers generation_backend, or vLLM for lmbda alone"
+            )
         if (self.lmbda > 0 or self.seq_kd) and self.packing:
             problems.append(
                 "lmbda > 0 or seq_kd samples a completion for each row's prompt, and a packed row holds several "
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     teacher.gather_head()  # a collective under FSDP2: the teacher's output layer, whole on every rank
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
-    gkd = on_policy.OnPolicy.from_config(config, accelerator)  # lmbda, seq_kd: sampled completions
+    gkd = on_policy.OnPolicy.from_config(config, run)  # lmbda, seq_kd: sampled completions (vLLM: weights pushed)
     training = run.begin(
         model,
         train_loader,
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         results["exact_match_after"] = after["exact_match"]
         training.log.log({"step": total_steps, "exact_match": after["exact_match"]})
         accelerator.print(f"exact match after training: {after['exact_match']:.1%} of {after['num_examples']}")
-    training.finish(model, results=results)
+    training.finish(model, results=results, summary=gkd.close())
 
 
 if __name__ == "__main__":

@@ -23,11 +23,11 @@ from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.publish import evaluation_results, hub, model_source
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, generation, losses
+from fsdp_recipes.train import evaluation, generation, losses, vllm_settings, weight_sync
 
 
 @dataclasses.dataclass
-class EvalConfig(config_lib.RunConfig):
+class EvalConfig(vllm_settings.VLLMFields, config_lib.RunConfig):
     """What to evaluate, on what, and where the results go. The model, data, tracker and Hub settings every recipe has
     come from RunConfig; the fields below are eval's own, or the shared ones with eval's meaning."""
 
@@ -87,6 +87,9 @@ class EvalConfig(config_lib.RunConfig):
     report_to: str = arguments.setting(
         "none", "tracker that also gets the results: none, tensorboard, wandb or trackio (written to output_dir)"
     )
+
+    def longest_request(self) -> int:  # the prompts' lengths are known once loaded: vLLM refuses a longer one itself
+        return self.max_new_tokens + 1
 
     def cross_field_problems(self) -> list[str]:
         problems = []
@@ -184,8 +187,14 @@ def main(argv: list[str] | None = None) -> None:
     if loaders:
         settings = generation.GenerationSettings(
             config.max_new_tokens, temperature=config.temperature, top_p=config.top_p, batch_size=batch_size,
-            seed=config.seed, **generation.backend_options(config),
+            seed=config.seed, **generation.backend_options(config), server=run.generation_server,
         )  # fmt: skip
+        if run.generation_server is not None:  # vLLM generates: it gets the evaluated weights (merged adapter too)
+            server_weights = weight_sync.ServerWeights(
+                accelerator, run.generation_server, weight_sync.weights_root(config, run.output_dir), run.on_every_rank
+            )
+            server_weights.push(model, version=0)
+            server_weights.close()
         predict = (
             classifier.predict
             if task == "sequence-classification"
@@ -193,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                 tokenizer, settings=settings, do_sample=config.do_sample, synced_gpus=accelerator.num_processes > 1
             )
         )
-        whole = task == "causal-lm" and config.generation_backend != "generate"  # each rank's engine: whole weights
+        whole = task == "causal-lm" and config.generation_backend in ("paged", "static_compiled")  # each rank's engine
         reshard = generation.reshard_after_forward(accelerator)
         with generation.weights_gathered(model, enabled=whole, reshard_after_forward=reshard):
             gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict)

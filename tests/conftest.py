@@ -24,6 +24,7 @@ pytest_plugins = [
     "fixtures.grpo",
     "fixtures.every_recipe",
     "fixtures.four_processes",
+    "fixtures.vllm",
 ]
 
 

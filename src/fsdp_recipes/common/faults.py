@@ -8,6 +8,9 @@ Set `FSDP_RECIPES_FAULT` to `<action>-<point>:<step>[@<rank>]`, e.g.
     raise-after-step:4@1     rank 1 raises an exception (a bad batch)
     nan-before-step:3        step 3's gradients are made NaN before the optimizer sees them (a numeric blow-up)
     term-after-step:4@1      rank 1 gets SIGTERM after step 4 (a preemption notice reaching one rank first)
+    pause-before-step:3      every rank waits before step 3's update until the file FSDP_RECIPES_FAULT_RELEASE names
+                             exists, having written <that file>.paused-<rank>: time to break something the run
+                             depends on (stop the vLLM server) at a known step
 
 Unset, nothing happens.
 """
@@ -18,8 +21,11 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 FAULT_ENV = "FSDP_RECIPES_FAULT"
+RELEASE_ENV = "FSDP_RECIPES_FAULT_RELEASE"
+PAUSE_LIMIT_S = 300.0  # a paused rank goes on by itself after this: a forgotten release does not hang a job
 
 
 class InjectedFault(RuntimeError):
@@ -42,6 +48,12 @@ def inject_fault(point: str, step: int, rank: int) -> bool:
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "term":
         os.kill(os.getpid(), signal.SIGTERM)
+    if action == "pause":
+        release = Path(os.environ[RELEASE_ENV])
+        Path(f"{release}.paused-{rank}").touch()
+        deadline = time.monotonic() + PAUSE_LIMIT_S
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if action == "raise":
         raise InjectedFault(f"injected fault on rank {rank} after step {step} ({FAULT_ENV}={spec})")
     return action == "nan"

@@ -34,6 +34,8 @@ def merged_lora_state(adapted, state: dict[str, torch.Tensor]) -> tuple[torch.nn
         shadow = peft.get_peft_model(
             AutoModelForCausalLM.from_config(base_config), adapted.peft_config[adapted.active_adapter]
         )
+    # peft merges in place: the base weights are copied first (unsharded, the gathered tensors are the live ones)
+    state = {name: tensor.clone() if ".base_layer." in name else tensor for name, tensor in state.items()}
     missing, unexpected = shadow.load_state_dict(state, strict=False, assign=True)
     if unexpected or [name for name in missing if "lora_" in name or name.endswith("weight")]:
         raise RuntimeError(

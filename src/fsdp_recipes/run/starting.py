@@ -220,8 +220,12 @@ def check_generation_backend(accelerator: Accelerator, config: RunConfig, model_
     sharded = tensor_parallel.layout_of(accelerator) is not None
     if problem := generation_backends.backend_problem(backend, model_config, sharded_layers=sharded):
         raise ConfigError(problem)
-    longest = getattr(config, "max_length", None) or getattr(config, "max_new_tokens", 0) + 1  # eval: prompt unknown
-    return vllm_settings.connect(config, model_config, model_name=model_name, max_length=longest)
+    if backend != "vllm":
+        return None
+    owner = str(Path(config.output_dir or model_name).resolve())  # the run: pushes from another are told apart
+    return vllm_settings.connect(
+        config, model_config, model_name=model_name, max_length=config.longest_request(), owner=owner
+    )
 
 
 def check_tensor_parallel(

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.common.errors import ConfigError, UserError
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
 from fsdp_recipes.distributed import tensor_parallel
-from fsdp_recipes.distributed.collectives import gather_for_metrics, sum_tensor_over_ranks
+from fsdp_recipes.distributed.collectives import gather_for_metrics, on_every_rank_together, sum_tensor_over_ranks
 from fsdp_recipes.models.experts import generation_options
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
@@ -292,7 +292,15 @@ def gather_predictions(accelerator: Accelerator, model: torch.nn.Module, loader,
                 gathered.setdefault(key, []).extend(value)
     finally:
         model.train(was_training)
+    failures = getattr(predict, "failures", None)  # a server's failure, held back until every rank is here
+    if failures is not None:
+        on_every_rank_together(accelerator, lambda: _raise_first(failures))
     return gathered
+
+
+def _raise_first(failures: list) -> None:
+    if failures:
+        raise failures[0]
 
 
 def compute_metrics(metrics: dict[str, Any], gathered: dict[str, list], *, prefix: str = "eval_") -> dict[str, Any]:
@@ -382,14 +390,25 @@ def generation_predict(tokenizer, *, settings, do_sample: bool, synced_gpus: boo
     from fsdp_recipes.train import generation
 
     settings = dataclasses.replace(settings, greedy=not do_sample, block_eos_first=False)
+    failures: list[UserError] = []
 
     def predict(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
         keys = [int(index) for index in batch["index"]]
-        completions, _ = generation.generate_completions(
-            model, tokenizer, prompts, keys, settings, synced_gpus=synced_gpus
-        )
+        references = list(batch["reference"])
+        if failures:  # the server failed on this rank: the other ranks' batches are still gathered with these
+            return {"predictions": [""] * len(prompts), "references": references}
+        try:
+            completions, _ = generation.generate_completions(
+                model, tokenizer, prompts, keys, settings, synced_gpus=synced_gpus
+            )
+        except UserError as error:  # a vLLM server gone: raised on every rank once the batches are gathered
+            if settings.backend != "vllm":
+                raise
+            failures.append(error)
+            return {"predictions": [""] * len(prompts), "references": references}
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return {"predictions": [text.strip() for text in texts], "references": list(batch["reference"])}
+        return {"predictions": [text.strip() for text in texts], "references": references}
 
+    predict.failures = failures
     return predict

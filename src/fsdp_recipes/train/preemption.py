@@ -65,8 +65,9 @@ class PreemptionWatch:
             signal.signal(number, handler)
 
 
-def mark_preempted(output_dir: str | Path, checkpoint: Path) -> None:
-    (Path(output_dir) / CHECKPOINTS / MARKER).write_text(f"{checkpoint.name}\n")
+def mark_preempted(output_dir: str | Path, checkpoint: Path, *, why: str = "preempted") -> None:
+    """The next start of the same command resumes from `checkpoint`; `why` the run stopped, for its message."""
+    (Path(output_dir) / CHECKPOINTS / MARKER).write_text(f"{checkpoint.name}\n{why}\n")
 
 
 def clear_mark(output_dir: str | Path) -> None:
@@ -78,7 +79,9 @@ def automatic_resume(output_dir: str | Path) -> str | None:
     in output_dir was preempted, or the launcher restarts a run that failed or was requeued."""
     latest = latest_checkpoint(output_dir)
     marker = Path(output_dir) / CHECKPOINTS / MARKER
-    saved = marker.read_text().strip() if marker.is_file() else None
+    lines = marker.read_text().splitlines() if marker.is_file() else []
+    saved = lines[0].strip() if lines else None
+    why = lines[1].strip() if len(lines) > 1 else "preempted"
     if saved and not (Path(output_dir) / CHECKPOINTS / saved).is_dir():
         if latest is None:  # starting over in place would write a new run over the preempted one's folder
             raise ConfigError(
@@ -94,7 +97,7 @@ def automatic_resume(output_dir: str | Path) -> str | None:
     if latest is None:
         return None
     if saved is not None:
-        return f"the run in {output_dir} was preempted: resuming from {latest.name}"
+        return f"the run in {output_dir} was {why}: resuming from {latest.name}"
     for variable in RESTART_COUNTS:
         if os.environ.get(variable, "0") not in ("", "0"):
             return f"this is restart {os.environ[variable]} of the job ({variable}): resuming from {latest.name}"

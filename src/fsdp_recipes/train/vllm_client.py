@@ -22,6 +22,7 @@ import urllib.request
 from fsdp_recipes.common.errors import UserError
 
 DESCRIBE = "fsdp_recipes_describe"  # the worker extension's methods (train/vllm_worker.py)
+CLAIM = "fsdp_recipes_claim"
 LOAD_WEIGHTS = "fsdp_recipes_load_weights"
 PROCESSED_LOGPROBS = "processed_logprobs"
 SEED_SPACE = 2**62  # request seeds stay in int64, with room for n - 1 more
@@ -100,16 +101,20 @@ class Sampled:
 class VLLMServer:
     """A connection to one vLLM server (its base URL), made by `connect`."""
 
-    def __init__(self, base_url: str, *, request_timeout: float):
+    def __init__(self, base_url: str, *, request_timeout: float, owner: str = ""):
         self.url = base_url.rstrip("/")
         self.request_timeout = request_timeout
+        self.owner = owner  # the run whose weights this server holds (its output folder)
         self.info: ServerInfo | None = None
 
     @classmethod
-    def connect(cls, base_url: str, *, wait: float, request_timeout: float, model_name: str) -> VLLMServer:
+    def connect(
+        cls, base_url: str, *, wait: float, request_timeout: float, model_name: str, owner: str = ""
+    ) -> VLLMServer:
         """The server at `base_url`, once it answers (waiting up to `wait` seconds, as TRL's vllm_server_timeout) and
-        says what it serves; ServerError otherwise."""
-        server = cls(base_url, request_timeout=request_timeout)
+        says what it serves; ServerError otherwise. `owner` names the run (its output folder): `claim` makes the
+        server its own."""
+        server = cls(base_url, request_timeout=request_timeout, owner=owner)
         deadline, reason = time.monotonic() + wait, ""
         while True:
             try:
@@ -125,6 +130,14 @@ class VLLMServer:
                 )
             time.sleep(1.0)
         server.info = server._describe()
+        try:  # one token: a server whose engine cannot run this model fails here, before any weights load
+            server.generate([[0]], [0], seed=0, max_tokens=1, temperature=1.0, top_p=1.0, top_k=None,
+                            stop_token_ids=[], min_tokens=0, greedy=True)  # fmt: skip
+        except ServerError as error:
+            raise ServerError(
+                f"the vLLM server at {server.url} cannot generate ({error}); its own log says why (vLLM's CPU "
+                "attention, for one, takes head sizes of 32 and more): restart it once that is fixed"
+            ) from None
         return server
 
     def _describe(self) -> ServerInfo:
@@ -149,10 +162,21 @@ class VLLMServer:
                 ) from None
             raise
 
+    def claim(self) -> None:
+        """From now on the server holds this run's policy: a push by another run that claimed it since is refused."""
+        self._rpc(CLAIM, self.owner)
+
     def load_weights(self, folder: str) -> None:
         """The weights in `folder` (safetensors in checkpoint format, on a filesystem the server reads) loaded in
         place on every worker, and the prefix cache emptied: the next completions are the new weights'."""
-        self._rpc(LOAD_WEIGHTS, str(folder))
+        results = self._rpc(LOAD_WEIGHTS, str(folder), self.owner)
+        refused = next((result for result in results if isinstance(result, dict) and result.get("refused")), None)
+        if refused is not None:
+            raise ServerError(
+                f"the vLLM server at {self.url} now serves another run ({refused['owner']}), which pushed its own "
+                f"weights there after this run ({self.owner}) started: one server holds one run's policy; give each "
+                "run a server of its own (fsdp-recipes vllm-serve --port ...)"
+            )
         self._call("POST", "/reset_prefix_cache", {})
 
     def generate(
@@ -215,8 +239,8 @@ class VLLMServer:
             reason = getattr(error, "reason", None) or error
             raise ServerError(
                 f"the vLLM server at {self.url} did not answer {method} {path} ({reason}; requests wait up to "
-                f"vllm_request_timeout, {timeout or self.request_timeout:g} s): is it still running? Restart it "
-                "(fsdp-recipes vllm-serve) and run the same command again: the run resumes from its last checkpoint"
+                f"vllm_request_timeout, {timeout or self.request_timeout:g} s): is it still running? (start it with "
+                "fsdp-recipes vllm-serve)"
             ) from None
         return json.loads(raw) if raw else None
 

@@ -79,6 +79,11 @@ class VLLMFields:
             return self.vllm_server_base_url
         return f"http://{self.vllm_server_host}:{self.vllm_server_port}"
 
+    def longest_request(self) -> int:
+        """Prompt + completion tokens a request may hold, checked against the server's context at start: a
+        training recipe's rows are at most max_length."""
+        return self.max_length
+
     def uses_vllm(self) -> bool:
         return getattr(self, "generation_backend", None) == "vllm"
 
@@ -105,14 +110,14 @@ class VLLMFields:
         return problems
 
 
-def connect(config, model_config, *, model_name: str, max_length: int) -> VLLMServer | None:
+def connect(config, model_config, *, model_name: str, max_length: int, owner: str) -> VLLMServer | None:
     """The run's vLLM server, checked (ServerError or ConfigError: what is wrong and what to do); None when the run
-    generates with transformers."""
+    generates with transformers. `owner`: the run's output folder, which its pushes name."""
     if getattr(config, "generation_backend", None) != "vllm":
         return None
     server = VLLMServer.connect(
         config.vllm_base_url(), wait=config.vllm_server_timeout, request_timeout=config.vllm_request_timeout,
-        model_name=model_name,
+        model_name=model_name, owner=owner,
     )  # fmt: skip
     problems = serving_problems(server.info, model_config, model_name=model_name, max_length=max_length)
     wanted = config.vllm_tensor_parallel_size

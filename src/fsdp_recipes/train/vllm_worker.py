@@ -5,6 +5,8 @@ recipes' dependencies: only this file on its path.
 
 - `fsdp_recipes_describe`: what the server holds (architecture, shapes, context, how it reports log-probabilities), for
   the checks a run makes before it loads any weights;
+- `fsdp_recipes_claim`: the run whose policy the server holds from now on (two runs pushing their weights to one
+  server would each generate with the other's);
 - `fsdp_recipes_load_weights`: the weights a run wrote (a safetensors folder in checkpoint format) loaded in place. On
   CPU, vLLM packs each linear layer's weight for oneDNN when it loads; its in-place reload repacks the layers it
   loads, but an output layer tied to the input embedding is loaded under the embedding's name only, so its packed
@@ -33,6 +35,12 @@ SHAPE_KEYS = (
 class WeightSync:
     """Mixed into vLLM's worker class: `self.model_runner` is the worker's."""
 
+    _fsdp_recipes_owner: str | None = None
+
+    def fsdp_recipes_claim(self, owner: str) -> dict:
+        previous, self._fsdp_recipes_owner = self._fsdp_recipes_owner, owner
+        return {"previous": previous}
+
     def fsdp_recipes_describe(self) -> dict:
         runner = self.model_runner
         model_config = runner.model_config
@@ -50,10 +58,12 @@ class WeightSync:
             "device": str(runner.device),
         }
 
-    def fsdp_recipes_load_weights(self, weights_path: str) -> dict:
+    def fsdp_recipes_load_weights(self, weights_path: str, owner: str) -> dict:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
         from vllm.platforms import current_platform
 
+        if owner != self._fsdp_recipes_owner:
+            return {"refused": True, "owner": self._fsdp_recipes_owner}
         runner = self.model_runner
         runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         repacked = 0
@@ -61,5 +71,9 @@ class WeightSync:
             for module in runner.get_model().modules():
                 if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
                     module.quant_method.process_weights_after_loading(module)
+                    repacked += 1
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                if kernel is not None:  # the experts, packed for CPU's grouped GEMM on the first load only
+                    kernel.fused_experts.process_weights_after_loading(module)
                     repacked += 1
         return {"weights_path": weights_path, "repacked": repacked}

@@ -7,26 +7,31 @@ across machines that share a filesystem; vLLM's NCCL and CUDA-IPC weight transfe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from fsdp_recipes.models import serving_weights
-from fsdp_recipes.train.vllm_client import VLLMServer
+from fsdp_recipes.train import preemption
+from fsdp_recipes.train.checkpoint import latest_checkpoint
+from fsdp_recipes.train.vllm_client import ServerError, VLLMServer
 
 WEIGHTS_FOLDER = ".vllm_weights"  # under output_dir unless vllm_weights_dir says where
 
 
-def weights_root(config) -> Path:
+def weights_root(config, output_dir: str | Path | None = None) -> Path:
     """The run's own folder for pushed weights: output_dir/.vllm_weights, or one named after output_dir inside
-    vllm_weights_dir (which other runs may share); only its policy-* folders are ever removed."""
+    vllm_weights_dir (which other runs may share); only its policy-* folders are ever removed. `output_dir`: the
+    run's, where the config's is not it (eval's default: the model folder)."""
+    output_dir = Path(output_dir or config.output_dir)
     if not config.vllm_weights_dir:
-        return Path(config.output_dir) / WEIGHTS_FOLDER
-    run = hashlib.blake2b(str(Path(config.output_dir).resolve()).encode(), digest_size=6).hexdigest()
+        return output_dir / WEIGHTS_FOLDER
+    run = hashlib.blake2b(str(output_dir.resolve()).encode(), digest_size=6).hexdigest()
     return Path(config.vllm_weights_dir) / f"fsdp-recipes-{run}"
 
 
@@ -38,9 +43,15 @@ class ServerWeights:
         self.dtype = getattr(torch, server.info.dtype, None)
         self.version: int | None = None  # unknown at start: whatever the server loaded, or a previous run pushed
         self.pushes, self.seconds = 0, 0.0
-        if accelerator.is_main_process and self.root.is_dir():  # a stopped run's last folder
-            for stale in self.root.glob("policy-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+        if accelerator.is_main_process:
+            server.claim()  # this run's policy from now on: another run's later push is refused, and ours after it
+            if self.root.is_dir():  # a stopped run's last folder
+                for stale in self.root.glob("policy-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+
+    @property
+    def main_process(self) -> bool:
+        return self.accelerator.is_main_process
 
     def push(self, model: torch.nn.Module, version: int) -> bool:
         """Collective. The server gets `model`'s weights unless it holds `version` already; True when it loaded them.
@@ -71,3 +82,21 @@ class ServerWeights:
                 shutil.rmtree(folder, ignore_errors=True)
             if not any(self.root.iterdir()):
                 self.root.rmdir()
+
+
+@contextlib.contextmanager
+def resumable_when_the_server_fails(output_dir: str | Path, *, main_process: bool) -> Iterator[None]:
+    """Around a training run's work with its server: a ServerError says how to go on. With a checkpoint, the main
+    process marks it as the one to resume (`train.preemption`: the same command then resumes from it by itself)."""
+    try:
+        yield
+    except ServerError as error:
+        latest = latest_checkpoint(output_dir)
+        if latest is None:
+            raise ServerError(
+                f"{error}; no checkpoint was saved yet: once the server answers, start the run again with "
+                "overwrite_output_dir: true"
+            ) from None
+        if main_process:
+            preemption.mark_preempted(output_dir, latest, why="stopped by its vLLM server")
+        raise ServerError(f"{error}; once the server answers, the same command resumes from {latest.name}") from None

@@ -19,7 +19,7 @@ import random
 import torch
 
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows, shifted_targets
-from fsdp_recipes.train import generation
+from fsdp_recipes.train import generation, weight_sync
 
 
 def is_on_policy_step(lmbda: float, seed: int, step: int) -> bool:
@@ -83,7 +83,9 @@ def with_sampled_completions(
 
 @dataclasses.dataclass
 class OnPolicy:
-    """A run's GKD settings (`lmbda`, `seq_kd`) and how it samples (at the KD temperature, `max_new_tokens`)."""
+    """A run's GKD settings (`lmbda`, `seq_kd`) and how it samples (at the KD temperature, `max_new_tokens`); with a
+    vLLM server, the student's weights it holds (`server_weights`), pushed before each on-policy pass that follows a
+    step, and the run's every-rank guard the server's requests go through."""
 
     lmbda: float
     seq_kd: bool
@@ -91,15 +93,34 @@ class OnPolicy:
     max_length: int
     settings: generation.GenerationSettings
     reshard_after_forward: bool
+    server_weights: weight_sync.ServerWeights | None = None
+    on_every_rank: object = None
+    output_dir: str = ""
 
     @classmethod
-    def from_config(cls, config, accelerator) -> OnPolicy:
+    def from_config(cls, config, run) -> OnPolicy:
+        server = run.generation_server
         settings = generation.GenerationSettings(
             config.max_new_tokens, temperature=config.temperature, batch_size=config.per_device_eval_batch_size,
-            seed=config.seed, **generation.backend_options(config),
+            seed=config.seed, **generation.backend_options(config), server=server,
         )  # fmt: skip
-        reshard = generation.reshard_after_forward(accelerator)
-        return cls(config.lmbda, config.seq_kd, config.seed, config.max_length, settings, reshard)
+        reshard = generation.reshard_after_forward(run.accelerator)
+        weights = None
+        if server is not None:
+            root = weight_sync.weights_root(config)
+            weights = weight_sync.ServerWeights(run.accelerator, server, root, run.on_every_rank)
+        return cls(
+            config.lmbda, config.seq_kd, config.seed, config.max_length, settings, reshard, weights, run.on_every_rank,
+            config.output_dir,
+        )  # fmt: skip
+
+    def close(self) -> dict:
+        """The weight pushes' count and seconds (vLLM), for the summary."""
+        if self.server_weights is None:
+            return {}
+        self.server_weights.close()
+        pushes, seconds = self.server_weights.pushes, round(self.server_weights.seconds, 3)
+        return {"vllm_weight_pushes": pushes, "vllm_weight_push_seconds": seconds}
 
     def batches(self, micro_batches, step: int, student, teacher, tokenizer, *, synced_gpus: bool):
         """Collective when it samples. (The step's micro-batches, whether they hold the student's own samples):
@@ -109,6 +130,17 @@ class OnPolicy:
         if not (students or self.seq_kd):
             return micro_batches, False
         sampler = student if students else teacher
+        if self.server_weights is not None:  # the student on the vLLM server (seq_kd is refused with it)
+            weights = self.server_weights
+            with weight_sync.resumable_when_the_server_fails(self.output_dir, main_process=weights.main_process):
+                weights.push(student, version=step - 1)
+                sampled = self.on_every_rank(
+                    lambda: with_sampled_completions(
+                        micro_batches, student, tokenizer, self.settings, step=step, max_length=self.max_length,
+                        pad_token_id=tokenizer.pad_token_id, synced_gpus=False,
+                    )
+                )  # fmt: skip
+            return sampled, True
         with generation.weights_gathered(sampler, enabled=True, reshard_after_forward=self.reshard_after_forward):
             sampled = with_sampled_completions(
                 micro_batches, sampler, tokenizer, self.settings, step=step, max_length=self.max_length,

@@ -57,16 +57,18 @@ class RoundGeneration:
                     model, run.tokenizer, slots, round_index, attempt, settings, synced_gpus=self.world > 1,
                     most_pending=run.most_over_ranks,
                 )  # fmt: skip
-        ahead = self._take_ahead(round_index, attempt, slots)
-        if ahead is not None:
-            rolled = run.on_every_rank(ahead)
-        else:
-            self.weights.push(model, version=step - 1)
-            rolled = run.on_every_rank(lambda: self._ask(model, round_index, attempt, slots))
-        if self.config.async_generation and attempt == 0 and round_index + 1 < self.total_rounds:
-            if self.weights.version is None or step - self.weights.version > self.config.max_staleness:
-                self.weights.push(model, version=step - 1)  # the next round trains at step + 1: staleness 1
-            self._ask_ahead(model, round_index + 1)
+        main = run.accelerator.is_main_process
+        with weight_sync.resumable_when_the_server_fails(self.config.output_dir, main_process=main):
+            ahead = self._take_ahead(round_index, attempt, slots)
+            if ahead is not None:
+                rolled = run.on_every_rank(ahead)
+            else:
+                self.weights.push(model, version=step - 1)
+                rolled = run.on_every_rank(lambda: self._ask(model, round_index, attempt, slots))
+            if self.config.async_generation and attempt == 0 and round_index + 1 < self.total_rounds:
+                if self.weights.version is None or step - self.weights.version > self.config.max_staleness:
+                    self.weights.push(model, version=step - 1)  # the next round trains at step + 1: staleness 1
+                self._ask_ahead(model, round_index + 1)
         return rolled
 
     def _ask(self, model, round_index: int, attempt: int, slots) -> Rollout:
