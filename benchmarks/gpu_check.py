@@ -17,7 +17,8 @@ a step that would start too near the deadline is skipped and recorded as skipped
     (benchmarks/sft_vs_trl.py; runs where trl is importable);
  5. GRPO from the exported model, with generation_backend generate and then paged: the step-time shares; then each
     generation backend's completion tokens/s, 64 prompts x 8 at 32 and 256 new tokens
-    (benchmarks/generation_backends.py);
+    (benchmarks/generation_backends.py); then GRPO through a vLLM server on the same GPU, where the machine has a
+    vLLM environment (recorded as skipped where it has none);
  6. float8 on the fast path at batch 16 (fsdp_8gpu_float8.yaml: torchao's float8 matmuls, FSDP2 gathering float8
     weights); then the same routes and TRL at batch 4 (sdpa, flex, + compile, + liger, + float8);
  7. what the 4 December run measured, again if time is left: torch's loss kernels at a 128k vocabulary
@@ -205,6 +206,42 @@ class Check:
         except ValueError:
             self.record("generation_backends", {"rc": code, "tail": text[-3000:]})
 
+    def grpo_vllm(self, base: Path) -> None:
+        """GRPO from the exported model generating through a vLLM server on the same GPU (a third of its memory:
+        TRL's colocated share), weights pushed after each step: the step-time shares against `grpo` above. Needs a
+        vLLM environment (`make venv`'s .venv-vllm, or $FSDP_RECIPES_VLLM_PYTHON); vLLM's CUDA wheel (~400 MB) is
+        over what a device call carries, so the step is recorded as skipped on a machine without one."""
+        from fsdp_recipes.common.errors import ConfigError
+        from fsdp_recipes.tools.vllm_serve import vllm_python
+
+        try:
+            python = vllm_python(None)
+        except ConfigError as error:
+            self.record("grpo_vllm", {"skipped": str(error)})
+            return
+        port = 8000 + os.getpid() % 1000
+        serve = [sys.executable, "-m", "fsdp_recipes.tools.cli", "vllm-serve", "--model", str(base)]
+        serve += ["--port", str(port), "--vllm-python", str(python), "--max-model-len", "128"]
+        serve += [] if self.args.dry_run else ["--gpu-memory-utilization", "0.3"]
+        log = open(self.out / "vllm_server.log", "w")
+        server = subprocess.Popen(serve, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+        try:
+            output = self.out / "grpo_vllm"
+            command = self.accelerate(
+                "accelerate_configs/fsdp_8gpu.yaml", "recipes/grpo.py", "--config",
+                "recipes/configs/grpo/demo_reverse.yaml", "--model_name_or_path", str(base), "--output_dir", str(output),
+                "--max_steps", "6", "--logging_steps", "1", "--save_steps", "null", "--warmup_steps", "0",
+                "--max_completion_length", "32", "--max_length", "64", "--generation_backend", "vllm",
+                "--vllm_server_port", str(port), "--vllm_server_timeout", "300",
+                "--per_device_train_batch_size", "64" if not self.args.dry_run else "16",
+            )  # fmt: skip
+            code, seconds, text = self.run("grpo_vllm", command, timeout=420)
+            self.record("grpo_vllm", {"rc": code, "seconds": seconds, **failure(code, text), **step_shares(output)})
+        finally:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
     # ------------------------------------------------------------------------------------------------------ sizes
     def model_config(self) -> str:
         return "demo/tiny_llama.json" if self.args.dry_run else "benchmarks/llama_1b.json"
@@ -342,6 +379,8 @@ def main() -> None:
     # 3. GRPO generation with each backend
     if wanted("grpo"):
         check.grpo(base)
+    if wanted("grpo_vllm"):
+        check.grpo_vllm(base)
     # 4. float8, then batch 4 (4 December measured sdpa at batch 4: 28,903 tokens/s)
     route("flex_compile_liger_float8", 16)
     if wanted("sft_bs4_sdpa"):

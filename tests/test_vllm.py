@@ -3,7 +3,8 @@ in file order: the serve command's and the configs' refusals; the server's greed
 against the trainer's; weights pushed (full and LoRA-merged) and the completions that follow them; a mixture of experts
 through vLLM's own engine; eval and on-policy distillation through the server; asynchronous rounds and their exact
 resume; 2-process FSDP2 GRPO learning through it (full and LoRA); and last, the server killed mid-run: every rank stops
-with one error line, the checkpoint is kept, and once the server is back the same command resumes exactly."""
+with one error line, the checkpoint is kept, and once the server is back the same command resumes exactly (a
+mixture of experts through vLLM's own engine runs while the server starts again)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def completions_of(output_dir: Path) -> list[dict]:
 def connect(server: Server, model_name: str = "m"):
     from fsdp_recipes.train.vllm_client import VLLMServer
 
-    return VLLMServer.connect(server.url, wait=5, request_timeout=60, model_name=model_name)
+    connected = VLLMServer.connect(server.url, wait=5, request_timeout=60, model_name=model_name)
+    connected.claim()  # this test's: a run's weights pushed earlier are replaced
+    return connected
 
 
 def load(folder: Path):
@@ -180,52 +183,6 @@ def test_pushed_weights_full_and_lora_merged_are_what_the_server_generates_with(
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_a_mixture_of_experts_generates_and_takes_pushed_weights_as_transformers_does(
-    tmp_path_factory, tmp_path, tokenizer, prompts
-):
-    """vLLM's own engine (the suite's server holds a dense model): the same greedy tokens as transformers for a tiny
-    Qwen3-MoE, then after each of two pushes of changed weights (vLLM on CPU packs the experts at load, and its
-    in-place reload did not pack them again: the worker extension does)."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from fsdp_recipes.models.serving_weights import write_serving_weights
-
-    require_vllm_environment()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(tmp_path / "moe")
-    tokenizer.save_pretrained(tmp_path / "moe")
-    expected = [greedy(model, tokenizer, prompts)]
-    accelerator = Accelerator(cpu=True)
-    try:
-        for push in (1, 2):
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    parameter.add_(torch.randn_like(parameter) * 0.2)
-            write_serving_weights(accelerator, model, tmp_path / f"push{push}", dtype=None)
-            expected.append(greedy(model, tokenizer, prompts))
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-    command = [str(VLLM_PYTHON), str(REPO / "tests" / "scripts" / "vllm_greedy.py"), str(tmp_path / "moe")]
-    command += [json.dumps(prompts), "--extension-dir", str(vllm_extension_folder(tmp_path_factory))]
-    command += ["--weights", str(tmp_path / "push1"), str(tmp_path / "push2")]
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, result.stderr[-4000:]
-    produced = json.loads(lines[0].removeprefix("RESULT "))
-    assert [produced["before"], *produced["after"]] == expected
-    assert expected[0] != expected[1] != expected[2]
-
-
 def test_eval_generates_through_the_server_what_generate_writes(vllm_server, chat_data, tmp_path):
     """eval.py with use_vllm: the evaluated model's weights pushed, then the same greedy predictions and exact
     match as transformers' generate."""
@@ -329,21 +286,21 @@ def test_two_processes_learn_through_the_server_with_its_weights_kept_in_step(
     assert held_out_reward(two_process_runs["full"]) > held_out_reward(vllm_server.model) + 0.3
 
 
-def test_a_server_killed_mid_run_stops_every_rank_and_the_same_command_resumes_once_it_is_back(
-    two_process_runs, vllm_server, vllm_prompts, tmp_path
-):
-    """Both ranks pause before step 6's update (FSDP_RECIPES_FAULT); the server is killed; step 7's push finds it
-    gone: every rank stops with one error line, exit 2, checkpoint step 4 kept and no model exported. The server
-    restarted on the same port, the same command resumes from step 4 and ends as the uninterrupted run did."""
+@pytest.fixture(scope="module")
+def stopped_by_the_server(two_process_runs, vllm_server, vllm_prompts, tmp_path_factory) -> dict:
+    """A 2-process run (the full run's settings) whose ranks pause before step 6's update (FSDP_RECIPES_FAULT) while
+    the server is killed; once it has stopped, the server is started again on the same port, in the background (the
+    test after the next waits for it)."""
     from fsdp_recipes.common.faults import FAULT_ENV, RELEASE_ENV
 
-    values = vllm_grpo_values(vllm_server.model, vllm_prompts, tmp_path / "out", vllm_server)
-    release = tmp_path / "release"
+    tmp = tmp_path_factory.mktemp("vllm_killed")
+    values = vllm_grpo_values(vllm_server.model, vllm_prompts, tmp / "out", vllm_server)
+    release = tmp / "release"
     outcome = {}
 
     def stopped_run():
         outcome["result"] = run_launched(
-            GRPO, tmp_path, "run", values, expect_success=False,
+            GRPO, tmp, "run", values, expect_success=False,
             env={FAULT_ENV: "pause-before-step:6", RELEASE_ENV: str(release)},
         )  # fmt: skip
 
@@ -358,18 +315,80 @@ def test_a_server_killed_mid_run_stops_every_rank_and_the_same_command_resumes_o
     vllm_server.stop()
     release.touch()
     thread.join(240)
-    result = outcome["result"]
+    vllm_server.start()
+    return {"tmp": tmp, "values": values, "result": outcome["result"]}
+
+
+def test_a_server_killed_mid_run_stops_every_rank_with_one_error_line_and_keeps_the_checkpoint(stopped_by_the_server):
+    """Step 7's push finds the server gone: every rank stops (exit 2) with one error line, checkpoint step 4 kept,
+    marked for the same command to resume, and no model exported."""
+    result, out = stopped_by_the_server["result"], stopped_by_the_server["tmp"] / "out"
     assert result.returncode != 0  # the launcher's own status: each rank exits 2 (a user error)
     assert "exitcode  : 2" in result.stderr
     errors = [line for line in result.stderr.splitlines() if "error: " in line]
     assert len(errors) == 1 and "did not answer" in errors[0], result.stderr[-3000:]
     assert "once the server answers, the same command resumes from step-00000004" in errors[0]
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
-    assert (tmp_path / "out" / "checkpoints" / "step-00000004").is_dir()
-    assert not (tmp_path / "out" / "model.safetensors").exists()
-    vllm_server.start().wait_ready()
-    run_launched(GRPO, tmp_path, "run", values)  # the same command: the checkpoint is picked up by itself
-    whole, resumed = step_records(two_process_runs["full"]), step_records(tmp_path / "out")
+    assert (out / "checkpoints" / "step-00000004").is_dir() and not (out / "checkpoints" / "step-00000008").exists()
+    assert (out / "checkpoints" / "PREEMPTED").read_text().startswith("step-00000004")
+    assert not (out / "model.safetensors").exists()
+
+
+def test_a_mixture_of_experts_generates_and_takes_pushed_weights_as_transformers_does(
+    tmp_path_factory, tmp_path, tokenizer, prompts
+):
+    """vLLM's own engine (the suite's server holds a dense model; it runs while that server starts again after the test
+    above): the same greedy tokens as transformers for a tiny Qwen3-MoE, then after each of two pushes of changed
+    weights (vLLM on CPU packs the experts at load, and its
+    in-place reload did not pack them again: the worker extension does)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from fsdp_recipes.models.serving_weights import write_serving_weights
+
+    require_vllm_environment()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    expected = [greedy(model, tokenizer, prompts)]
+    accelerator = Accelerator(cpu=True)
+    try:
+        for push in (1, 2):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.2)
+            write_serving_weights(accelerator, model, tmp_path / f"push{push}", dtype=None)
+            expected.append(greedy(model, tokenizer, prompts))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    command = [str(VLLM_PYTHON), str(REPO / "tests" / "scripts" / "vllm_greedy.py"), str(tmp_path / "moe")]
+    command += [json.dumps(prompts), "--extension-dir", str(vllm_extension_folder(tmp_path_factory))]
+    command += ["--weights", str(tmp_path / "push1"), str(tmp_path / "push2")]
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stderr[-4000:]
+    produced = json.loads(lines[0].removeprefix("RESULT "))
+    assert [produced["before"], *produced["after"]] == expected
+    assert expected[0] != expected[1] != expected[2]
+
+
+def test_the_same_command_resumes_once_the_server_is_back_and_ends_as_the_uninterrupted_run(
+    stopped_by_the_server, two_process_runs, vllm_server
+):
+    vllm_server.wait_ready()  # started again, on the same port, by the fixture
+    tmp, values = stopped_by_the_server["tmp"], stopped_by_the_server["values"]
+    result = run_launched(GRPO, tmp, "run", values)  # the same command: the marked checkpoint is picked up by itself
+    assert "was stopped by its vLLM server: resuming from step-00000004" in result.stdout + result.stderr
+    whole, resumed = step_records(two_process_runs["full"]), step_records(tmp / "out")
     for step in range(5, 13):
         assert resumed[step]["reward"] == whole[step]["reward"], step
         assert resumed[step]["loss"] == pytest.approx(whole[step]["loss"], rel=1e-5, abs=1e-7), step

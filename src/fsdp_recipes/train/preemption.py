@@ -67,7 +67,8 @@ class PreemptionWatch:
 
 def mark_preempted(output_dir: str | Path, checkpoint: Path, *, why: str = "preempted") -> None:
     """The next start of the same command resumes from `checkpoint`; `why` the run stopped, for its message."""
-    (Path(output_dir) / CHECKPOINTS / MARKER).write_text(f"{checkpoint.name}\n{why}\n")
+    reason = "" if why == "preempted" else f"{why}\n"
+    (Path(output_dir) / CHECKPOINTS / MARKER).write_text(f"{checkpoint.name}\n{reason}")
 
 
 def clear_mark(output_dir: str | Path) -> None:
