@@ -5,7 +5,8 @@
     python benchmarks/grpo_vllm.py async --model outputs/demo_reverse_partial --steps 60 [--shared-cores]
 
 backends: the GRPO recipe on one process, `generation_backend` generate, paged, static_compiled, then vllm (a server
-started here with `fsdp-recipes vllm-serve`, fp32); the means over the steps after the first two (compile, warm-up)
+started here with `fsdp-recipes vllm-serve`, fp32; --server-threads sets its OMP_NUM_THREADS: vLLM's CPU worker takes
+one thread by default); the means over the steps after the first two (compile, warm-up)
 of `step_time_s` (steps/s is its inverse), `tokens/generated_per_second` and `time/generation_share`. --model is a
 model folder, or `100m` (a Llama of 85M parameters, 12 layers of 768, built here with random weights).
 
@@ -61,15 +62,16 @@ def model_folder(name: str, work: Path) -> Path:
 
 
 class VLLMServer:
-    def __init__(self, model: Path, port: int, cores: str | None, log: Path):
+    def __init__(self, model: Path, port: int, cores: str | None, log: Path, threads: int | None = None):
         command = [CLI, "vllm-serve", "--model", str(model), "--dtype", "float32", "--port", str(port)]
-        command += ["--max-model-len", "256"]
         if cores:
             command = ["taskset", "-c", cores, *command]
         self.url = f"http://127.0.0.1:{port}"
+        environment = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         self.process = subprocess.Popen(
-            command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
-        )
+            command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+            env=environment,
+        )  # fmt: skip
         started = time.monotonic()
         while time.monotonic() - started < 300:
             if self.process.poll() is not None:
@@ -124,16 +126,19 @@ def grpo(model: Path, output: Path, *, steps: int, backend: str, cores: str | No
 def backends(args, work: Path) -> dict:
     model = model_folder(args.model, work)
     results = {}
-    for backend in TRANSFORMERS_BACKENDS:
+    for backend in [name for name in TRANSFORMERS_BACKENDS if name in args.backends]:
         results[backend] = grpo(model, work / backend, steps=args.steps, backend=backend, cores=None, args=args)
         print(backend, results[backend], flush=True)
-    server = VLLMServer(model, args.port, None, work / "server.log")
+    if "vllm" not in args.backends:
+        return results
+    server = VLLMServer(model, args.port, None, work / "server.log", threads=args.server_threads)
     try:
         results["vllm"] = grpo(
             model, work / "vllm", steps=args.steps, backend="vllm", cores=None, args=args,
             vllm_server_base_url=server.url,
         )  # fmt: skip
         results["vllm"]["server_start_s"] = server.start_seconds
+        results["vllm"]["server_threads"] = args.server_threads or "vLLM's default (1 here)"
         print("vllm", results["vllm"], flush=True)
     finally:
         server.stop()
@@ -176,10 +181,18 @@ if __name__ == "__main__":
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
     parser.add_argument("--completion", type=int, default=12, help="max_completion_length")
     parser.add_argument("--shared-cores", action="store_true", help="async: trainer and server not pinned")
+    parser.add_argument("--backends", nargs="+", default=[*TRANSFORMERS_BACKENDS, "vllm"], help="backends: which")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=None,
+        help="backends: OMP_NUM_THREADS for the server (vLLM's CPU default: 1)",
+    )
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/grpo_vllm"))
     args = parser.parse_args()
     label = f"{args.what}-{Path(args.model).name}" + ("-shared" if args.shared_cores else "")
+    label += f"-threads{args.server_threads}" if args.server_threads else ""
     work = args.out / label
     work.mkdir(parents=True, exist_ok=True)
     results = backends(args, work) if args.what == "backends" else asynchronous(args, work)

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 slots = rollouts.rank_slots(indices, config.num_generations, rank=rank, world_size=world)
                 with watch.phase("generation"):  # the policy's completions, its tool calls answered
-                    rolled = generator.generate(model, step, round_index, attempt, slots)
+                    rolled = generator.generate(model, step, round_index, attempt, slots, watch)
                 with watch.phase("scoring"):
                     pool.add(task.score(accelerator, tokenizer, slots, rolled, run.on_every_rank))
                 if pool.full():
@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         training.checkpoints.maybe_save(step)
 
     # --- finish: summary, export, card, Hub ---------------------------------------------------------------------------
-    shares = {key: training.log.mean(f"time/{key}_share") for key in ("generation", "scoring", "training")}
+    phases = ("generation", "scoring", "training") + (("weight_sync",) if run.generation_server else ())
+    shares = {key: training.log.mean(f"time/{key}_share") for key in phases}
     training.finish(
         model, summary={"step_time_shares": shares, **generator.close()}
     )  # means over the logged steps (each since the last log)

@@ -5,6 +5,7 @@ and logging at the config's log_level. All in this process: no launch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -512,3 +513,37 @@ def test_trls_use_transformers_paged_is_the_paged_generation_backend(tmp_path):
     with pytest.raises(ConfigError) as refused:
         parse_config(grpo, ["--config", str(config_file)])
     assert any("gather_weights_for_generation: true" in p for p in refused.value.problems)
+
+
+def test_a_trl_grpo_config_generating_with_vllm_runs_unchanged(tmp_path):
+    """TRL's vLLM keys as a TRL GRPO YAML sets them: use_vllm is the vllm backend, the vllm_* fields keep TRL's
+    meaning, vllm_group_port is noted as ignored, vllm_importance_sampling_cap is read as _clip_max; on a recipe that
+    does not generate, use_vllm: false is ignored and true refused."""
+    from fsdp_recipes.common.arguments import parse_config
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.train.config import TrainingConfig
+    from helpers.recipes import load_recipe
+
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(
+        "model_name_or_path: org/model\ndataset_name: x.jsonl\nreward_funcs: [exact_match]\nuse_vllm: true\n"
+        "vllm_mode: server\nvllm_server_host: 10.0.0.2\nvllm_server_port: 8001\nvllm_server_timeout: 120\n"
+        "vllm_group_port: 51216\nvllm_gpu_memory_utilization: 0.3\nvllm_tensor_parallel_size: 1\n"
+        "vllm_max_model_length: 2048\nvllm_enable_sleep_mode: false\nvllm_importance_sampling_correction: true\n"
+        "vllm_importance_sampling_mode: token_truncate\nvllm_importance_sampling_cap: 2.0\n"
+    )
+    config = parse_config(load_recipe("grpo").GRPOConfig, ["--config", str(config_file)])
+    assert config.generation_backend == "vllm" and config.vllm_base_url() == "http://10.0.0.2:8001"
+    assert (config.vllm_server_timeout, config.vllm_importance_sampling_clip_max) == (120.0, 2.0)
+    assert config.corrects_sampler() and config.vllm_importance_sampling_mode == "token_truncate"
+    assert "ignored" in config.upstream_notes["vllm_group_port"] and "vllm" in config.upstream_notes["use_vllm"]
+    for recipe in ("distill", "eval"):  # the same fields where the recipe generates
+        assert "vllm_server_base_url" in {field.name for field in dataclasses.fields(load_recipe(recipe).__dict__[
+            {"distill": "DistillConfig", "eval": "EvalConfig"}[recipe]])}  # fmt: skip
+    sft_file = tmp_path / "sft.yaml"
+    sft_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nuse_vllm: false\n")
+    assert "does not generate" in parse_config(TrainingConfig, ["--config", str(sft_file)]).upstream_notes["use_vllm"]
+    sft_file.write_text("model_name_or_path: org/model\ndataset_name: x.jsonl\nuse_vllm: true\n")
+    with pytest.raises(ConfigError) as refused:
+        parse_config(TrainingConfig, ["--config", str(sft_file)])
+    assert any("has no generation_backend" in problem for problem in refused.value.problems)

@@ -6,8 +6,9 @@ for a model, with what the recipes need to generate through it and push weights 
   server as a module of its own (the vLLM environment has none of the recipes' packages, and needs none);
 - `--logprobs-mode processed_logprobs`: each token's log-probability after temperature, top-k and top-p, which is
   what the importance-sampling correction divides by (TRL's choice);
-- on a machine without a GPU: `--enforce-eager`, and `VLLM_CPU_KVCACHE_SPACE` (1 GiB) and `VLLM_CPU_OMP_THREADS_BIND`
-  (nobind) where the environment does not set them; with one rank, the worker inside the engine's process
+- on a machine without a GPU: `--enforce-eager`, chunked prefill off (it rewinds a seeded request's generator, which
+  CPU generators cannot: the engine died once a round's prompts outgrew a step's token budget), and
+  `VLLM_CPU_KVCACHE_SPACE` (1 GiB) and `VLLM_CPU_OMP_THREADS_BIND` (nobind) where the environment does not set them; with one rank, the worker inside the engine's process
   (`--distributed-executor-backend uni`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`): one Python start-up less.
 
 The checks before the server starts (an error line each): the vLLM environment, the model folder, the port, and
@@ -118,6 +119,14 @@ def problems(args: argparse.Namespace) -> list[str]:
             found.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_model_len is not None and args.max_model_len < 2:
         found.append(f"--max-model-len must be >= 2 (prompt + completion tokens), got {args.max_model_len}")
+    elif args.max_model_len is not None and (model / "config.json").is_file():
+        positions = _positions(model / "config.json")
+        if positions is not None and args.max_model_len > positions:
+            found.append(
+                f"--max-model-len {args.max_model_len} is more than the model's {positions} positions "
+                "(max_position_embeddings), which vLLM refuses: lower it, or extend the model's positions (rope "
+                "scaling in its config.json)"
+            )
     if not found:
         count, what = device_count()
         ranks = args.tensor_parallel_size * args.data_parallel_size
@@ -133,6 +142,17 @@ def problems(args: argparse.Namespace) -> list[str]:
             "and give the run the same vllm_server_port"
         )
     return found
+
+
+def _positions(config_file: Path) -> int | None:
+    import json
+
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, (int, float)) else None
 
 
 def _port_taken(host: str, port: int) -> bool:
@@ -159,6 +179,11 @@ def server_command(args: argparse.Namespace, python: Path, extension_dir: Path, 
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if not gpu and "--enforce-eager" not in args.vllm_args:
         argv.append("--enforce-eager")  # torch.compile on CPU costs minutes at start for little
+    if not gpu and not any("chunked-prefill" in word or "max-num-batched-tokens" in word for word in args.vllm_args):
+        # Chunked prefill rewinds a seeded request's generator, which a CPU generator cannot do ("CPU Generator does
+        # not use offset"): the engine died on the first round whose prompts outgrew a step's token budget.
+        longest = args.max_model_len or _positions(Path(args.model) / "config.json") or 0
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, longest))]
     one_rank = not gpu and args.tensor_parallel_size == args.data_parallel_size == 1
     if one_rank and "--distributed-executor-backend" not in args.vllm_args:
         argv += ["--distributed-executor-backend", "uni"]  # the worker inside the engine's process: ~15 s less start

@@ -202,18 +202,23 @@ def values_before_step(
 
 
 class Stopwatch:
-    """Seconds spent per phase of a step (generation, scoring, training), for the step-time breakdown."""
+    """Seconds spent per phase of a step (generation, scoring, training; the weights pushed to a vLLM server), for the
+    step-time breakdown. A phase inside another has its time counted for itself alone, not for the outer one."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self._inner = 0.0  # seconds of phases nested in the one running now
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        started = time.perf_counter()
+        started, outer_inner = time.perf_counter(), self._inner
+        self._inner = 0.0
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+            spent = time.perf_counter() - started
+            self.seconds[name] = self.seconds.get(name, 0.0) + spent - self._inner
+            self._inner = outer_inner + spent
 
     def shares(self) -> dict[str, float]:
         total = sum(self.seconds.values()) or 1.0

@@ -43,8 +43,9 @@ class RoundGeneration:
         gathered = generation.describe_gathering(model, enabled=self.config.gather_weights_for_generation)
         return f"{backend}; {gathered}"
 
-    def generate(self, model, step: int, round_index: int, attempt: int, slots) -> Rollout:
-        """Collective. The completions of this rank's `slots` for `round_index` (`attempt`: dynamic sampling's pass)."""
+    def generate(self, model, step: int, round_index: int, attempt: int, slots, watch) -> Rollout:
+        """Collective. The completions of this rank's `slots` for `round_index` (`attempt`: dynamic sampling's pass);
+        the weight pushes timed as `watch`'s phase weight_sync."""
         task, settings, run = self.task, self.settings, self.run
         if self.server is None:
             gathered = generation.weights_gathered(
@@ -63,11 +64,13 @@ class RoundGeneration:
             if ahead is not None:
                 rolled = run.on_every_rank(ahead)
             else:
-                self.weights.push(model, version=step - 1)
+                with watch.phase("weight_sync"):
+                    self.weights.push(model, version=step - 1)
                 rolled = run.on_every_rank(lambda: self._ask(model, round_index, attempt, slots))
             if self.config.async_generation and attempt == 0 and round_index + 1 < self.total_rounds:
                 if self.weights.version is None or step - self.weights.version > self.config.max_staleness:
-                    self.weights.push(model, version=step - 1)  # the next round trains at step + 1: staleness 1
+                    with watch.phase("weight_sync"):  # the next round trains at step + 1: staleness 1
+                        self.weights.push(model, version=step - 1)
                 self._ask_ahead(model, round_index + 1)
         return rolled
 
