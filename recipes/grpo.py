@@ -217,15 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         if training.metrics.due(step):
             shown.write(step)
         training.metrics.log_step(
-            step,
-            loss_sum=loss_sum,
-            grad_norm=grad_norm,
-            sums={**figures, **sampler_sums},
-            extremes=extremes,
-            **rollout,
-            **timing,
-            **speed,
-        )
+            step, loss_sum=loss_sum, grad_norm=grad_norm, sums={**figures, **sampler_sums}, extremes=extremes,
+            **rollout, **timing, **speed,
+        )  # fmt: skip
         watch = rollouts.Stopwatch()
         training.checkpoints.maybe_save(step)
 

@@ -22,6 +22,7 @@ from helpers.launch import run_launched
 from helpers.paths import REPO
 from helpers.recipes import read_metrics, recipe_error_in_process, run_recipe_in_process
 
+pytestmark = pytest.mark.slow  # a vLLM server, and launches: `make test-fast` leaves the module out
 GRPO = REPO / "recipes" / "grpo.py"
 EVAL = REPO / "recipes" / "eval.py"
 
