@@ -316,7 +316,14 @@ def step_shares(output: Path) -> dict:
         return {}
     return {
         key: round(sum(r[key] for r in steady) / len(steady), 3)
-        for key in ("time/generation_share", "time/scoring_share", "time/training_share", "tokens/generated_per_second")
+        for key in (
+            "time/generation_share",
+            "time/scoring_share",
+            "time/training_share",
+            "time/weight_sync_share",
+            "tokens/generated_per_second",
+            "step_time_s",
+        )
         if all(key in r for r in steady)
     }
 

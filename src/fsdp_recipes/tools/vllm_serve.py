@@ -6,7 +6,7 @@ for a model, with what the recipes need to generate through it and push weights 
   server as a module of its own (the vLLM environment has none of the recipes' packages, and needs none);
 - `--logprobs-mode processed_logprobs`: each token's log-probability after temperature, top-k and top-p, which is
   what the importance-sampling correction divides by (TRL's choice);
-- on a machine without a GPU: `--enforce-eager`, chunked prefill off (it rewinds a seeded request's generator, which
+- on a machine without a GPU: float32 unless `--dtype` says otherwise, `--enforce-eager`, chunked prefill off (it rewinds a seeded request's generator, which
   CPU generators cannot: the engine died once a round's prompts outgrew a step's token budget), and
   `VLLM_CPU_KVCACHE_SPACE` (1 GiB) and `VLLM_CPU_OMP_THREADS_BIND` (nobind) where the environment does not set them; with one rank, the worker inside the engine's process
   (`--distributed-executor-backend uni`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`): one Python start-up less.
@@ -51,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        default="auto",
-        help="the weights' dtype in vLLM (auto: vLLM's choice, bfloat16 for a float32 model on most machines; "
-        "float32 makes its log-probabilities closest to an fp32 trainer's)",
+        default=None,
+        help="the weights' dtype in vLLM (default: auto, vLLM's choice, on a GPU; float32 without one: vLLM's CPU "
+        "engine died at its first request on bf16 weights here, and an fp32 trainer's log-probabilities match it)",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=None, help="the share of each GPU vLLM takes (vLLM's 0.9)"
@@ -168,7 +168,8 @@ def _port_taken(host: str, port: int) -> bool:
 def server_command(args: argparse.Namespace, python: Path, extension_dir: Path, *, gpu: bool):
     """(argv, the environment's additions) of the server."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
-    argv += ["--host", args.host, "--port", str(args.port), "--dtype", args.dtype, "--seed", "0"]
+    dtype = args.dtype or ("auto" if gpu else "float32")
+    argv += ["--host", args.host, "--port", str(args.port), "--dtype", dtype, "--seed", "0"]
     argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     argv += ["--data-parallel-size", str(args.data_parallel_size)]
     argv += ["--logprobs-mode", "processed_logprobs"]
