@@ -194,6 +194,34 @@ def test_pushed_weights_full_and_lora_merged_are_what_the_server_generates_with(
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def test_a_hung_server_is_an_error_once_vllm_request_timeout_has_passed(vllm_server, prompts):
+    """The server stopped (SIGSTOP: it accepts the connection and never answers): the request gives up after its
+    timeout with the error a run stops on, instead of waiting for ever."""
+    import signal
+    import time
+
+    from fsdp_recipes.train.vllm_client import ServerError, VLLMServer
+
+    server = connect(vllm_server)
+    hung = VLLMServer(vllm_server.url, request_timeout=2)
+    hung.info = server.info
+    os.kill(vllm_server.process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ServerError, match="did not answer POST /v1/completions .*vllm_request_timeout, 2 s"):
+            hung.generate(
+                prompts, [1, 2, 3, 4], seed=0, max_tokens=4, temperature=1.0, top_p=1.0, top_k=None,
+                stop_token_ids=[], min_tokens=0, greedy=False,
+            )  # fmt: skip
+    finally:
+        os.kill(vllm_server.process.pid, signal.SIGCONT)
+    assert time.monotonic() - started < 15
+    assert server.generate(
+        prompts[:1], [1], seed=0, max_tokens=2, temperature=1.0, top_p=1.0, top_k=None, stop_token_ids=[],
+        min_tokens=0, greedy=True,
+    ).token_ids  # fmt: skip  # going on answers again
+
+
 def test_eval_generates_through_the_server_what_generate_writes(vllm_server, chat_data, tmp_path):
     """eval.py with use_vllm: the evaluated model's weights pushed, then the same greedy predictions and exact
     match as transformers' generate."""
