@@ -189,11 +189,8 @@ def main(argv: list[str] | None = None) -> None:
             config.max_new_tokens, temperature=config.temperature, top_p=config.top_p, batch_size=batch_size,
             seed=config.seed, **generation.backend_options(config), server=run.generation_server,
         )  # fmt: skip
-        if run.generation_server is not None:  # vLLM generates: it gets the evaluated weights (merged adapter too)
-            server_weights = weight_sync.ServerWeights(
-                accelerator, run.generation_server, weight_sync.weights_root(config, run.output_dir), run.on_every_rank
-            )
-            server_weights.push(model, version=0)
+        if server_weights := weight_sync.ServerWeights.for_run(run, config, run.output_dir):
+            server_weights.push(model, version=0)  # vLLM generates: it gets the evaluated weights (adapter merged)
             server_weights.close()
         predict = (
             classifier.predict

@@ -58,7 +58,7 @@ def backend_setting():
         "finished rows leave, waiting prompts join, no padding; FSDP2 or one process, whole weights per rank), "
         "static_compiled (static KV cache, decoding step torch.compile'd with torch_compile_backend/_mode: fastest "
         "per token once compiled, a compile per new shape); vllm (a vLLM server, use_vllm's: its own sampling, "
-        "fastest by far, weights pushed to it after each step that changes them; docs/vllm.md)",
+        "weights pushed to it after each step that changes them; made for GPUs, not faster on CPU: docs/vllm.md)",
         resume="free",
         check=checks.one_of(generation_backends.BACKENDS),
     )

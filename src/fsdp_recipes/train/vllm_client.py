@@ -57,8 +57,8 @@ class ServerInfo:
 
     def describe(self) -> str:
         return (
-            f"vLLM server at {self.url}: {self.served_model} ({self.architecture}, {self.dtype}, tensor parallel "
-            f"{self.tensor_parallel_size}, data parallel {self.data_parallel_size}, {self.max_model_len} tokens)"
+            f"vLLM server at {self.url} (serving {self.served_model}: {self.architecture}, {self.dtype}, tensor "
+            f"parallel {self.tensor_parallel_size}, data parallel {self.data_parallel_size}, {self.max_model_len} tokens)"
         )
 
 

@@ -43,11 +43,23 @@ class ServerWeights:
         self.dtype = getattr(torch, server.info.dtype, None)
         self.version: int | None = None  # unknown at start: whatever the server loaded, or a previous run pushed
         self.pushes, self.seconds = 0, 0.0
-        if accelerator.is_main_process:
-            server.claim()  # this run's policy from now on: another run's later push is refused, and ours after it
-            if self.root.is_dir():  # a stopped run's last folder
-                for stale in self.root.glob("policy-*"):
+
+        def claim() -> None:  # this run's policy from now on: another run's later push is refused, and ours after it
+            if accelerator.is_main_process:
+                server.claim()
+                for stale in self.root.glob("policy-*"):  # a stopped run's last folder
                     shutil.rmtree(stale, ignore_errors=True)
+
+        on_every_rank(claim)
+
+    @classmethod
+    def for_run(cls, run, config, output_dir: str | Path | None = None) -> ServerWeights | None:
+        """The pushes of a run that generates through its vLLM server (`run.generation_server`); None without one.
+        `output_dir`: where the run writes, where the config's is not it (eval's default: the model folder)."""
+        if run.generation_server is None:
+            return None
+        root = weights_root(config, output_dir)
+        return cls(run.accelerator, run.generation_server, root, run.on_every_rank)
 
     @property
     def main_process(self) -> bool:
@@ -75,13 +87,15 @@ class ServerWeights:
         self.seconds += time.perf_counter() - started
         return True
 
-    def close(self) -> None:
-        """The last folder removed (the server keeps what it loaded), and the run's folder if nothing else is in it."""
+    def close(self) -> dict:
+        """The last folder removed (the server keeps what it loaded), and the run's folder if nothing else is in it;
+        the pushes' count and seconds, for the run summary."""
         if self.accelerator.is_main_process and self.root.is_dir():
             for folder in self.root.glob("policy-*"):
                 shutil.rmtree(folder, ignore_errors=True)
             if not any(self.root.iterdir()):
                 self.root.rmdir()
+        return {"vllm_weight_pushes": self.pushes, "vllm_weight_push_seconds": round(self.seconds, 3)}
 
 
 @contextlib.contextmanager

@@ -105,10 +105,7 @@ class OnPolicy:
             seed=config.seed, **generation.backend_options(config), server=server,
         )  # fmt: skip
         reshard = generation.reshard_after_forward(run.accelerator)
-        weights = None
-        if server is not None:
-            root = weight_sync.weights_root(config)
-            weights = weight_sync.ServerWeights(run.accelerator, server, root, run.on_every_rank)
+        weights = weight_sync.ServerWeights.for_run(run, config)
         return cls(
             config.lmbda, config.seq_kd, config.seed, config.max_length, settings, reshard, weights, run.on_every_rank,
             config.output_dir,
@@ -116,11 +113,7 @@ class OnPolicy:
 
     def close(self) -> dict:
         """The weight pushes' count and seconds (vLLM), for the summary."""
-        if self.server_weights is None:
-            return {}
-        self.server_weights.close()
-        pushes, seconds = self.server_weights.pushes, round(self.server_weights.seconds, 3)
-        return {"vllm_weight_pushes": pushes, "vllm_weight_push_seconds": seconds}
+        return self.server_weights.close() if self.server_weights is not None else {}
 
     def batches(self, micro_batches, step: int, student, teacher, tokenizer, *, synced_gpus: bool):
         """Collective when it samples. (The step's micro-batches, whether they hold the student's own samples):

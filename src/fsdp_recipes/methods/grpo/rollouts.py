@@ -50,13 +50,14 @@ class PromptSchedule:
             self._permutations = {epoch: torch.randperm(self.prompt_count, generator=generator).tolist()}
         return self._permutations[epoch]
 
+    def _at(self, start: int, count: int) -> list[int]:
+        """The stream's `count` prompts from `start` on."""
+        return [self._permutation(position // self.prompt_count)[position % self.prompt_count]
+                for position in range(start, start + count)]  # fmt: skip
+
     def _take(self, start: int, count: int) -> list[int]:
-        chosen = []
-        for position in range(start, start + count):
-            epoch, offset = divmod(position, self.prompt_count)
-            chosen.append(self._permutation(epoch)[offset])
         self._next_position = start + count
-        return chosen
+        return self._at(start, count)
 
     def prompts_for_round(self, round_index: int) -> list[int]:
         start = round_index * self.prompts_per_round + self.extra_prompts_drawn
@@ -68,12 +69,7 @@ class PromptSchedule:
     def upcoming_round(self, round_index: int) -> list[int]:
         """The prompts `prompts_for_round(round_index)` will give if no more prompts are drawn before it (what an
         asynchronous generation pass starts on ahead of its round); nothing changes."""
-        start = round_index * self.prompts_per_round + self.extra_prompts_drawn
-        chosen = []
-        for position in range(start, start + self.prompts_per_round):
-            epoch, offset = divmod(position, self.prompt_count)
-            chosen.append(self._permutation(epoch)[offset])
-        return chosen
+        return self._at(round_index * self.prompts_per_round + self.extra_prompts_drawn, self.prompts_per_round)
 
     def more_prompts(self, count: int) -> list[int]:
         """The next `count` prompts of the stream, drawn within the current round (they shift later rounds)."""

@@ -25,11 +25,7 @@ class RoundGeneration:
         self.schedule, self.total_rounds = schedule, total_rounds
         self.world, self.rank = run.data_parallel_size, run.data_parallel_rank
         self.server = run.generation_server
-        self.weights = None
-        if self.server is not None:
-            self.weights = weight_sync.ServerWeights(
-                run.accelerator, self.server, weight_sync.weights_root(config), run.on_every_rank
-            )
+        self.weights = weight_sync.ServerWeights.for_run(run, config)  # None: the policy generates itself
         self.pending: dict | None = None  # the next round, asked for ahead: {"round", "slots", "future"}
         self.restored: dict | None = None  # a checkpoint's pending round, until its round comes
         if config.async_generation:
@@ -133,7 +129,4 @@ class RoundGeneration:
 
     def close(self) -> dict:
         """The weight pushes' count and seconds, for the summary; the pushed folder removed."""
-        if self.weights is None:
-            return {}
-        self.weights.close()
-        return {"vllm_weight_pushes": self.weights.pushes, "vllm_weight_push_seconds": round(self.weights.seconds, 3)}
+        return self.weights.close() if self.weights is not None else {}
