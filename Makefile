@@ -20,16 +20,22 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt requirements-gpu.txt requirements-vllm.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# --no-compile: bytecode is written on first import, for the modules actually used (~40 s less CPU here)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
-	# the GPU kernel packages in their own folder, which only the tests that need them put on their path
-	rm -rf $(VENV)/kernels
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
-		--target $(VENV)/kernels -r requirements-gpu.txt $(TRITON)
-	# vLLM's server in its own environment (it pins an older transformers); ~1 minute, 3 GB
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-vllm.txt
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# vLLM's server in its own environment (it pins an older transformers; ~1 minute, 3 GB), installed while the
+	# recipes' packages are: each install waits on the disk and the network most of its time.
+	# --no-compile: bytecode is written on first import, for the modules actually used (~40 s less CPU here).
+	# The GPU kernel packages go to a folder of their own, which only the tests that need them put on their path.
+	{ $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-vllm.txt \
+		&& $(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; } \
+		> $(VLLM_VENV)/install.log 2>&1 & vllm=$$!; \
+	status=0; \
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt \
+		&& rm -rf $(VENV)/kernels \
+		&& $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+			--target $(VENV)/kernels -r requirements-gpu.txt $(TRITON) \
+		|| status=$$?; \
+	wait $$vllm || { echo "the vLLM environment did not install:"; cat $(VLLM_VENV)/install.log; exit 1; }; \
+	exit $$status
 	rm -f $(VENV)/.installed-*
 	touch $@
 
