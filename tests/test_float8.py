@@ -12,6 +12,7 @@ import torch
 
 from fsdp_recipes.distributed import float8
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.estimator.formulas import buffer_bytes, gathered_bytes, plan_units
 from fsdp_recipes.tools.estimator.shapes import load_model_info
 from helpers.paths import REPO
@@ -39,9 +40,26 @@ def test_float8_without_torchao_names_the_install_line(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     assert float8.launch_problem({}) == (
-        "mixed_precision fp8 (float8 training) needs torchao, which is not installed: pip install torchao==0.18.0 "
-        "(requirements-gpu.txt)"
+        "mixed_precision fp8 (float8 training) needs torchao, which is not installed: pip install -r "
+        "requirements-gpu.txt (torchao==0.18.0)"
     )
+
+
+@pytest.mark.parametrize("has_torchao", [False, True])
+def test_validate_config_tells_a_valid_file_from_a_machine_without_torchao(has_torchao, monkeypatch, capsys):
+    """The shipped fp8 file is valid wherever it is checked (exit 0); a machine without torchao (a login node) gets a
+    note saying what to install before launching, and one with it gets nothing."""
+    monkeypatch.setattr(float8, "torchao_missing", lambda: not has_torchao)
+    config = REPO / "accelerate_configs" / "fsdp_8gpu_float8.yaml"
+    assert cli.main(["validate-config", str(config)]) == 0
+    out = capsys.readouterr().out
+    if has_torchao:
+        assert out == f"{config}: 0 error(s), 0 warning(s)\n"
+        return
+    assert f"{config}: note: mixed_precision: the file is valid, and this machine lacks torchao" in out
+    assert out.rstrip().endswith("before any recipe starts. Before launching: pip install -r requirements-gpu.txt "
+                                 f"(torchao==0.18.0)\n{config}: 0 error(s), 0 warning(s), 1 note(s) about this machine")  # fmt: skip
+    assert "error:" not in out
 
 
 @pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-INSTALL = "pip install torchao==0.18.0 (requirements-gpu.txt)"
+INSTALL = "pip install -r requirements-gpu.txt (torchao==0.18.0)"
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (L4, L40S, RTX 4090) and Hopper (H100, H200) onwards
 
 
@@ -23,7 +23,7 @@ def launch_problem(environ: Mapping[str, str], *, use_peft: bool = False) -> str
             "linear layers, which is not composed with LoRA's export here; train LoRA under a bf16 Accelerate config "
             "(fsdp_8gpu.yaml), where the frozen base is already cheap"
         )
-    if importlib.util.find_spec("torchao") is None:
+    if torchao_missing():
         return f"mixed_precision fp8 (float8 training) needs torchao, which is not installed: {INSTALL}"
     backend = environ.get("ACCELERATE_FP8_BACKEND", "AO").upper()
     if backend != "AO":
@@ -40,6 +40,21 @@ def launch_problem(environ: Mapping[str, str], *, use_peft: bool = False) -> str
             "use bf16 with this layout, or fp8 with an FSDP-only config (fsdp_8gpu_float8.yaml)"
         )
     return None
+
+
+def torchao_missing() -> bool:
+    return importlib.util.find_spec("torchao") is None
+
+
+def machine_note() -> str | None:
+    """What this machine lacks to launch an fp8 config that is itself valid: accelerate's launcher checks for a float8
+    library before it starts any process, so no recipe can say it (its own traceback is all a launch here prints)."""
+    if not torchao_missing():
+        return None
+    return (
+        "the file is valid, and this machine lacks torchao, which float8 training needs: `accelerate launch` with it "
+        f'stops here with "FP8 is not available on this machine" before any recipe starts. Before launching: {INSTALL}'
+    )
 
 
 def device_problem(device: torch.device) -> str | None:

@@ -80,14 +80,15 @@ def validate_config_command(parser: argparse.ArgumentParser) -> Runner:
     )
 
     def run(args: argparse.Namespace) -> int:
-        from fsdp_recipes.distributed.launch_checks import ERROR, exported_environment
+        from fsdp_recipes.distributed.launch_checks import ERROR, NOTE, WARNING, exported_environment
         from fsdp_recipes.tools.linter import lint_config_file
 
         findings = lint_config_file(args.config_file, model=args.model, trust_remote_code=args.trust_remote_code)
         for finding in findings:
             print(f"{args.config_file}: {finding}")
-        errors = sum(finding.severity == ERROR for finding in findings)
-        print(f"{args.config_file}: {errors} error(s), {len(findings) - errors} warning(s)")
+        errors, warnings, notes = (sum(f.severity == kind for f in findings) for kind in (ERROR, WARNING, NOTE))
+        about_machine = f", {notes} note(s) about this machine" if notes else ""
+        print(f"{args.config_file}: {errors} error(s), {warnings} warning(s){about_machine}")
         if args.print_env and not errors:
             for key, value in exported_environment(args.config_file).items():
                 print(f"export {key}={value}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from fsdp_recipes.distributed import expert_parallel, sequence_parallel, tensor_parallel
+from fsdp_recipes.distributed import expert_parallel, float8, sequence_parallel, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import (
     UnreadableAccelerateConfig,
     fsdp_settings,
@@ -17,6 +17,7 @@ from fsdp_recipes.distributed.accelerate_config import (
 )
 from fsdp_recipes.distributed.launch_checks import (
     ERROR,
+    NOTE,
     WARNING,
     Finding,
     exported_environment,
@@ -154,4 +155,6 @@ def lint_config_file(path: str | Path, *, model: str | None = None, trust_remote
             findings += [f for f in lint_launch_environment(environment) if (f.key, f.severity) not in seen]
     if model is not None:
         findings += lint_model(raw, model, trust_remote_code=trust_remote_code)
+    if str(raw.get("mixed_precision", "no")).lower() == "fp8" and (note := float8.machine_note()):
+        findings.append(Finding(NOTE, "mixed_precision", note))
     return findings
