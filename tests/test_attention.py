@@ -101,10 +101,14 @@ def test_an_explicit_implementation_is_kept():
     assert resolve_attn_implementation(CONFIGS["llama"](), "auto") == AUTO["llama"]  # auto is the default's name
 
 
-def test_flex_attention_is_refused_for_training_on_a_cpu_and_kept_for_evaluation():
+def test_flex_attention_is_refused_on_a_cpu_for_training_and_for_evaluation():
     with pytest.raises(ConfigError, match=r"flex_attention cannot train on cpu: torch .*FlexAttention has no backward"):
         resolve_attn_implementation(CONFIGS["llama"](), "flex_attention")
-    assert resolve_attn_implementation(CONFIGS["llama"](), "flex_attention", training=False)[0] == "flex_attention"
+    with pytest.raises(ConfigError, match=r"flex_attention cannot run on cpu: .*inductor's C\+\+ template.*Use sdpa"):
+        resolve_attn_implementation(CONFIGS["llama"](), "flex_attention", training=False)
+    assert resolve_attn_implementation(CONFIGS["llama"](), "flex_attention", training=False, device_type="cuda")[0] == (
+        "flex_attention"
+    )
 
 
 FLEX_NOTE = "flex_attention (auto: packed rows on CUDA, and LlamaForCausalLM supports it: a block mask keeps the "

@@ -47,7 +47,7 @@ def resolve_attn_implementation(
     None (or "auto") chooses: flex_attention for packed rows on a CUDA GPU where the model class supports it (a block
     mask keeps the examples apart; sdpa is given them as a dense 4-D mask, which rules out its flash kernel and
     repeats grouped keys/values to every head), else sdpa where the class supports it, else eager, as transformers
-    itself falls back. Flex is not chosen on CPU (torch's FlexAttention has no backward there), under tensor
+    itself falls back. Flex is refused on CPU (torch's FlexAttention has no backward there, and its compiled forward fails on some inputs), under tensor
     parallelism (transformers' TP plans are tested with sdpa), nor for a recipe that generates as it trains (GRPO,
     on-policy distillation: decoding with flex rebuilds its block mask every token). An explicit implementation that cannot run here is a
     ConfigError, raised before any weights load. The check is transformers' own, made by building the model on the
@@ -61,10 +61,17 @@ def resolve_attn_implementation(
         )
     if requested in _FLASH:
         _check_flash_attention(requested)
-    if requested == "flex_attention" and training and device_type != "cuda":
+    if requested == "flex_attention" and device_type != "cuda":
+        torch_version = torch.__version__.split("+")[0]
+        why = (
+            f"torch {torch_version}'s FlexAttention has no backward pass there"
+            if training
+            else f"torch {torch_version} compiles FlexAttention there through inductor's C++ template, which fails to "
+            "compile for some inputs"
+        )
         raise ConfigError(
-            f"attn_implementation flex_attention cannot train on {device_type}: torch {torch.__version__.split('+')[0]}'s "
-            "FlexAttention has no backward pass there. Use sdpa here (auto does), and flex_attention on a CUDA GPU."
+            f"attn_implementation flex_attention cannot {'train' if training else 'run'} on {device_type}: {why}. "
+            "Use sdpa here (auto does), and flex_attention on a CUDA GPU."
         )
     try:
         model = meta_model(model_config, task=task, attn_implementation=requested, trust_remote_code=trust_remote_code)
