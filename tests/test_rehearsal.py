@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.rehearsal import command, launch_line, layout, stand_ins
 from helpers.paths import DEMO_DATA, REPO, TOKENIZER
 
@@ -74,6 +75,32 @@ def test_the_launch_line_is_read_as_the_launcher_and_the_recipe_read_it(monkeypa
         launch_line.parse_launch("accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train.sh")
     with pytest.raises(ConfigError, match="--deepspeed_config_file is not an accelerate launch option"):
         launch_line.parse_launch("accelerate launch --deepspeed_config_file ds.json recipes/sft.py")
+
+
+def test_a_script_of_the_user_s_own_and_a_missing_local_folder_are_named_as_such(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_train.py").write_text("import torch\nprint('training')\n")
+    with pytest.raises(ConfigError) as refused:
+        launch_line.parse_launch(
+            f"accelerate launch --config_file {REPO}/accelerate_configs/fsdp_8gpu.yaml my_train.py --lr 1e-4"
+        )
+    assert str(refused.value).startswith("my_train.py is not one of this repository's recipes: rehearse runs those (")
+    assert (
+        "dpo.py" in str(refused.value)
+        and "sft.py" in str(refused.value)
+        and "fsdp-recipes cp sft" in str(refused.value)
+    )
+    copied = tmp_path / "recipes" / "sft.py"  # a copy `fsdp-recipes cp` made is a recipe
+    copied.parent.mkdir()
+    copied.write_text((REPO / "recipes" / "sft.py").read_text())
+    assert launch_line.parse_launch("python recipes/sft.py --config x.yaml").recipe == Path("recipes/sft.py")
+    line = ["--local", "meta-llama/Llama-3.1-8B=no/such/folder", "--", *TP_LINE.split()]
+    assert cli.main(["rehearse", *line]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --local meta-llama/Llama-3.1-8B=no/such/folder: the folder no/such/folder does not exist (looked "
+        f"for {tmp_path}/no/such/folder): give the folder holding the model's config.json and tokenizer files, or the "
+        "dataset's file or folder\n"
+    )
 
 
 @pytest.mark.parametrize("family", ["llama-70b", "qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -253,6 +253,12 @@ def rehearse_command(parser: argparse.ArgumentParser) -> Runner:
             name, equals, path = pair.partition("=")
             if not equals or not name or not path:
                 raise ConfigError(f"--local {pair!r}: give it as NAME=PATH (a Hub id and a local folder or file)")
+            if not Path(path).exists():
+                where = "" if Path(path).is_absolute() else f" (looked for {Path(path).resolve()})"
+                raise ConfigError(
+                    f"--local {pair}: the folder {path} does not exist{where}: give the "
+                    "folder holding the model's config.json and tokenizer files, or the dataset's file or folder"
+                )
             locals_[name] = path
         if args.steps < 2:
             raise ConfigError("--steps must be >= 2: a checkpoint halfway and a resume from it")

@@ -80,6 +80,15 @@ def parse_launch(words: list[str] | str) -> Launch:
     recipe = Path(words[index])
     if not recipe.is_file():
         raise ConfigError(f"the recipe {recipe} does not exist (paths are read from the current folder)")
+    if "fsdp_recipes" not in recipe.read_text(errors="replace"):  # a recipe, or a copy `fsdp-recipes cp` made
+        from fsdp_recipes.tools.catalog import Catalog
+
+        names = ", ".join(f"{recipe.name}.py" for recipe in Catalog().recipes())
+        raise ConfigError(
+            f"{recipe} is not one of this repository's recipes: rehearse runs those ({names}, or copies of them made "
+            "with `fsdp-recipes cp`) with stand-ins for your model and data; start from the closest one "
+            "(`fsdp-recipes cp sft my_recipes/`) and rehearse its launch line"
+        )
     if config_file is not None and not config_file.is_file():
         raise ConfigError(f"the Accelerate config {config_file} does not exist")
     return Launch(recipe, words[index + 1 :], config_file, mixed_precision, num_processes, notes)
