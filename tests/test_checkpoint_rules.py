@@ -143,3 +143,30 @@ def test_allow_config_change_names_only_fields_a_resume_checks():
     config.resume_from_checkpoint = None
     config.allow_config_change = ["beta"]
     assert "allow_config_change applies to a resumed run only" in config.validate()[0]
+
+
+def test_accelerates_notice_of_a_shared_tensor_is_dropped_for_declared_ties_only(caplog):
+    """accelerate's save (`clean_state_dict_for_safetensors`, what save_state calls with safetensors) announces each
+    tensor it leaves out for sharing memory with another. A tie the model declares (tied embeddings) is restored on
+    load, so it goes unannounced; a shared tensor the model does not declare is still announced."""
+    from accelerate import PartialState
+    from accelerate.utils import clean_state_dict_for_safetensors
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp_recipes.distributed.logs import tied_copies_unannounced
+
+    PartialState()
+    config = dict(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    model = LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=True))
+    with tied_copies_unannounced([model]), caplog.at_level("WARNING"):
+        cleaned = clean_state_dict_for_safetensors(model.state_dict())
+    assert "lm_head.weight" not in cleaned and "Removed shared tensor" not in caplog.text
+    untied = model.state_dict()
+    untied["model.norm.weight"] = untied["model.layers.0.input_layernorm.weight"]  # shared, and declared by nobody
+    with tied_copies_unannounced([model]), caplog.at_level("WARNING"):
+        clean_state_dict_for_safetensors(untied)
+    assert "Removed shared tensor {" in caplog.text and "'model.norm.weight'" in caplog.text  # with the tie, once
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # outside the context, accelerate's notice is as it was
+        clean_state_dict_for_safetensors(model.state_dict())
+    assert "Removed shared tensor {'lm_head.weight'}" in caplog.text

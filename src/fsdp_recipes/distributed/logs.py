@@ -7,6 +7,8 @@ the libraries' own levels left as they are)."""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import logging
 import sys
 
@@ -56,3 +58,33 @@ def info(message: str) -> None:
 
 def warning(message: str) -> None:
     logger.warning(message, main_process_only=True)
+
+
+_SHARED_TENSOR_NOTICE = "Removed shared tensor "
+
+
+@contextlib.contextmanager
+def tied_copies_unannounced(models):
+    """Within it, accelerate's notice that it wrote one of two tensors sharing memory (`Removed shared tensor
+    {'lm_head.weight'} while saving. This should be OK, but check...`) is dropped when every tensor it names is a
+    tie the models declare (tied embeddings): safetensors holds a storage once, and loading ties it again, which
+    exact resume and the export's reload check. A shared tensor the models do not declare is still announced."""
+    tied = {name for model in models for name in (getattr(model, "all_tied_weights_keys", None) or {})}
+
+    def announced(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        start = message.find(_SHARED_TENSOR_NOTICE)
+        if start < 0:
+            return True
+        try:
+            names = ast.literal_eval(message[start + len(_SHARED_TENSOR_NOTICE) :].split(" while saving", 1)[0])
+        except (ValueError, SyntaxError):
+            return True
+        return not all(any(name == key or name.endswith("." + key) for key in tied) for name in names)
+
+    source = logging.getLogger("accelerate.utils.other")  # where accelerate's save cleans the state dict
+    source.addFilter(announced)
+    try:
+        yield
+    finally:
+        source.removeFilter(announced)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.faults import inject_fault
+from fsdp_recipes.distributed import logs
 from fsdp_recipes.models.adapters import checkpoint_state_filter
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.disk_full import disk_full_error
@@ -189,7 +190,8 @@ def save_checkpoint(
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        with checkpoint_state_filter(accelerator):  # LoRA: the adapters, not the frozen base
+        models = [accelerator.unwrap_model(model) for model in getattr(accelerator, "_models", [])]
+        with checkpoint_state_filter(accelerator), logs.tied_copies_unannounced(models):  # LoRA: adapters only
             accelerator.save_state(str(staging))
         if rank_state is not None:
             _write_atomically(rank_state_path(staging, accelerator.process_index), json.dumps(rank_state) + "\n")
