@@ -157,6 +157,25 @@ def test_messages_that_are_not_a_list_of_turns(tmp_path, tokenizer):
         tokenize_dataset(train, tokenizer, assistant_only_loss=True, completion_only_loss=True, max_length=64)
 
 
+def test_a_tool_call_with_arguments_that_are_not_json_is_named_by_its_example_and_turn(tmp_path):
+    """OpenAI-style rows (each call's arguments as JSON text) read from a file as datasets reads them: the broken call
+    is refused, not trained (tests/test_real_chat_templates.py has the other uncallable calls)."""
+    from helpers.real_templates import family_tokenizer
+
+    def row(arguments: str) -> dict:
+        call = {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": arguments}}
+        return {"messages": [TURNS[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                             {"role": "assistant", "content": "It is sunny."}]}  # fmt: skip
+
+    path = write_jsonl(tmp_path / "train.jsonl", [row('{"city": "Oslo"}')] * 3 + [row('{"city": "Paris"')])
+    train = load_raw_dataset(str(path))["train"]
+    expected = r"example 3 of the train split: turn 1 \(assistant\): the arguments of its call of 'get_weather' are not"
+    with pytest.raises(DataError, match=expected):
+        tokenize_dataset(train, family_tokenizer("qwen3"), assistant_only_loss=True, completion_only_loss=True,
+                         max_length=4096)  # fmt: skip
+
+
 def test_a_conversational_completion_without_an_assistant_turn(tokenizer):
     good = {"prompt": TURNS[:1], "completion": TURNS[1:]}
     data = Dataset.from_list([good, {"prompt": TURNS[:1], "completion": [{"role": "user", "content": "?"}]}])

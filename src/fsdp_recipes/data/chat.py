@@ -78,6 +78,9 @@ def conversation_problem(messages: Any, column: str, *, assistant_from: int = 0)
             return f"turn {index} has role {role!r} ({_preview(turn)}); the roles are {', '.join(ROLES)}"
         if turn.get("content") is None and not turn.get("tool_calls"):
             return f"turn {index} ({role}) has no content"
+        calls_problem = tool_calls_problem(turn["tool_calls"]) if role == "assistant" and "tool_calls" in turn else None
+        if calls_problem:
+            return f"turn {index} (assistant): {calls_problem}"
     first = next((turn for turn in messages if turn["role"] != "system"), None)
     if first is not None and first["role"] != "user":
         return (
@@ -107,6 +110,47 @@ def conversation_problem(messages: Any, column: str, *, assistant_from: int = 0)
     return None
 
 
+def tool_calls_problem(calls: Any) -> str | None:
+    """What makes an assistant turn's tool calls uncallable, or None: each call (`{"type": "function", "function":
+    {"name", "arguments"}}`, or the flat `{"name", "arguments"}` that transformers' templates read too) needs a
+    function name, and arguments that are a JSON object, given as a mapping or as its JSON text (templates render a
+    mapping with tojson and text as written). Trained as written, a call with text that is not JSON, or with no
+    name, teaches the model to write calls that cannot be made."""
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return f"'tool_calls' is {_a(_kind(calls))}, not a list of calls"
+    for number, call in enumerate(calls):
+        function = (call.get("function") or call) if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return (
+                f"tool call {number} is {_a(_kind(call))}, not a call ({{'type': 'function', 'function': {{'name', "
+                "'arguments'}})"
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            return f"tool call {number} has no function name ({_shortened(json.dumps(call, default=str))})"
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as error:
+                written = _shortened(function["arguments"])
+                return f"the arguments of its call of {name!r} are not valid JSON ({error}): {written}"
+        if arguments is None:
+            return f"its call of {name!r} has no arguments (a call that takes none has {{}})"
+        if not isinstance(arguments, dict):
+            return (
+                f"the arguments of its call of {name!r} are {_a(_kind(arguments))}, not a JSON object of named "
+                "arguments"
+            )
+    return None
+
+
+def _shortened(text: str) -> str:
+    return repr(text[:60]) + ("..." if len(text) > 60 else "")
+
+
 def _kind(value: Any) -> str:
     return {str: "string", list: "list", dict: "mapping", type(None): "null"}.get(type(value), type(value).__name__)
 
@@ -117,8 +161,7 @@ def _a(word: str) -> str:
 
 def _preview(turn: dict[str, Any]) -> str:
     """Enough of a turn to find the example in the data: indices count the split after the eval examples left it."""
-    text = " ".join(str(turn.get("content")).split())
-    return f"content {text[:60]!r}" + ("..." if len(text) > 60 else "")
+    return f"content {_shortened(' '.join(str(turn.get('content')).split()))}"
 
 
 def example_tools(example: dict[str, Any]) -> list[dict] | None:
