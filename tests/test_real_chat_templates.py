@@ -19,6 +19,7 @@ from fsdp_recipes.train import generation
 from fsdp_recipes.train.generation import GenerationSettings
 from helpers.data import encode_chat, trained_text, write_jsonl, write_tiny_model_config
 from helpers.real_templates import FAMILIES, family_tokenizer, template_text
+from helpers.real_vocabularies import real_vocabulary_tokenizer
 from helpers.recipes import base_recipe_values, run_recipe_in_process
 
 CONVERSATION = [
@@ -30,6 +31,8 @@ CONVERSATION = [
 # Each reply with what ends it, nothing of the prompt or of the headers the generation prompt already holds.
 TRAINED = {
     "qwen3": "cba<|im_end|>\n<think>\n\n</think>\n\nyx<|im_end|>\n",  # the last reply as the model writes it
+    "qwen2.5": "cba<|im_end|>\nyx<|im_end|>\n",
+    "qwen2": "cba<|im_end|>\nyx<|im_end|>\n",
     "llama-3.1": "cba<|eot_id|>yx<|eot_id|>",
     "llama-3.2": "cba<|eot_id|>yx<|eot_id|>",
     "gemma-3": "cba<end_of_turn>\nyx<end_of_turn>\n",
@@ -57,6 +60,8 @@ def tool_conversation(content):
 TOOL_TURNS_TRAINED = {
     "qwen3": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n'
     "<think>\n\n</think>\n\nIt is sunny.<|im_end|>\n",
+    "qwen2.5": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n'
+    "It is sunny.<|im_end|>\n",
     "llama-3.1": '{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>It is sunny.<|eot_id|>',
     "llama-3.2": '{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>It is sunny.<|eot_id|>',
     "mistral-nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "abc123XYZ"}]</s>'
@@ -98,7 +103,7 @@ def test_a_tool_call_turn_is_trained_with_its_end_token_whether_its_content_is_n
         assert trained_text(tokenizer, encoded) == TOOL_TURNS_TRAINED[family]
 
 
-@pytest.mark.parametrize("family", ["smollm3", "deepseek-r1-distill", "phi-4", "phi-4-mini"])
+@pytest.mark.parametrize("family", ["qwen2", "smollm3", "deepseek-r1-distill", "phi-4", "phi-4-mini"])
 def test_a_template_that_drops_tool_calls_is_refused_naming_the_example_and_the_turn(family):
     data = Dataset.from_list([{"messages": CONVERSATION}, {"messages": tool_conversation(None)}])
     with pytest.raises(DataError) as refused:
@@ -150,7 +155,7 @@ WRITES_OTHER_CALLS = {"llama-3.1", "llama-3.2", "mistral-nemo", "gpt-oss", "smol
 def test_grpo_tool_rounds_are_checked_on_a_real_round_before_loading(family):
     """A call round is rendered and read back before loading: only Hermes-style calls are read in rollouts."""
     problem = tools.template_problem(family_tokenizer(family), [reverse_tool()])
-    if family == "qwen3":
+    if family in ("qwen3", "qwen2.5"):
         assert problem is None
     elif family in WRITES_OTHER_CALLS:
         assert problem.startswith("the tokenizer's chat template writes a tool call as")
@@ -269,3 +274,105 @@ def test_a_tools_column_is_shown_to_the_model_and_bad_tools_are_refused_naming_t
     data = Dataset.from_list([{"messages": CONVERSATION, "tools": schema}, {"messages": CONVERSATION, "tools": "[{"}])
     with pytest.raises(DataError, match=r"example 1 of the train split: 'tools' is not valid JSON"):
         tokenize_dataset(data, qwen, assistant_only_loss=True, completion_only_loss=True, max_length=4096)
+
+
+def broken_call(**function):
+    calls = function.pop("calls", None)
+    turns = tool_conversation(None)
+    turns[1] = {**turns[1], "tool_calls": calls if calls is not None else [{"type": "function", "function": function}]}
+    return turns
+
+
+@pytest.mark.parametrize(
+    "turns, reason",
+    [
+        (broken_call(name="get_weather", arguments='{"city": "Paris"'),
+         r"the arguments of its call of 'get_weather' are not valid JSON \(Expecting ',' delimiter.*\): "
+         r"'\{\"city\": \"Paris\"'"),
+        (broken_call(arguments={"city": "Oslo"}), r"tool call 0 has no function name \('\{\"type\": \"function\""),
+        (broken_call(name=" ", arguments={"city": "Oslo"}), "tool call 0 has no function name"),
+        (broken_call(name="get_weather", arguments='["Oslo"]'),
+         "the arguments of its call of 'get_weather' are a list, not a JSON object of named arguments"),
+        (broken_call(name="get_weather", arguments=7), "the arguments of its call of 'get_weather' are an int, not"),
+        (broken_call(name="get_weather"), r"its call of 'get_weather' has no arguments \(a call that takes none"),
+        (broken_call(calls={"name": "get_weather"}), "'tool_calls' is a mapping, not a list of calls"),
+        (broken_call(calls=["get_weather"]), "tool call 0 is a string, not a call"),
+    ],
+    ids=["not-json", "no-name", "blank-name", "json-list", "number", "no-arguments", "calls-mapping", "call-string"],
+)  # fmt: skip
+def test_a_tool_call_that_cannot_be_made_is_refused_naming_the_example_and_the_turn(turns, reason):
+    """Trained as written, such a call teaches the model to write calls that cannot be made (issue 64)."""
+    data = Dataset.from_list([{"messages": CONVERSATION}, {"messages": turns}])  # one type per column, as Arrow wants
+    with pytest.raises(DataError, match=rf"^example 1 of the train split: turn 1 \(assistant\): {reason}") as refused:
+        tokenize_dataset(data, family_tokenizer("qwen3"), assistant_only_loss=True, completion_only_loss=True,
+                         max_length=4096)  # fmt: skip
+    assert str(refused.value).endswith("Fix or remove that example.")
+
+
+def test_a_calls_arguments_as_a_mapping_or_as_json_text_train_the_same_call():
+    """TRL and transformers take both; Qwen3's template writes a mapping with tojson and text as it is. The flat
+    {"name", "arguments"} form, which the templates read too, is accepted as well."""
+    qwen = family_tokenizer("qwen3")
+    as_text = broken_call(name="get_weather", arguments='{"city": "Oslo"}')
+    flat = broken_call(calls=[{"name": "get_weather", "arguments": {"city": "Oslo"}}])
+    for turns in (tool_conversation(None), as_text, flat):
+        assert trained_text(qwen, sft_encode(qwen, {"messages": turns})) == TOOL_TURNS_TRAINED["qwen3"]
+    pair = {"prompt": as_text[:1], "chosen": as_text[1:2], "rejected": [{"role": "assistant", "content": "no idea"}]}
+    assert len(paired.tokenize_pairs(Dataset.from_list([pair]), qwen, max_length=4096)[0]) == 1
+
+
+REAL_VOCABULARY_FAMILIES = ("qwen2", "qwen2.5", "qwen3", "mistral-nemo", "mistral-small-3")
+# A reply that starts with a newline (Qwen's header ends with one: tokenised with the rendering, the two make one
+# token) and one that starts with a space.
+SPACED = [
+    {"role": "user", "content": "reverse: abc"},
+    {"role": "assistant", "content": "\ncba"},
+    {"role": "user", "content": "reverse: xy"},
+    {"role": "assistant", "content": " yx"},
+]
+SPACED_TRAINED = {
+    "qwen2": ["\ncba<|im_end|>\n", " yx<|im_end|>\n"],
+    "qwen2.5": ["\ncba<|im_end|>\n", " yx<|im_end|>\n"],
+    "qwen3": ["\ncba<|im_end|>\n", "<think>\n\n</think>\n\n yx<|im_end|>\n"],  # the last reply's leading \n: stripped
+    "mistral-nemo": ["\ncba</s>", " yx</s>"],
+    "mistral-small-3": ["\ncba</s>", " yx</s>"],
+}
+
+
+@pytest.mark.parametrize("family", REAL_VOCABULARY_FAMILIES)
+def test_real_vocabularies_train_exactly_each_reply(family):
+    """Qwen's byte-level BPE and Mistral's tekken (helpers/real_vocabularies.py) under the families' templates."""
+    tokenizer = real_vocabulary_tokenizer(family)
+    assert trained_text(tokenizer, sft_encode(tokenizer, {"messages": CONVERSATION})) == TRAINED[family]
+    encoded = sft_encode(tokenizer, {"messages": SPACED})
+    assert trained_pieces(tokenizer, encoded) == SPACED_TRAINED[family]
+    assert tokenizer.decode(encoded["input_ids"]) == tokenizer.apply_chat_template(SPACED, tokenize=False)
+    if family in TOOL_TURNS_TRAINED:
+        trained = trained_text(tokenizer, sft_encode(tokenizer, {"messages": tool_conversation(None)}))
+        assert trained == TOOL_TURNS_TRAINED[family]
+
+
+@pytest.mark.parametrize("family", REAL_VOCABULARY_FAMILIES)
+def test_a_reply_is_tokenised_as_the_model_writes_it_after_its_generation_prompt(family):
+    """At inference the prompt ends with the generation prompt, and the model writes the reply's tokens after it: the
+    reply's training ids are the reply tokenised apart, after the prompt's text."""
+    tokenizer = real_vocabulary_tokenizer(family)
+    encoded = sft_encode(tokenizer, {"messages": SPACED})
+    ids, mask = encoded["input_ids"], encoded["loss_mask"]
+    starts = [i for i, keep in enumerate(mask) if keep and (i == 0 or not mask[i - 1])]
+    for start, reply, piece in zip(starts, (1, 3), SPACED_TRAINED[family], strict=True):
+        prompt = tokenizer.apply_chat_template(SPACED[:reply], add_generation_prompt=True, tokenize=False)
+        assert tokenizer.decode(ids[:start]) == prompt
+        piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+        assert ids[start : start + len(piece_ids)] == piece_ids and sum(mask[start:]) >= len(piece_ids)
+    first_prompt = tokenizer.apply_chat_template(SPACED[:1], add_generation_prompt=True)["input_ids"]
+    assert ids[: len(first_prompt)] == first_prompt
+    # Tokenised whole, Qwen's rendering merges the header's newline with the first reply's; tekken's [/INST] cannot
+    assert (ids != tokenizer.apply_chat_template(SPACED)["input_ids"]) == family.startswith("qwen")
+    # DPO, KTO and reward build each side so: the prompt as at inference, then the answer apart
+    side, side_mask = paired.tokenize_side(
+        tokenizer, SPACED[:1], SPACED[1:2], max_length=1 << 20, max_prompt_length=None
+    )
+    answer = trained_text(tokenizer, {"input_ids": side, "loss_mask": side_mask})
+    assert side == first_prompt + tokenizer(answer, add_special_tokens=False)["input_ids"]
+    assert side_mask == [0] * len(first_prompt) + [1] * (len(side) - len(first_prompt))

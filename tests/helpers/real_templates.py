@@ -47,6 +47,23 @@ FAMILIES = {
         eos="<|im_end|>",
         plain=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
     ),
+    "qwen2.5": Family(
+        "Qwen-Qwen2.5-7B-Instruct.jinja",
+        "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f",
+        "Qwen/Qwen2.5-7B-Instruct (also Qwen2.5-0.5B ... 72B-Instruct, Qwen2.5-Coder-*-Instruct)",
+        "Apache-2.0 (Qwen2.5-3B and 72B: the Qwen licences)",
+        ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
+        eos="<|im_end|>",
+        plain=("<tool_call>", "</tool_call>"),
+    ),
+    "qwen2": Family(
+        "Qwen-Qwen2-1.5B-Instruct.jinja",
+        "793202280c0910ab26bc6eb57c8212c2417324c6d8c4efd0d10d59092ab3e3eb",
+        "Qwen/Qwen2-1.5B-Instruct (also Qwen2-0.5B, 7B, 72B-Instruct and the Qwen1.5 chat models)",
+        "Apache-2.0 (Qwen2-72B: the Tongyi Qianwen licence)",
+        ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
+        eos="<|im_end|>",
+    ),
     "llama-3.1": Family(
         "meta-llama-Llama-3.1-8B-Instruct.jinja",
         "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",

@@ -1,7 +1,9 @@
 """Which tokens of a chat template's rendering are the assistant's: the loss mask of a conversation.
 
-The tokens trained on are always the model's own template's rendering of the whole conversation; this module only
-says which of them are a reply's. Three ways, the first that applies (docs/chat-templates.md):
+The text trained on is always the model's own template's rendering of the whole conversation; this module says which
+of it is each reply's, and tokenises each reply apart from the text before it, as the model writes it after its
+generation prompt at inference (_split_at_replies). The replies are found in three ways, the first that applies
+(docs/chat-templates.md):
 
 1. rendered prefixes: the template applied to the turns before a reply (with the generation prompt) is a prefix of
    the whole rendering, and so is the template applied through the reply (Llama 3, Mistral, Gemma, ChatML);
@@ -14,6 +16,7 @@ says which of them are a reply's. Three ways, the first that applies (docs/chat-
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from typing import Any
@@ -69,67 +72,133 @@ def conversation_tokens(
 ) -> tuple[list[int], list[int]]:
     """Tokens of a whole conversation, as the model's own chat template renders it (with `tools`, the schemas the
     template shows the model, as TRL passes a dataset's `tools` column), and a mask over those of messages at index
-    >= first_trained whose role is in loss_roles (every token if loss_roles is None). Without `rewriting_templates`
-    only the rendered prefixes are trusted; what no way can locate is refused (TemplatePrefixError), never guessed."""
+    >= first_trained whose role is in loss_roles (every token if loss_roles is None). Each trained reply is
+    tokenised apart from the text before it, as the model writes it after its generation prompt at inference
+    (_split_at_replies). Without `rewriting_templates` only the rendered prefixes are trusted; what no way can
+    locate is refused (TemplatePrefixError), never guessed."""
     messages = prepared_turns(messages)
     render = functools.partial(tokenizer.apply_chat_template, tools=tools) if tools else tokenizer.apply_chat_template
-    full = render(messages, tokenize=True)["input_ids"]
     if loss_roles is None:
+        full = render(messages, tokenize=True)["input_ids"]
         return full, [1] * len(full)
+    text = render(messages, tokenize=False)
     if rewriting_templates and has_generation_markers(tokenizer):
-        return full, _mask_from_generation_markers(tokenizer, render, messages, full, first_trained)
-    try:
-        return full, _mask_from_prefixes(tokenizer, render, messages, full, loss_roles, first_trained)
-    except TemplatePrefixError:
-        if not rewriting_templates:
-            raise
-        return full, _mask_from_turn_renderings(tokenizer, render, messages, full, loss_roles, first_trained)
+        spans = _spans_from_generation_markers(tokenizer, render, messages, text, first_trained)
+    else:
+        try:
+            spans = _spans_from_prefixes(render, messages, text, loss_roles, first_trained)
+        except TemplatePrefixError:
+            if not rewriting_templates:
+                raise
+            spans = _spans_from_turn_renderings(render, messages, text, loss_roles, first_trained)
+    return _split_at_replies(tokenizer, text, spans)
 
 
-def _mask_from_prefixes(tokenizer, render, messages, full, loss_roles, first_trained) -> list[int]:
-    mask = [0] * len(full)
+def _split_at_replies(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """The rendering's tokens, each reply's span tokenised apart from the text around it, and the mask of the
+    replies' tokens. At inference the prompt ends where the generation prompt does and the model writes the reply's
+    tokens after it; a byte-level BPE that tokenises the whole rendering at once may merge the header's last
+    characters with the reply's first (the newline after Qwen's `<|im_start|>assistant` and a reply's leading
+    newline make one token), a token the model never writes there and no mask could give the reply alone. A span's
+    boundary inside an added token of the whole tokenisation (a special token the turn renderings met in part: the
+    `<|` that gpt-oss's `<|end|>` and `<|return|>` share) moves out of it, leaving it to the text around the reply.
+    Where the pieces tokenised apart do not spell the rendering (a SentencePiece tokenizer puts a space before each),
+    the whole rendering's tokens are kept and a reply has those lying wholly inside its span."""
+    fast = getattr(tokenizer, "is_fast", False)
+    whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+    whole_ids = list(whole["input_ids"])
+    if fast:
+        spans = _outside_added_tokens(tokenizer, text, whole["offset_mapping"], spans)
+    ids, mask, at = [], [], 0
+    for start, end in [*spans, (len(text), len(text))]:
+        for piece, trained in ((text[at:start], 0), (text[start:end], 1)):
+            piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+            ids += piece_ids
+            mask += [trained] * len(piece_ids)
+        at = end
+    if ids == whole_ids or (fast and _spelled(tokenizer, ids) == _spelled(tokenizer, whole_ids)):
+        return ids, mask
+    if not fast:
+        raise TemplatePrefixError(
+            "the tokenizer tokenises a reply differently apart from its prompt than inside the whole conversation, "
+            "and telling the reply's tokens apart there needs a fast tokenizer (character offsets)",
+            _FIX,
+        )
+    return whole_ids, [
+        int(any(start <= first and last <= end for start, end in spans)) for first, last in whole["offset_mapping"]
+    ]
+
+
+def _spelled(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _outside_added_tokens(tokenizer, text, offsets, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The spans less any added token of the whole tokenisation they hold only in part: a start inside one moves to
+    its end, an end inside one to its start."""
+    starts = [first for first, _ in offsets]
+
+    def straddled(cut: int) -> tuple[int, int] | None:
+        index = bisect.bisect_left(starts, cut) - 1
+        if index >= 0 and offsets[index][1] > cut and text[slice(*offsets[index])] in tokenizer.added_tokens_encoder:
+            return offsets[index]
+        return None
+
+    moved = []
+    for start, end in spans:
+        start = (straddled(start) or (None, start))[1]
+        end = max(start, (straddled(end) or (end, None))[0])
+        moved.append((start, end))
+    return moved
+
+
+def _spans_from_prefixes(render, messages, text, loss_roles, first_trained) -> list[tuple[int, int]]:
+    spans = []
     for index, message in enumerate(messages):
         if index < first_trained or message.get("role") not in loss_roles:
             continue
-        head = render(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
-        upto = render(messages[: index + 1], tokenize=True)["input_ids"]
-        if full[: len(head)] != head or full[: len(upto)] != upto:
+        head = render(messages[:index], tokenize=False, add_generation_prompt=True)
+        upto = render(messages[: index + 1], tokenize=False)
+        if not (text.startswith(head) and text.startswith(upto) and len(head) <= len(upto)):
             raise TemplatePrefixError(
                 "the chat template renders a conversation differently from its prefixes, so the tokens of each "
                 "assistant turn cannot be located for the loss mask",
                 _FIX,
             )
-        _refuse_if_missing(index, message, tokenizer.decode(full[len(head) : len(upto)]))
-        for position in range(len(head), len(upto)):
-            mask[position] = 1
-    return mask
+        _refuse_if_missing(index, message, text[len(head) : len(upto)])
+        spans.append((len(head), len(upto)))
+    return spans
 
 
-def _mask_from_generation_markers(tokenizer, render, messages, full, first_trained) -> list[int]:
+def _spans_from_generation_markers(tokenizer, render, messages, text, first_trained) -> list[tuple[int, int]]:
     """transformers' assistant mask (the tokens inside `{% generation %}` blocks), less what the generation prompt
     already holds (SmolLM3 marks the `<|im_start|>assistant` header too, which the model is given, not asked to
     write) and less the assistant turns that come before `first_trained` (a conversational prompt's own). Each
     reply must be one marked block of its own, else the template is refused."""
     rendered = render(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     mask = list(rendered["assistant_masks"])
-    if list(rendered["input_ids"]) != list(full) or len(mask) != len(full):
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(rendered["input_ids"]) != list(encoding["input_ids"]) or len(mask) != len(encoding["input_ids"]):
         raise TemplatePrefixError("the chat template renders differently when asked for its assistant mask", _FIX)
+    offsets = encoding["offset_mapping"]
     replies = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
-    runs = [(start, end) for start, end in _runs_of_ones(mask)]
+    runs = _runs_of_ones(mask)
     if len(runs) != len(replies):  # consecutive replies: the second's marked header joins the first's block
         raise TemplatePrefixError(
             f"the chat template's {{% generation %}} blocks ({len(runs)}) do not match the assistant turns "
             f"({len(replies)}) one to one, so each turn's tokens cannot be told apart",
             _FIX,
         )
-    for (start, end), index in zip(runs, replies):
-        head = render(messages[:index], tokenize=True, add_generation_prompt=True)["input_ids"]
-        given = len(head) if full[: len(head)] == head else start
-        for position in range(start, end if index < first_trained else min(given, end)):
-            mask[position] = 0
-        if index >= first_trained:
-            _refuse_if_missing(index, messages[index], tokenizer.decode(full[max(start, given) : end]))
-    return mask
+    spans = []
+    for (first, last), index in zip(runs, replies):
+        if index < first_trained:
+            continue
+        start, end = offsets[first][0], offsets[last - 1][1]
+        head = render(messages[:index], tokenize=False, add_generation_prompt=True)
+        start = max(start, len(head)) if text.startswith(head) else start
+        _refuse_if_missing(index, messages[index], text[start:end])
+        spans.append((start, end))
+    return spans
 
 
 def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
@@ -144,7 +213,7 @@ def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _mask_from_turn_renderings(tokenizer, render, messages, full, loss_roles, first_trained) -> list[int]:
+def _spans_from_turn_renderings(render, messages, text, loss_roles, first_trained) -> list[tuple[int, int]]:
     """For templates that render a turn differently once more follow. A reply starts where the conversation before
     it, with the generation prompt, stops agreeing with the whole rendering, the two aligned at the end of the last
     earlier turn's text (so Qwen3's think block on the last reply is trained, as the model writes it, and reasoning
@@ -153,15 +222,7 @@ def _mask_from_turn_renderings(tokenizer, render, messages, full, loss_roles, fi
     not the `<|end|>` that stands where the model wrote `<|return|>`), up to its end (Qwen3's earlier replies,
     without the think block the template gives the last turn only), or through its answer, found in its own context.
     A reply must start after the one before it ends, and its text and each tool call's name must lie in what was
-    found, else the template is refused with the turn that failed. Needs a fast tokenizer (its offsets map
-    characters to tokens)."""
-    if not getattr(tokenizer, "is_fast", False):
-        raise TemplatePrefixError(
-            "the chat template renders earlier turns differently once more follow, and locating the assistant's "
-            "tokens in such a rendering needs a fast tokenizer (character offsets)",
-            _FIX,
-        )
-    text = render(messages, tokenize=False)
+    found, else the template is refused with the turn that failed."""
     spans, previous_end = [], 0
     for index, message in enumerate(messages):
         if index < first_trained or message.get("role") not in loss_roles:
@@ -184,17 +245,7 @@ def _mask_from_turn_renderings(tokenizer, render, messages, full, loss_roles, fi
         _refuse_if_missing(index, message, turn[:length])
         spans.append((start, start + length))
         previous_end = start + length
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(encoding["input_ids"]) != list(full):
-        raise TemplatePrefixError(
-            "the chat template's text does not tokenize to its own token ids (apply_chat_template with tokenize=True "
-            "and False disagree), so the assistant's tokens cannot be located",
-            "Set assistant_only_loss: false",
-        )
-    # Whole tokens only: a reply's end found character by character may lie inside the next turn's first token.
-    return [
-        int(any(start <= first and last <= end for start, end in spans)) for first, last in encoding["offset_mapping"]
-    ]
+    return spans
 
 
 def _reply_start(text: str, head: str, before: list[dict[str, Any]], previous_end: int) -> int | None:
