@@ -118,3 +118,29 @@ def test_resume_onto_another_model_shape_is_one_error(tmp_path, values, tokenize
     assert "the checkpoint holds a model of other shapes" in error
     vocab = len(tokenizer)
     assert f"model.embed_tokens.weight: ({vocab}, 128) in the checkpoint, ({vocab}, 64) now" in error
+
+
+def test_a_max_length_past_the_model_s_positions_is_refused_before_loading(tmp_path, values, capsys):
+    """An example of max_length tokens would be read past the model's positions (a rotary model: silently, where it
+    was never trained): refused before loading with the two fixes. A packed row longer than the positions is fine,
+    its positions restart at each example, so the bound is max_length, not packing_row_length: the sequence-parallel
+    launch (tests/fixtures/four_processes.py) trains rows of 1023 tokens on a model of 256 positions, equal to one
+    process. GPT-2's learned table cannot be extended by a setting, and is told so."""
+    model = json.loads(Path(values["model_config"]).read_text())
+    (short := tmp_path / "short.json").write_text(json.dumps(model | {"max_position_embeddings": 128}))
+    values |= dict(model_config=str(short), max_length=512, packing=False)
+    error = run_failing_in_process(tmp_path, values, capsys)
+    assert error.startswith("error: max_length 512 is longer than the model's positions (max_position_embeddings 128)")
+    assert "Set max_length <= 128, or extend them in the model config: rope scaling (rope_parameters" in error
+    assert "factor 4 and original_max_position_embeddings 128), and max_position_embeddings 512" in error
+    assert not Path(values["output_dir"]).exists()
+
+    from transformers import GPT2Config
+
+    from fsdp_recipes.common.errors import ConfigError
+    from fsdp_recipes.models.positions import check_example_fits_positions
+
+    with pytest.raises(ConfigError, match="a learned position table cannot be extended by a setting"):
+        check_example_fits_positions(GPT2Config(n_positions=64), 65)
+    check_example_fits_positions(GPT2Config(n_positions=64), 64)
+    check_example_fits_positions(GPT2Config(n_positions=64), None)  # a recipe without max_length

@@ -95,7 +95,7 @@ def test_the_serve_command_refuses_what_cannot_start_with_one_error_line(vllm_se
         ({"async_generation": True, "dynamic_sampling": True}, "async_generation with dynamic_sampling"),
         ({"vllm_importance_sampling_mode": "token_clip"}, "vllm_importance_sampling_mode 'token_clip' is not one of"),
         ({"vllm_tensor_parallel_size": 2}, "runs tensor parallel 1"),
-        ({"max_length": 300, "max_completion_length": 8}, "takes at most 256 tokens per request"),
+        ({"max_length": 240, "max_completion_length": 8}, "takes at most 200 tokens per request"),
         ({"vllm_server_base_url": "FREE_PORT", "vllm_server_timeout": 1}, "no vLLM server answers at"),
         ({"model_name_or_path": "OTHER_MODEL"}, "serves another model"),
     ],
@@ -227,7 +227,7 @@ def test_eval_generates_through_the_server_what_generate_writes(vllm_server, cha
     match as transformers' generate."""
     values = dict(
         model_name_or_path=str(vllm_server.model), dataset_name=str(chat_data), metrics=["exact_match"],
-        max_eval_samples=8, max_new_tokens=8, per_device_eval_batch_size=4, report_to="none",
+        max_eval_samples=8, max_new_tokens=8, per_device_eval_batch_size=4, report_to="none", max_length=128,
     )  # fmt: skip
     predictions = {}
     for name, backend in (("generate", {}), ("vllm", {"use_vllm": True, "vllm_server_base_url": vllm_server.url})):

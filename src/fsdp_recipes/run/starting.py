@@ -32,12 +32,20 @@ from fsdp_recipes.models.modeling import (
     model_class_for,
     resolve_wrap_classes,
 )
+from fsdp_recipes.models.positions import check_example_fits_positions
 from fsdp_recipes.publish.hub import require_hub_token
 from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import generation_backends, preemption, router_balance, trainer_arguments, vllm_settings
+from fsdp_recipes.train import (
+    expert_bias,
+    generation_backends,
+    preemption,
+    router_balance,
+    trainer_arguments,
+    vllm_settings,
+)
 from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 from fsdp_recipes.train.losses import loss_implementation_problem
@@ -190,6 +198,7 @@ def load_model_files(
         setting=None if model_config_file else model_setting,
     )
     check_tokenizer_fits_model(tokenizer, model_config)
+    check_example_fits_positions(model_config, getattr(config, "max_length", None))
     return tokenizer, model_config
 
 
@@ -282,6 +291,8 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     hub_token = require_hub_token() if config.push_to_hub else None
     tokenizer, model_config = load_model_files(config, config.model_name_or_path, config.model_config)
     apply_router_aux_loss_coef(model_config, config.router_aux_loss_coef)
+    if problem := expert_bias.rate_problem(model_config, config):
+        raise ConfigError(problem)
     if checkpoint is not None and checkpoints_lib.saved_model_config_path(checkpoint).is_file():
         saved = load_model_config(
             None, str(checkpoints_lib.saved_model_config_path(checkpoint)), trust_remote_code=config.trust_remote_code

@@ -1,0 +1,45 @@
+"""How long an example a model can read: `max_length` against the model's positions, checked before any weights
+load. Rotary models run past `max_position_embeddings` without an error, at positions they were never trained on
+(the loss looks normal, the model learns little there); models with a learned position table index past it and
+crash mid-run. Packed rows are bounded by the example, not the row: their positions restart at each example."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from fsdp_recipes.common.errors import ConfigError
+
+
+def model_positions(config: PretrainedConfig) -> int | None:
+    """The positions the model was trained on (or extended to, by rope scaling): `max_position_embeddings` (GPT-2's
+    `n_positions` reads as it); None for a model that declares none."""
+    for part in (config, getattr(config, "text_config", None)):
+        positions = getattr(part, "max_position_embeddings", None) if part is not None else None
+        if isinstance(positions, int) and positions > 0:
+            return positions
+    return None
+
+
+def check_example_fits_positions(config: PretrainedConfig, max_length: int | None, *, setting: str = "max_length"):
+    """ConfigError when one example of `max_length` tokens would reach past the model's positions."""
+    positions = model_positions(config)
+    if max_length is None or positions is None or max_length <= positions:
+        return
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    rotary = "rope_theta" in rope or rope_type != "default"
+    if rotary:
+        past = "at positions this rotary model was never trained on (no error: it learns little there)"
+        extend = (
+            "extend them in the model config: rope scaling (rope_parameters with rope_type yarn, factor "
+            f"{-(-max_length // positions)} and original_max_position_embeddings {positions}), and "
+            f"max_position_embeddings {max_length}"
+        )
+    else:
+        past = "past the model's learned position table (an index error mid-run)"
+        extend = "use a model with more positions (a learned position table cannot be extended by a setting)"
+    raise ConfigError(
+        f"{setting} {max_length} is longer than the model's positions (max_position_embeddings {positions}): an "
+        f"example that long would be read {past}. Set {setting} <= {positions}, or {extend}. Packed rows may be "
+        "longer: their positions restart at each example."
+    )
