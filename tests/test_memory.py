@@ -501,3 +501,31 @@ def test_a_reference_model_copy_is_counted_for_the_mode_the_recipe_config_choose
     assert code == 1 and by_change["no reference model copy"]["predicted_total_bytes"] == (
         report["per_gpu_bytes"]["total"] - report["per_gpu_bytes"]["reference_model"]
     )
+
+
+def test_the_printed_summary_shows_the_estimate_in_a_few_gib_lines_and_the_json_keeps_the_bytes():
+    from fsdp_recipes.run.components import printed_summary
+
+    estimate = {
+        "predicted_per_gpu_bytes": {"parameters": 3 * 2**30, "gradients": 3 * 2**30, "optimizer_state": 6 * 2**30,
+                                    "reference_model": 0, "activations": 2**29, "activations_without_checkpointing": 2**29,
+                                    "activations_with_checkpointing": 2**27, "logits": 2**28, "all_gather_buffers": 2**26,
+                                    "total": 13 * 2**30},
+        "predicted_host_bytes_per_gpu": {"optimizer_state": 0},
+        "rank_state_bytes_per_rank": [{"parameters": 3 * 2**30}] * 8,
+        "sharding": "FULL_SHARD",
+        "tokens_per_micro_batch": 4096,
+    }  # fmt: skip
+    summary = {"world_size": 8, "memory_estimate": estimate, "optim": "adamw_torch"}
+    rows = printed_summary(summary)
+    assert rows[0] == ("world_size", 8) and rows[-1] == ("optim", "adamw_torch")
+    assert rows[1] == (
+        "memory_estimate",
+        "13 GiB per GPU, predicted (FULL_SHARD, 4096 tokens per micro-batch); in bytes in run_summary.json",
+    )
+    assert rows[2:-1] == [
+        ("  of which (GiB)", "parameters 3, gradients 3, optimizer state 6, activations 0.5"),
+        ("", "logits 0.25, all gather buffers 0.0625"),
+    ]  # the zero parts and the two activation variants left out; no host line when nothing is offloaded
+    assert summary["memory_estimate"] is estimate  # run_summary.json is written from the summary, unchanged
+    assert printed_summary({"memory_estimate": None}) == [("memory_estimate", None)]  # eval: none made

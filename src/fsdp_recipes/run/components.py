@@ -18,9 +18,9 @@ from fsdp_recipes.distributed.accelerator import describe_run
 from fsdp_recipes.models import adapters, experts
 from fsdp_recipes.models.export_dtype import dtype_name
 from fsdp_recipes.models.modeling import activation_checkpointing_mechanism, count_non_embedding_parameters
-from fsdp_recipes.tools.estimator.live import estimate_for_run
+from fsdp_recipes.tools.estimator.live import estimate_for_run, readable_estimate
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import loop, router_balance, trainer_arguments
+from fsdp_recipes.train import expert_bias, loop, router_balance, trainer_arguments
 from fsdp_recipes.train.config import config_to_dict
 from fsdp_recipes.train.loop import BatchStream
 from fsdp_recipes.train.metrics import (
@@ -83,6 +83,7 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
         attn_implementation=run.attention_note,
         **(summary or {}),
         **(balance.summary() if balance is not None else {}),
+        **bias_summary(model, config),
         upstream_keys=trainer_arguments.upstream_key_notes(config) or None,
         **adapters.parameter_counts(model),
         lora=adapters.describe(config),
@@ -101,6 +102,30 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
     return described
 
 
+def bias_summary(model, config) -> dict[str, str]:
+    """The run summary's `router_bias_update`: the update `expert_bias.attach` set up, or why there is none where it
+    matters (LoRA keeps the base's bias as loaded; a rate set > 0 on a model whose routers keep no bias)."""
+    updates, rate = expert_bias.attached(model), config.router_bias_update_rate
+    if updates is not None:
+        return updates.summary()
+    if config.use_peft and rate is None and expert_bias.routers_with_bias(model):
+        return {"router_bias_update": f"none under LoRA: the base's {expert_bias.BIAS} stays as loaded"}
+    if rate:
+        return {
+            "router_bias_update": f"none: router_bias_update_rate {rate:g}, but no router of this model keeps an "
+            f"{expert_bias.BIAS} (DeepSeek-style balancing)"
+        }
+    return {}
+
+
+def printed_summary(summary: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The run summary's rows as printed: the memory estimate as a few lines in GiB (run_summary.json has it all)."""
+    rows = []
+    for name, value in summary.items():
+        rows += readable_estimate(value) if name == "memory_estimate" and value else [(name, value)]
+    return rows
+
+
 def start_metrics_log(run, first_step: int) -> MetricsLog:
     """The metrics log (metrics.jsonl on the main process, the step lines, the trackers), started at `first_step`
     with run_summary.json written and printed, the trackers initialised with the config, and a resume logged with
@@ -116,7 +141,7 @@ def start_metrics_log(run, first_step: int) -> MetricsLog:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         log.start(resumed_step=first_step - 1 if run.resumed else None)
         write_json(Path(config.output_dir) / "run_summary.json", run.summary)
-        logs.info("run summary:\n" + format_table(list(run.summary.items())))
+        logs.info("run summary:\n" + format_table(printed_summary(run.summary)))
     accelerator.init_trackers(
         config=numeric_fields(config_to_dict(config), keep_text=True),
         **trainer_arguments.tracker_options(config, run.name),
@@ -151,7 +176,8 @@ def record_state_bytes_after_first_step(run, model, optimizer, frozen_models=Non
 def step_logger(run, model, log: MetricsLog, batches, scheduler) -> StepLogger:
     """The step figures at `logging_steps`: loss, speed against the device's peak, position and learning rate."""
     accelerator = run.accelerator
-    balance = router_balance.attached(model)  # a mixture of experts' aux_loss: a figure the loop does not pass
+    # a mixture of experts' aux_loss and load imbalance: figures the loop does not pass
+    parts = [part.figures for part in (router_balance.attached(model), expert_bias.attached(model)) if part is not None]
     return StepLogger(
         accelerator,
         log,
@@ -161,7 +187,7 @@ def step_logger(run, model, log: MetricsLog, batches, scheduler) -> StepLogger:
         non_embedding_parameters=count_non_embedding_parameters(accelerator.unwrap_model(model)),
         peak_flops=peak_flops_per_device(run.summary["device_name"], run.config.peak_flops_per_device),
         position=lambda: {"epoch": batches.epoch, "lr": scheduler.get_last_lr()[0]},
-        step_figures=dict if balance is None else balance.figures,
+        step_figures=lambda: {name: value for figures in parts for name, value in figures().items()},
     )
 
 

@@ -22,7 +22,7 @@ from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.run import components
 from fsdp_recipes.run.training_loop import TrainingLoop
-from fsdp_recipes.train import trainer_arguments
+from fsdp_recipes.train import expert_bias, trainer_arguments
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 
@@ -200,6 +200,7 @@ class Run(StartedRun):
         self.total_steps = total_steps
         self.accelerator.register_for_checkpointing(scheduler)
         batches, first_step = components.resume_position(self, train_loader, scheduler)  # restores a checkpoint's state
+        expert_bias.attach(model, self.config)  # DeepSeek-style routers: their bias updated after each step
         adapters.register_generate_as_forward(model)
         self.summary = components.run_summary(self, model, train_loader, summary)
         log = components.start_metrics_log(self, first_step)  # writes the summary, starts the trackers, notes a resume

@@ -24,7 +24,7 @@ from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs
 from fsdp_recipes.publish.hub import push_folder_to_hub
-from fsdp_recipes.train import preemption
+from fsdp_recipes.train import expert_bias, preemption
 from fsdp_recipes.train.checkpoint import Checkpointer, latest_checkpoint
 from fsdp_recipes.train.evaluation import Evaluation
 from fsdp_recipes.train.loop import BatchStream
@@ -86,7 +86,8 @@ class TrainingLoop:
     def optimizer_step(self, step: int, model, optimizer, scheduler) -> torch.Tensor:
         """What ends optimizer step `step` in every recipe: the gradient norm taken over all ranks and the gradients
         clipped to `max_grad_norm` (0: measured, not clipped); a norm that is not finite stops the run on every rank
-        before the update (or skips the update, `skip_nonfinite_steps`); the optimizer and the schedule stepped, the
+        before the update (or skips the update, `skip_nonfinite_steps`); the optimizer stepped, and with it a
+        DeepSeek-style router's bias (`train.expert_bias`, collective); the schedule stepped, the
         gradients freed, the progress bar advanced, and FSDP_RECIPES_FAULT's points. Returns the norm before
         clipping."""
         config, accelerator = self.run.config, self.run.accelerator
@@ -94,9 +95,14 @@ class TrainingLoop:
             _poison_gradients(model)
         # clipping to inf multiplies by 1.0: the norm is measured and the gradients are bitwise as they were
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+        bias = expert_bias.attached(model)  # DeepSeek-style routers: the bias follows the step's global loads
         if torch.isfinite(grad_norm):  # a host sync, on a value global to every rank
             optimizer.step()
+            if bias is not None:
+                bias.update(accelerator)
         else:
+            if bias is not None:
+                bias.discard()
             self._nonfinite_step(step, grad_norm)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from fsdp_recipes.train import router_balance, trainer_arguments
+from fsdp_recipes.train import expert_bias, router_balance, trainer_arguments
 
 
 def build_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
@@ -75,14 +75,22 @@ def apply_settings_on_resume(scheduler, config) -> None:
 def micro_batches_in_sync(accelerator: Accelerator, model: torch.nn.Module, micro_batches: list):
     """Yields the micro-batches of one optimizer step; gradients are reduced across ranks once, on the last one
     (the others run under `no_sync`). Collective: first, a mixture of experts' router balance, where the recipe
-    attached one (`router_balance.attach`), takes its pass over all of them (the step's global expert shares)."""
+    attached one (`router_balance.attach`), takes its pass over all of them (the step's global expert shares); a
+    DeepSeek-style router's bias update (`expert_bias.attach`) is told each micro-batch, whose real tokens it counts."""
     balance = router_balance.attached(model)
     if balance is not None:
         balance.before_step(accelerator, model, micro_batches)
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else accelerator.no_sync(model):
-            yield batch
+    bias = expert_bias.attached(model)  # the micro-batch a forward runs on: its real tokens are the loads counted
+    try:
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            if bias is not None:
+                bias.micro_batch = batch
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                yield batch
+    finally:
+        if bias is not None:
+            bias.micro_batch = None
 
 
 class BatchStream:

@@ -88,7 +88,7 @@ class RouterBalanceLoss:
         self._capture: list | None = None  # during the pass: [router logits, decoder attention mask] of the forward
         self._gradient_weight = 1.0
         self._scaler = None
-        decoder = _decoder_of(model)
+        decoder = decoder_of(model)
         decoder.register_forward_hook(self._on_decoder_output, with_kwargs=True)
         _ATTACHED[decoder] = self
 
@@ -233,15 +233,17 @@ def checkpointing_problem(
 
 def attached(model: torch.nn.Module) -> RouterBalanceLoss | None:
     """The router balance `attach` put on this model (through any wrapper), or None."""
-    if not _ATTACHED:
+    return attached_in(_ATTACHED, model)
+
+
+def attached_in(registry, model: torch.nn.Module):
+    """What a registry keyed by module (weakly) holds for this model or any module inside it (through any wrapper)."""
+    if not registry:
         return None
-    for module in model.modules():
-        if module in _ATTACHED:
-            return _ATTACHED[module]
-    return None
+    return next((registry[module] for module in model.modules() if module in registry), None)
 
 
-def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack (what returns router_logits) inside a task model, a peft model or an accelerate wrapper."""
     for module in model.modules():
         if type(module).__name__.endswith("Model") and hasattr(module, "layers") and hasattr(module, "config"):

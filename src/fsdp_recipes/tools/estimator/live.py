@@ -54,3 +54,34 @@ def estimate_for_run(
         "sharding": layout.sharding,
         "tokens_per_micro_batch": est.workload.tokens,
     }
+
+
+_SHOWN_APART = ("total", "activations_without_checkpointing", "activations_with_checkpointing")
+
+
+def readable_estimate(estimate: dict[str, Any]) -> list[tuple[str, str]]:
+    """The estimate as a few (name, text) rows of the printed run summary, in GiB: the total one GPU holds, then its
+    non-zero parts, four to a row. Every figure, in bytes, stays in run_summary.json."""
+
+    def gib(count: int) -> str:
+        return f"{count / 2**30:.3g}"
+
+    per_gpu = estimate["predicted_per_gpu_bytes"]
+    parts = [
+        f"{name.replace('_', ' ')} {gib(count)}"
+        for name, count in per_gpu.items()
+        if count and name not in _SHOWN_APART
+    ]
+    rows = [
+        (
+            "memory_estimate",
+            f"{gib(per_gpu['total'])} GiB per GPU, predicted ({estimate['sharding']}, {estimate['tokens_per_micro_batch']} "
+            "tokens per micro-batch); in bytes in run_summary.json",
+        )
+    ]
+    rows += [("  of which (GiB)" if i == 0 else "", ", ".join(parts[i : i + 4])) for i in range(0, len(parts), 4)]
+    if host := {name: count for name, count in estimate["predicted_host_bytes_per_gpu"].items() if count}:
+        rows.append(
+            ("  host (GiB)", ", ".join(f"{name.replace('_', ' ')} {gib(count)}" for name, count in host.items()))
+        )
+    return rows
