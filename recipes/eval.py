@@ -21,6 +21,7 @@ from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.data import files, held_out
 from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
+from fsdp_recipes.models.positions import check_example_fits_positions
 from fsdp_recipes.publish import evaluation_results, hub, model_source
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import evaluation, generation, losses, vllm_settings, weight_sync
@@ -105,7 +106,10 @@ def prepare_measures(run: run_lib.EvaluationRun, config: EvalConfig) -> evaluati
     if run.task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
         labels = [model_config.id2label[i] for i in range(model_config.num_labels)]
         classifier.configure(model_config, labels, pad_token_id=run.tokenizer.pad_token_id)  # batches of several rows
-    return evaluation.measures_for(run.task, config.metrics)
+    measures = evaluation.measures_for(run.task, config.metrics)
+    if run.task == "sequence-classification" or measures.perplexity:  # rows cut at max_length; prompts are not
+        check_example_fits_positions(model_config, config.max_length)
+    return measures
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -128,3 +128,22 @@ def test_resolution_order(tokenizer, tmp_path):
 def test_an_unknown_export_dtype_is_one_error(tmp_path, tiny_model_config, small_chat_data, capsys):
     values = base_recipe_values(tiny_model_config, small_chat_data, tmp_path / "out", export_dtype="int8")
     assert "export_dtype 'int8' is not one of auto, float32" in recipe_error_in_process("sft", tmp_path, values, capsys)
+
+
+def test_what_transformers_keeps_in_fp32_is_exported_in_fp32():
+    """DeepSeek-V3's router weight and its trained e_score_correction_bias (steps of 0.001, which bf16 rounds away
+    near 1) stay float32 in a bf16 or fp16 export, as transformers keeps them on loading; the rest is cast, and
+    `gate_proj` is not taken for `gate`."""
+    from fsdp_recipes.models.export_dtype import cast_floating, kept_in_fp32
+    from helpers.tiny_moe import tiny_moe
+
+    model = tiny_moe("deepseek_v3")
+    model.model.layers[-1].mlp.gate.e_score_correction_bias.fill_(0.751)
+    state = model.state_dict()
+    cast = cast_floating(state, torch.bfloat16, kept_in_fp32(model, torch.bfloat16))
+    bias = next(name for name in cast if name.endswith("e_score_correction_bias") and "layers.1." in name)
+    kept = {name for name, tensor in cast.items() if tensor.dtype == torch.float32}
+    assert kept == {n for n in state if n.endswith(("mlp.gate.weight", "e_score_correction_bias"))} and bias in kept
+    assert torch.equal(cast[bias], state[bias])  # 0.751, where bf16 would write 0.75
+    assert any(name.endswith("gate_proj.weight") and cast[name].dtype == torch.bfloat16 for name in cast)
+    assert kept_in_fp32(model, torch.float32) == [] and cast_floating(state, torch.bfloat16).keys() == state.keys()

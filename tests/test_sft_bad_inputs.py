@@ -125,7 +125,7 @@ def test_a_max_length_past_the_model_s_positions_is_refused_before_loading(tmp_p
     was never trained): refused before loading with the two fixes. A packed row longer than the positions is fine,
     its positions restart at each example, so the bound is max_length, not packing_row_length: the sequence-parallel
     launch (tests/fixtures/four_processes.py) trains rows of 1023 tokens on a model of 256 positions, equal to one
-    process. GPT-2's learned table cannot be extended by a setting, and is told so."""
+    process. GPT-2's learned table is not rotary: it is told that only a model with more positions helps."""
     model = json.loads(Path(values["model_config"]).read_text())
     (short := tmp_path / "short.json").write_text(json.dumps(model | {"max_position_embeddings": 128}))
     values |= dict(model_config=str(short), max_length=512, packing=False)
@@ -140,7 +140,7 @@ def test_a_max_length_past_the_model_s_positions_is_refused_before_loading(tmp_p
     from fsdp_recipes.common.errors import ConfigError
     from fsdp_recipes.models.positions import check_example_fits_positions
 
-    with pytest.raises(ConfigError, match="a learned position table cannot be extended by a setting"):
+    with pytest.raises(ConfigError, match="they are not rotary: rope scaling does not extend them"):
         check_example_fits_positions(GPT2Config(n_positions=64), 65)
     check_example_fits_positions(GPT2Config(n_positions=64), 64)
     check_example_fits_positions(GPT2Config(n_positions=64), None)  # a recipe without max_length

@@ -227,7 +227,7 @@ def test_eval_generates_through_the_server_what_generate_writes(vllm_server, cha
     match as transformers' generate."""
     values = dict(
         model_name_or_path=str(vllm_server.model), dataset_name=str(chat_data), metrics=["exact_match"],
-        max_eval_samples=8, max_new_tokens=8, per_device_eval_batch_size=4, report_to="none", max_length=128,
+        max_eval_samples=8, max_new_tokens=8, per_device_eval_batch_size=4, report_to="none",
     )  # fmt: skip
     predictions = {}
     for name, backend in (("generate", {}), ("vllm", {"use_vllm": True, "vllm_server_base_url": vllm_server.url})):

@@ -192,7 +192,7 @@ def export_adapter_folder(
 def save_merged_model(adapted, folder: Path, *, dtype: torch.dtype | None, task: str) -> None:
     """The base with the adapter merged in, as a plain transformers model folder whose floating weights (and config
     dtype) are `dtype` (None: fp32, as merged)."""
-    from fsdp_recipes.models.export_dtype import cast_floating, write_config_dtype
+    from fsdp_recipes.models.export_dtype import cast_floating, kept_in_fp32, write_config_dtype
     from fsdp_recipes.models.modeling import tied_duplicate_names
 
     merged = adapted.merge_and_unload()
@@ -200,7 +200,8 @@ def save_merged_model(adapted, folder: Path, *, dtype: torch.dtype | None, task:
         merged.save_pretrained(folder, safe_serialization=True)
         return
     duplicates = tied_duplicate_names(merged.config, task=task)
-    state = cast_floating({k: v for k, v in merged.state_dict().items() if k not in duplicates}, dtype)
+    state = {k: v for k, v in merged.state_dict().items() if k not in duplicates}
+    state = cast_floating(state, dtype, kept_in_fp32(merged, dtype))
     merged.save_pretrained(folder, state_dict=state, safe_serialization=True)
     write_config_dtype(folder, dtype)
 

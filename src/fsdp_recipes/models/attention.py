@@ -63,12 +63,15 @@ def resolve_attn_implementation(
         _check_flash_attention(requested)
     if requested == "flex_attention" and device_type != "cuda":
         torch_version = torch.__version__.split("+")[0]
-        why = (
-            f"torch {torch_version}'s FlexAttention has no backward pass there"
-            if training
-            else f"torch {torch_version} compiles FlexAttention there through inductor's C++ template, which fails to "
-            "compile for some inputs"
-        )
+        if training:
+            why = f"torch {torch_version}'s FlexAttention has no backward pass there"
+        elif device_type == "cpu":
+            why = (
+                f"torch {torch_version} compiles FlexAttention there through inductor's C++ template, which fails "
+                "to compile for some inputs"
+            )
+        else:
+            why = "FlexAttention is run and tested here on CUDA GPUs only"
         raise ConfigError(
             f"attn_implementation flex_attention cannot {'train' if training else 'run'} on {device_type}: {why}. "
             "Use sdpa here (auto does), and flex_attention on a CUDA GPU."

@@ -8,6 +8,8 @@ size, whose config.json says bfloat16.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -50,12 +52,32 @@ def recipe_dtype_override(config) -> str | None:
     return None
 
 
-def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating tensors in `dtype`; integer buffers (and anything quantised) as they are."""
+def cast_floating(
+    state_dict: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: Collection[str] = ()
+) -> dict[str, torch.Tensor]:
+    """Floating tensors in `dtype`; integer buffers (and anything quantised) as they are; tensors under a module
+    named in `keep_fp32` (`kept_in_fp32`) in float32."""
+    kept = re.compile(rf"(^|\.)({'|'.join(map(re.escape, keep_fp32))})($|\.)") if keep_fp32 else None
+
+    def target(name: str) -> torch.dtype:
+        return torch.float32 if kept is not None and kept.search(name) else dtype
+
     return {
-        name: tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+        name: tensor.to(target(name)) if tensor.is_floating_point() and tensor.dtype != target(name) else tensor
         for name, tensor in state_dict.items()
     }
+
+
+def kept_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """What transformers keeps in float32 when it loads this model in `dtype` (`_keep_in_fp32_modules_strict` under
+    bf16 and fp16, `_keep_in_fp32_modules` under fp16 too): DeepSeek-V3's router weight and its trained
+    `e_score_correction_bias`, whose 0.001 steps bf16 would round away. Written so, they load back as trained."""
+    names = []
+    if dtype in (torch.bfloat16, torch.float16):
+        names += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        names += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return names
 
 
 def write_config_dtype(folder: str | Path, dtype: torch.dtype) -> None:

@@ -10,25 +10,35 @@ from transformers import PretrainedConfig
 from fsdp_recipes.common.errors import ConfigError
 
 
-def model_positions(config: PretrainedConfig) -> int | None:
-    """The positions the model was trained on (or extended to, by rope scaling): `max_position_embeddings` (GPT-2's
-    `n_positions` reads as it); None for a model that declares none."""
+def _positions_part(config: PretrainedConfig) -> PretrainedConfig | None:
+    """The config, or its text part (a composite config's `text_config`), that declares the positions."""
     for part in (config, getattr(config, "text_config", None)):
         positions = getattr(part, "max_position_embeddings", None) if part is not None else None
         if isinstance(positions, int) and positions > 0:
-            return positions
+            return part
     return None
+
+
+def model_positions(config: PretrainedConfig) -> int | None:
+    """The positions the model was trained on (or extended to, by rope scaling): `max_position_embeddings` (GPT-2's
+    `n_positions` reads as it); None for a model that declares none."""
+    part = _positions_part(config)
+    return None if part is None else part.max_position_embeddings
+
+
+def _is_rotary(part: PretrainedConfig) -> bool:
+    """Whether the positions are rotary (rope settings, flat or one mapping per layer type as Gemma 3 keeps them)."""
+    rope = getattr(part, "rope_parameters", None) or getattr(part, "rope_scaling", None)
+    return bool(rope) or getattr(part, "rope_theta", None) is not None
 
 
 def check_example_fits_positions(config: PretrainedConfig, max_length: int | None, *, setting: str = "max_length"):
     """ConfigError when one example of `max_length` tokens would reach past the model's positions."""
-    positions = model_positions(config)
+    part = _positions_part(config)
+    positions = None if part is None else part.max_position_embeddings
     if max_length is None or positions is None or max_length <= positions:
         return
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    rotary = "rope_theta" in rope or rope_type != "default"
-    if rotary:
+    if _is_rotary(part):
         past = "at positions this rotary model was never trained on (no error: it learns little there)"
         extend = (
             "extend them in the model config: rope scaling (rope_parameters with rope_type yarn, factor "
@@ -36,8 +46,8 @@ def check_example_fits_positions(config: PretrainedConfig, max_length: int | Non
             f"max_position_embeddings {max_length}"
         )
     else:
-        past = "past the model's learned position table (an index error mid-run)"
-        extend = "use a model with more positions (a learned position table cannot be extended by a setting)"
+        past = "past the positions the model has (its position table or buckets end there)"
+        extend = "use a model with more positions (they are not rotary: rope scaling does not extend them)"
     raise ConfigError(
         f"{setting} {max_length} is longer than the model's positions (max_position_embeddings {positions}): an "
         f"example that long would be read {past}. Set {setting} <= {positions}, or {extend}. Packed rows may be "

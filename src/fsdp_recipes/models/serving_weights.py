@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from fsdp_recipes.distributed import tensor_parallel
-from fsdp_recipes.models.export_dtype import cast_floating
+from fsdp_recipes.models.export_dtype import cast_floating, kept_in_fp32
 from fsdp_recipes.models.modeling import tied_duplicate_names
 
 
@@ -63,7 +63,7 @@ def write_serving_weights(
     for name in tied_duplicate_names(unwrapped.config):
         state.pop(name, None)
     if dtype is not None:
-        state = cast_floating(state, dtype)
+        state = cast_floating(state, dtype, kept_in_fp32(unwrapped, dtype))
     with tensor_parallel.saved_as_one_model(unwrapped), _quiet_progress():
         unwrapped.save_pretrained(folder, state_dict=dict(state), safe_serialization=True)
     return folder

@@ -23,6 +23,7 @@ from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
 from fsdp_recipes.models.export_dtype import (
     cast_floating,
+    kept_in_fp32,
     recipe_dtype_override,
     resolve_export_dtype,
     write_config_dtype,
@@ -72,13 +73,14 @@ def export_checkpoint(
         )
     names = _names_to_save(config, tensors.names(), task)
     skeleton = meta_model(config, task=task)
+    fp32 = kept_in_fp32(skeleton, weights_dtype)
 
     output_dir.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(names, tensors.nbytes, max_shard_bytes)
     weight_map, total, converted = {}, 0, False
     for index, shard in enumerate(shards, start=1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        loaded = cast_floating({name: tensors.load(name).contiguous() for name in shard}, weights_dtype)
+        loaded = cast_floating({name: tensors.load(name).contiguous() for name in shard}, weights_dtype, fp32)
         # the checkpoint format transformers writes and reads (MoE experts per expert), as save_pretrained does
         written = {name: tensor.contiguous() for name, tensor in revert_weight_conversion(skeleton, loaded).items()}
         converted = converted or written.keys() != loaded.keys()
@@ -102,7 +104,7 @@ def export_checkpoint(
     generation_config.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(model_files).save_pretrained(output_dir)
     if converted:  # names changed on the way out: what loads back must be the checkpoint's tensors
-        pairs = ((name, cast_floating({name: tensors.load(name)}, weights_dtype)[name]) for name in names)
+        pairs = ((name, cast_floating({name: tensors.load(name)}, weights_dtype, fp32)[name]) for name in names)
         verify_by_loading(output_dir, pairs, type(skeleton), dtype=weights_dtype)
     progress = read_progress(checkpoint)
     write_model_card(

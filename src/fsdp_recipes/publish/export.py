@@ -19,7 +19,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
 from fsdp_recipes.distributed import tensor_parallel
-from fsdp_recipes.models.export_dtype import cast_floating, write_config_dtype
+from fsdp_recipes.models.export_dtype import cast_floating, kept_in_fp32, write_config_dtype
 from fsdp_recipes.models.modeling import auto_model_class, pipeline_tag, tied_duplicate_names
 
 
@@ -49,7 +49,7 @@ def export_model_folder(
         for name in tied_duplicate_names(unwrapped.config, task=task):
             state_dict.pop(name, None)
         if dtype is not None:
-            state_dict = cast_floating(state_dict, dtype)
+            state_dict = cast_floating(state_dict, dtype, kept_in_fp32(unwrapped, dtype))
         # A shallow copy: save_pretrained pops entries as it writes them, and verification needs them all.
         with tensor_parallel.saved_as_one_model(unwrapped):
             unwrapped.save_pretrained(output_dir, state_dict=dict(state_dict), safe_serialization=True)

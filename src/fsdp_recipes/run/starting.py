@@ -198,7 +198,8 @@ def load_model_files(
         setting=None if model_config_file else model_setting,
     )
     check_tokenizer_fits_model(tokenizer, model_config)
-    check_example_fits_positions(model_config, getattr(config, "max_length", None))
+    if hasattr(config, "packs_examples"):  # a training recipe (eval.py checks where its measures read max_length)
+        check_example_fits_positions(model_config, config.max_length)
     return tokenizer, model_config
 
 
