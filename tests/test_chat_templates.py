@@ -120,6 +120,11 @@ def test_a_tokenizer_that_spells_a_reply_differently_on_its_own_keeps_the_whole_
     encoded = encode(sentencepiece, {"messages": CONVERSATION})
     assert encoded["input_ids"] == sentencepiece.apply_chat_template(CONVERSATION)["input_ids"]
     assert trained_text(sentencepiece, encoded) == "cba</s>yx</s>"
+    # a reply after a space: SentencePiece's `▁c` holds the prompt's space and the reply's first letter, which no
+    # mask can give the reply alone: refused, rather than trained without its first letter
+    sentencepiece.chat_template = sentencepiece.chat_template.replace("'[/INST]'", "'[/INST] '")
+    with pytest.raises(TemplatePrefixError, match="merges the reply 'cba</s>' with the text around it"):
+        encode(sentencepiece, {"messages": CONVERSATION})
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from helpers.recipes import base_recipe_values, read_metrics, recipe_error_in_process, run_recipe_in_process
 from helpers.tiny_moe import COMMON, FAMILIES, tiny_moe
 
+FAMILIES_SHOWN = ("deepseek_v3", "qwen3_moe")
+
 ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
 
 
@@ -62,7 +64,32 @@ def test_each_layers_bias_moves_by_the_rate_towards_its_own_global_mean_load_and
     still.counts = torch.tensor([[5.0, 1.0, 3.0, 3.0], [0.0, 6.0, 4.0, 2.0]], dtype=torch.float64)
     still.update(ONE_PROCESS)
     assert all(torch.equal(a, router.e_score_correction_bias) for a, router in zip(before, still.routers))
-    assert expert_bias.resolved_rate(None) == 0.001  # the default: DeepSeek-V3's
+    assert expert_bias.resolved_rate(None, "deepseek_v3") == 0.001  # the default: DeepSeek-V3's, for DeepSeek-V3
+    assert expert_bias.resolved_rate(None, "glm4_moe") == 0.0  # keeps the bias, untested here: only when set
+    assert expert_bias.resolved_rate(0.002, "glm4_moe") == 0.002
+
+
+def test_zero_computation_experts_are_refused_and_a_checkpoint_from_before_the_field_is_not_resumed_silently(tmp_path):
+    """LongCat-Flash's router also chooses zero-computation experts, which the update would balance as ordinary
+    ones: a rate set on it is refused. A checkpoint whose saved config predates router_bias_update_rate moved no
+    bias: resuming a DeepSeek-V3 one with the default (DeepSeek-V3's rate) is refused with the two ways on."""
+    from transformers import AutoConfig
+
+    from fsdp_recipes.train import expert_bias
+    from fsdp_recipes.train.config import TrainingConfig
+
+    longcat = AutoConfig.for_model("longcat_flash", zero_expert_num=2, n_routed_experts=4)
+    settings = TrainingConfig(output_dir=str(tmp_path), router_bias_update_rate=0.001)
+    assert "2 zero-computation experts" in expert_bias.rate_problem(longcat, settings)
+    resumed = TrainingConfig(output_dir=str(tmp_path))  # router_bias_update_rate null: the default
+    deepseek_v3, qwen3_moe = (
+        AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]}) for family in FAMILIES_SHOWN
+    )
+    assert "Set router_bias_update_rate: 0 to resume" in expert_bias.resume_problem(deepseek_v3, resumed, {})
+    assert expert_bias.resume_problem(qwen3_moe, resumed, {}) is None  # no bias: nothing changes
+    assert expert_bias.resume_problem(deepseek_v3, resumed, {"router_bias_update_rate": None}) is None
+    stopped = TrainingConfig(output_dir=str(tmp_path), router_bias_update_rate=0.0)
+    assert expert_bias.resume_problem(deepseek_v3, stopped, {}) is None
 
 
 def test_the_loads_are_the_chosen_experts_of_real_tokens_in_forwards_with_gradients_counted_once():

@@ -13,7 +13,7 @@ from datasets import Dataset
 
 from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data.chat import tokenize_dataset
-from fsdp_recipes.methods.grpo import tools
+from fsdp_recipes.methods.grpo import rewards, tools
 from fsdp_recipes.methods.preference import paired
 from fsdp_recipes.train import generation
 from fsdp_recipes.train.generation import GenerationSettings
@@ -376,3 +376,7 @@ def test_a_reply_is_tokenised_as_the_model_writes_it_after_its_generation_prompt
     answer = trained_text(tokenizer, {"input_ids": side, "loss_mask": side_mask})
     assert side == first_prompt + tokenizer(answer, add_special_tokens=False)["input_ids"]
     assert side_mask == [0] * len(first_prompt) + [1] * (len(side) - len(first_prompt))
+    # GRPO's reward-model scorer reads the ids the reward recipe trained on
+    scorer = object.__new__(rewards.RewardModel)
+    scorer.tokenizer = tokenizer
+    assert scorer._ids(SPACED[:1], SPACED[1:2]) == side

@@ -124,9 +124,15 @@ def _split_at_replies(tokenizer, text: str, spans: list[tuple[int, int]]) -> tup
             "and telling the reply's tokens apart there needs a fast tokenizer (character offsets)",
             _FIX,
         )
-    return whole_ids, [
-        int(any(start <= first and last <= end for start, end in spans)) for first, last in whole["offset_mapping"]
-    ]
+    offsets = whole["offset_mapping"]
+    for start, end in spans:  # a token across a reply's edge would be left out of it: its text would go untrained
+        if any(first < cut < last for first, last in offsets for cut in (start, end)):
+            raise TemplatePrefixError(
+                f"the tokenizer merges the reply {text[start:end]!r} with the text around it into shared tokens, "
+                "so its first or last token cannot be trained as the reply's",
+                _FIX,
+            )
+    return whole_ids, [int(any(start <= first and last <= end for start, end in spans)) for first, last in offsets]
 
 
 def _spelled(tokenizer, ids: list[int]) -> str:

@@ -188,12 +188,14 @@ def refuse_degraded_launch(accelerator: Accelerator) -> None:
     then train alone and they would all write to the same output_dir."""
     world_size = launched_world_size()
     if world_size > 1 and accelerator.num_processes != world_size:
-        raise DistributedSetupError(
+        refused = DistributedSetupError(
             f"the launcher started {world_size} processes but accelerate joined {accelerator.num_processes} "
             f"(distributed type {accelerator.distributed_type.value}): every process would train alone. This happens "
             "when the Accelerate config asks for a GPU setup on a machine without GPUs. Use an FSDP2 config "
             "(fsdp_version: 2), which also runs on CPU, or launch on a machine with accelerators."
         )
+        refused.reported_by_main_rank = False  # the processes share no group: each says it, none waits on another
+        raise refused
 
 
 def local_and_total_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -110,6 +110,12 @@ def bias_summary(model, config) -> dict[str, str]:
         return updates.summary()
     if config.use_peft and rate is None and expert_bias.routers_with_bias(model):
         return {"router_bias_update": f"none under LoRA: the base's {expert_bias.BIAS} stays as loaded"}
+    if rate is None and expert_bias.routers_with_bias(model):
+        return {
+            "router_bias_update": f"none by default for {getattr(model.config, 'model_type', 'this model')} (tested "
+            f"on {', '.join(expert_bias.UPDATED_BY_DEFAULT)}): set router_bias_update_rate to train its "
+            f"{expert_bias.BIAS}"
+        }
     if rate:
         return {
             "router_bias_update": f"none: router_bias_update_rate {rate:g}, but no router of this model keeps an "

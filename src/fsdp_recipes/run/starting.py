@@ -303,6 +303,8 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
         saved_recipe = json.loads(checkpoints_lib.saved_recipe_config_path(checkpoint).read_text())
         config_changes = checkpoints_lib.check_resume_config(config, saved_recipe, checkpoint)
+        if problem := expert_bias.resume_problem(model_config, config, saved_recipe):
+            raise ConfigError(problem)
     if config.packs_examples():
         check_packing_is_isolated(model_config)
     layout = model_layout(accelerator, config, model_config, task)

@@ -136,8 +136,8 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         "DeepSeek-V3's auxiliary-loss-free balancing (Megatron-LM's moe_router_bias_update_rate; torchtitan's "
         "load_balance_coeff): after each step, each router's e_score_correction_bias rises by this much for an expert "
         "the step's global batch chose less than the mean, falls for one chosen more (logged: moe/load_imbalance). "
-        "null: DeepSeek-V3's 0.001 where the routers keep that bias (nothing otherwise, nor under LoRA); 0 turns it "
-        "off. Higher evens the loads faster but shifts routing more per step (docs/moe.md)",
+        "null: DeepSeek-V3's 0.001 for DeepSeek-V3 (nothing for other models, nor under LoRA); 0 turns it off. "
+        "Higher evens the loads faster but shifts routing more per step (docs/moe.md)",
         resume="sensitive",
         check=checks.at_least(0, or_null=True),
     )

@@ -64,9 +64,16 @@ def load_imbalance(loads: torch.Tensor) -> torch.Tensor:
     return torch.where(means > 0, ratios, torch.ones_like(ratios)).max()
 
 
-def resolved_rate(rate: float | None) -> float:
-    """The recipe field: null is DeepSeek-V3's rate (for a model whose routers keep the bias)."""
-    return DEFAULT_RATE if rate is None else float(rate)
+# Where null means DeepSeek-V3's rate: the families whose routers this update is tested on. Others that keep the bias
+# (GLM-4-MoE, dots1, LongCat-Flash, ...) are updated only when the rate is set.
+UPDATED_BY_DEFAULT = ("deepseek_v3",)
+
+
+def resolved_rate(rate: float | None, model_type: str | None) -> float:
+    """The recipe field: null is DeepSeek-V3's rate for the families tested (UPDATED_BY_DEFAULT), 0 for others."""
+    if rate is None:
+        return DEFAULT_RATE if model_type in UPDATED_BY_DEFAULT else 0.0
+    return float(rate)
 
 
 def rate_problem(model_config, config) -> str | None:
@@ -78,6 +85,12 @@ def rate_problem(model_config, config) -> str | None:
     if expert_routing(model_config) is None:
         name = type(model_config).__name__.removesuffix("Config")
         return f"router_bias_update_rate {rate:g} on {name}, a dense model (no router to balance): remove it"
+    if getattr(model_config, "zero_expert_num", 0):
+        return (
+            f"router_bias_update_rate {rate:g} on {model_config.model_type}: its router also chooses "
+            f"{model_config.zero_expert_num} zero-computation experts, which this update would balance as ordinary "
+            "ones; it is not wired for them: remove it"
+        )
     if config.use_peft:
         return (
             f"router_bias_update_rate {rate:g} with use_peft: LoRA trains adapters on a frozen base, and the router "
@@ -85,6 +98,21 @@ def rate_problem(model_config, config) -> str | None:
             "(null: no update under LoRA)"
         )
     return None
+
+
+def resume_problem(model_config, config, saved_recipe: dict) -> str | None:
+    """A checkpoint saved before `router_bias_update_rate` existed trained no bias: resuming it with the default rate
+    (DeepSeek-V3's) would change the training halfway, which the resume check exists to stop."""
+    field = "router_bias_update_rate"
+    if field in saved_recipe or field in (config.allow_config_change or []) or config.use_peft:
+        return None
+    if not resolved_rate(config.router_bias_update_rate, model_config.model_type):
+        return None
+    return (
+        f"the checkpoint was trained before {field} existed, with no update of the routers' {BIAS}; resuming would "
+        f"start updating it halfway. Set {field}: 0 to resume as it was trained, or allow the change: "
+        f"--allow_config_change {field}"
+    )
 
 
 class ExpertBias:
@@ -214,7 +242,7 @@ def attach(model: torch.nn.Module, config) -> ExpertBias | None:
     None where there is nothing to update (no router keeps the bias), the rate is 0, or under LoRA. Refuses
     reentrant activation checkpointing, under which a layer's first forward runs without gradients and its second
     inside the backward: no load would count, silently."""
-    rate = resolved_rate(config.router_bias_update_rate)
+    rate = resolved_rate(config.router_bias_update_rate, getattr(getattr(model, "config", None), "model_type", None))
     if not rate or getattr(config, "use_peft", False) or not routers_with_bias(model):
         return None  # LoRA: the base is frozen, its bias included (rate_problem refuses a rate set > 0)
     if config.gradient_checkpointing and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):

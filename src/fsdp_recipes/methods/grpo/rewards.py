@@ -171,14 +171,15 @@ class RewardModel:
         """The tokens recipes/reward.py trains and evaluates on for this prompt and answer (chat turns through the
         template; text as prompt + answer + the end-of-sequence token): a score read anywhere else is not the one
         the model learned (without the end token, a text answer is scored at its last letter)."""
-        if isinstance(prompt, list):
-            turns = [*prompt, {"role": "assistant", "content": completion_text(completion)}]
-            example, data_format = {"messages": turns}, "conversational"
+        answer = completion_text(completion)
+        if isinstance(prompt, list):  # the answer tokenised apart from its prompt, as the reward recipe's pairs are
+            example = {"prompt": prompt, "completion": [{"role": "assistant", "content": answer}]}
         else:
-            example = {"prompt": str(prompt), "completion": completion_text(completion)}
-            data_format = "prompt_completion"
-        options = dict(assistant_only_loss=False, completion_only_loss=False, max_length=1 << 30)
-        return chat.tokenize_example(example, self.tokenizer, data_format, **options)["input_ids"]
+            example = {"prompt": str(prompt), "completion": answer}
+        options = dict(
+            assistant_only_loss=True, completion_only_loss=True, max_length=1 << 30, rewriting_templates=True
+        )
+        return chat.tokenize_example(example, self.tokenizer, "prompt_completion", **options)["input_ids"]
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **columns) -> list[float]:
