@@ -75,6 +75,7 @@ def test_zero_computation_experts_are_refused_and_a_checkpoint_from_before_the_f
     bias: resuming a DeepSeek-V3 one with the default (DeepSeek-V3's rate) is refused with the two ways on."""
     from transformers import AutoConfig
 
+    from fsdp_recipes.common.errors import ConfigError
     from fsdp_recipes.train import expert_bias
     from fsdp_recipes.train.config import TrainingConfig
 
@@ -90,6 +91,10 @@ def test_zero_computation_experts_are_refused_and_a_checkpoint_from_before_the_f
     assert expert_bias.resume_problem(deepseek_v3, resumed, {"router_bias_update_rate": None}) is None
     stopped = TrainingConfig(output_dir=str(tmp_path), router_bias_update_rate=0.0)
     assert expert_bias.resume_problem(deepseek_v3, stopped, {}) is None
+    # a router whose output holds no chosen experts: one error line (a user error), not a traceback
+    updates = expert_bias.ExpertBias(tiny_moe("deepseek_v3"), 0.001)
+    with pytest.raises(ConfigError, match="returned no integer tensor of chosen experts"):
+        updates._count(0, (torch.zeros(2, 4),))
 
 
 def test_the_loads_are_the_chosen_experts_of_real_tokens_in_forwards_with_gradients_counted_once():

@@ -190,8 +190,8 @@ class ExpertBias:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         chosen = chosen_experts(output)
-        if chosen is None:
-            raise RuntimeError(
+        if chosen is None:  # every rank meets it in the same forward: one error line, no rank left waiting
+            raise ConfigError(
                 f"{type(self.routers[index]).__name__} returned no integer tensor of chosen experts: the "
                 f"{BIAS} update cannot read the loads (set router_bias_update_rate: 0 and report the model type)"
             )
