@@ -297,8 +297,10 @@ def broken_call(**function):
         (broken_call(name="get_weather"), r"its call of 'get_weather' has no arguments \(a call that takes none"),
         (broken_call(calls={"name": "get_weather"}), "'tool_calls' is a mapping, not a list of calls"),
         (broken_call(calls=["get_weather"]), "tool call 0 is a string, not a call"),
+        (broken_call(calls=[{"type": "function", "function": "get_weather"}]), "tool call 0's function is a string"),
     ],
-    ids=["not-json", "no-name", "blank-name", "json-list", "number", "no-arguments", "calls-mapping", "call-string"],
+    ids=["not-json", "no-name", "blank-name", "json-list", "number", "no-arguments", "calls-mapping", "call-string",
+         "function-string"],
 )  # fmt: skip
 def test_a_tool_call_that_cannot_be_made_is_refused_naming_the_example_and_the_turn(turns, reason):
     """Trained as written, such a call teaches the model to write calls that cannot be made (issue 64)."""

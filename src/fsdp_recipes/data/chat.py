@@ -121,10 +121,11 @@ def tool_calls_problem(calls: Any) -> str | None:
     if not isinstance(calls, list):
         return f"'tool_calls' is {_a(_kind(calls))}, not a list of calls"
     for number, call in enumerate(calls):
-        function = (call.get("function") or call) if isinstance(call, dict) else None
+        function = (call.get("function") or call) if isinstance(call, dict) else call
         if not isinstance(function, dict):
+            what = f"tool call {number}" + ("'s function" if function is not call else "")
             return (
-                f"tool call {number} is {_a(_kind(call))}, not a call ({{'type': 'function', 'function': {{'name', "
+                f"{what} is {_a(_kind(function))}, not a call ({{'type': 'function', 'function': {{'name', "
                 "'arguments'}})"
             )
         name = function.get("name")
