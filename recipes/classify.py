@@ -11,6 +11,7 @@ docs/classification-and-evaluation.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     train_loader = rows.train_dataloader(
         train_rows,
         config,
-        num_processes=run.data_parallel_size,
+        num_processes=run.parallel.data_parallel_size,
         pad_token_id=tokenizer.pad_token_id,
         collate_fn=collator,
     )
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: LoRA adapters on a frozen base
-    router_balance.attach(model, classifier.loss_sum)  # MoE only
+    shards = run.parallel.sequence_shards  # sequence parallelism: the loss's forward splits rows by position
+    router_balance.attach(model, functools.partial(classifier.loss_sum, sequence_shards=shards))  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
@@ -177,10 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         weight_total = run.sum_over_ranks(sum(classifier.weight_sum(batch, weights) for batch in micro_batches))
-        scale = losses.global_mean_scale(accelerator, weight_total)
+        scale = losses.global_mean_scale(run.parallel, weight_total)
         loss_sum = 0.0
-        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
-            loss = classifier.loss_sum(model, batch, weights)
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=run.parallel):
+            loss = classifier.loss_sum(model, batch, weights, sequence_shards=shards)
             accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch
         grad_norm = training.optimizer_step(step, model, optimizer, scheduler)  # clip, step, schedule, zero_grad

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         distillation.check_no_logits_transform(run.model_config, which="student")
         distillation.check_no_logits_transform(teacher_config, which="teacher")
-        distillation.check_teacher_splits(teacher_config)  # sequence parallelism: its heads split like the student's
+        distillation.check_teacher_splits(teacher_config, run.parallel.sp)  # SP: its heads split like the student's
         return teacher_config
 
     teacher_config = run.on_every_rank(check_teacher)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer), main_process_first=True)
     train_rows, eval_rows = data.train_rows, data.eval_rows
     train_loader = rows.train_dataloader(
-        train_rows, config, num_processes=run.data_parallel_size, pad_token_id=tokenizer.pad_token_id
+        train_rows, config, num_processes=run.parallel.data_parallel_size, pad_token_id=tokenizer.pad_token_id
     )
 
     # --- the student, the frozen teacher, optimizer, schedule --------------------------------------------------------
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         temperature=config.temperature,
         kd_loss=config.kd_loss,
         chunk_size=config.loss_chunk_size,
+        sequence_shards=run.parallel.sequence_shards,  # sequence parallelism: each rank runs its slice of every row
     )
     router_balance.attach(model, distill_loss.router_logits_of, real_of=router_balance.real_token_mask)  # MoE only
     optimizer = loop.build_optimizer(model, config)
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     def exact_match() -> dict:
-        return supervised.exact_match(accelerator, model, tokenizer, data, config)
+        return supervised.exact_match(accelerator, model, tokenizer, data, config, parallel=run.parallel)
 
     results = {}
     if supervised.exact_match_wanted(config, data):
@@ -199,9 +200,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         kd_ratio = 1.0 if students_samples else None  # the student's own samples: KD alone
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
-        scale = losses.global_mean_scale(accelerator, target_count)
+        scale = losses.global_mean_scale(run.parallel, target_count)
         loss_sum, parts = 0.0, {}
-        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=run.parallel):
             loss = distill_loss.loss_sum(model, batch, kd_ratio=kd_ratio)
             accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     train_loader = rows.train_dataloader(
         train_pairs,
         config,
-        num_processes=run.data_parallel_size,
+        num_processes=run.parallel.data_parallel_size,
         pad_token_id=tokenizer.pad_token_id,
         collate_fn=collate,
         unit="pairs",
@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
-    token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    shards = run.parallel.sequence_shards  # sequence parallelism: the loss's forward splits rows by position
+    token_loss = losses.TokenLoss(
+        model, config.loss_implementation, chunk_size=config.loss_chunk_size, sequence_shards=shards
+    )
     router_balance.attach(model, token_loss.router_logits_of, real_of=router_balance.real_token_mask)  # MoE only
     reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None  # the starting weights, frozen
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         reference_mode,
         accelerator,
         in_order,
+        parallel=run.parallel,
         policy=model,
         token_loss=token_loss,
         copy=reference_copy,
@@ -206,9 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
-        scale = losses.global_mean_scale(accelerator, pair_count)
+        scale = losses.global_mean_scale(run.parallel, pair_count)
         loss_sum, figures = 0.0, {}
-        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=run.parallel):
             result, policy_chosen, policy_rejected = pair_losses(model, batch, references["train"])
             accelerator.backward(result.loss.sum() * scale)
             loss_sum += result.loss.sum().detach()  # on the device: no host sync per micro-batch

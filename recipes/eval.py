@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             accelerator,
             model,
             data["loss"],
+            parallel=run.parallel,
             loss_sum=token_loss.loss_sum,
             batch_size=batch_size,
             pad_token_id=tokenizer.pad_token_id,
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         whole = task == "causal-lm" and config.generation_backend in ("paged", "static_compiled")  # each rank's engine
         reshard = generation.reshard_after_forward(accelerator)
         with generation.weights_gathered(model, enabled=whole, reshard_after_forward=reshard):
-            gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict)
+            gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict, parallel=run.parallel)
         results.update(evaluation.compute_metrics(metrics, gathered))
         if task == "sequence-classification" and "f1" in metrics:
             names = [model_config.id2label[i] for i in range(model_config.num_labels)]

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     config = arguments.parse_config(GRPOConfig, argv)
     run = run_lib.start(config, name="grpo")
     accelerator, tokenizer = run.accelerator, run.tokenizer
-    world, rank = run.data_parallel_size, run.data_parallel_rank  # the ranks of a TP group share their slots
+    world, rank = run.parallel.data_parallel_size, run.data_parallel_rank  # a TP or SP group shares its slots
+    shards = run.parallel.sequence_shards  # sequence parallelism: this rank's group (None without)
     completions_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * world
 
     # --- rewards, tools and prompts, before any weights ---------------------------------------------------------------
@@ -96,11 +97,14 @@ def main(argv: list[str] | None = None) -> None:
     def load():
         return run.load_model(**adapters.loading_options(config, accelerator))
 
+    def log_probs_of(policy, batch):  # the completion tokens' log-probabilities and entropies (SP: rows split)
+        return rollouts.completion_log_probs(policy, batch, config.temperature, sequence_shards=shards)
+
     model = load()
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")
-    router_balance.attach(model, lambda policy, part: rollouts.completion_log_probs(policy, part, config.temperature))
+    router_balance.attach(model, log_probs_of)  # MoE only
     reference_mode = config.reference_mode()
     reference_copy = load() if reference_mode == "model" else None
     optimizer = loop.build_optimizer(model, config)
@@ -120,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             if reference_mode == "adapters":
                 with model.disable_adapter():
-                    return rollouts.completion_log_probs(model, batch, config.temperature)[0]
-            return rollouts.completion_log_probs(reference_copy, batch, config.temperature)[0]
+                    return log_probs_of(model, batch)[0]
+            return log_probs_of(reference_copy, batch)[0]
 
     training = run.begin(
         model,
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
                 with watch.phase("generation"):  # the policy's completions, its tool calls answered
                     rolled = generator.generate(model, step, round_index, attempt, slots, watch)
                 with watch.phase("scoring"):
-                    pool.add(task.score(accelerator, tokenizer, slots, rolled, run.on_every_rank))
+                    scored = task.score(accelerator, tokenizer, slots, rolled, run.on_every_rank, parallel=run.parallel)
+                    pool.add(scored)
                 if pool.full():
                     break
             chosen, kept_groups = pool.batch()
@@ -178,14 +183,15 @@ def main(argv: list[str] | None = None) -> None:
 
         with watch.phase("training"):
             rollouts.values_before_step(
-                accelerator, model, micro, first_of_round=iteration == 0, keep_old_log_probs=config.num_iterations > 1,
-                reference_log_probs=reference_log_probs if reference_mode else None, temperature=config.temperature,
+                accelerator, model, micro, parallel=run.parallel, first_of_round=iteration == 0,
+                keep_old_log_probs=config.num_iterations > 1, temperature=config.temperature,
+                reference_log_probs=reference_log_probs if reference_mode else None,
                 top_entropy_quantile=config.top_entropy_quantile,
             )  # fmt: skip
             loss_sum, figures = 0.0, {}
-            for part in loop.micro_batches_in_sync(accelerator, model, micro):
+            for part in loop.micro_batches_in_sync(accelerator, model, micro, parallel=run.parallel):
                 training.metrics.count_batch(rollouts.rows_run(part))
-                log_probs, entropy = rollouts.completion_log_probs(model, part, config.temperature)
+                log_probs, entropy = log_probs_of(model, part)
                 old_log_probs = part.get("old_log_probs", log_probs.detach())
                 # vLLM sampled the tokens: each token's loss weighed by p_trainer / p_vLLM (TRL's correction)
                 sampling_weights = correction.weights(old_log_probs, part, global_tokens) if correction else None

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     train_loader = rows.train_dataloader(
         train_examples,
         config,
-        num_processes=run.data_parallel_size,
+        num_processes=run.parallel.data_parallel_size,
         pad_token_id=tokenizer.pad_token_id,
         collate_fn=collate,
         unit="examples",
@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
-    token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    shards = run.parallel.sequence_shards  # sequence parallelism: the loss's forward splits rows by position
+    token_loss = losses.TokenLoss(
+        model, config.loss_implementation, chunk_size=config.loss_chunk_size, sequence_shards=shards
+    )
     router_balance.attach(  # MoE only: on the examples' rows, not the KL estimate's
         model, token_loss.router_logits_of, rows_of=kto.example_rows, real_of=router_balance.real_token_mask
     )
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         reference_mode,
         accelerator,
         in_order,
+        parallel=run.parallel,
         policy=model,
         token_loss=token_loss,
         copy=reference_copy,
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         examples = run.sum_over_ranks(sum(batch["label"].numel() for batch in micro_batches))
         desirable = run.sum_over_ranks(sum(batch["label"].sum() for batch in micro_batches))
-        scale = losses.global_mean_scale(accelerator, examples)
+        scale = losses.global_mean_scale(run.parallel, examples)
         with torch.no_grad():  # both rows' reference values; the policy's on the KL rows, for the estimate
             reference_values = [references["train"](batch).chunk(2) for batch in micro_batches]
             kl_sum = 0.0
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                     kl_sum += (policy_kl - reference_kl).sum()  # on the device, like every count of the step
         kl = kto.kl_estimate(run.sum_over_ranks(kl_sum), examples) if objective.uses_kl else 0.0
         loss_sum, figures = 0.0, {}
-        synced = loop.micro_batches_in_sync(accelerator, model, micro_batches)
+        synced = loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=run.parallel)
         for batch, (reference_values_of_examples, _) in zip(synced, reference_values):
             example_batch = kto.example_rows(batch)
             policy = losses.sequence_log_probs(token_loss.token_losses(model, example_batch))

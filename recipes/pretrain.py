@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         source, split = text.rank_documents(
             text.tokenize(train_raw, tokenizer, config.dataset_text_field, num_proc=config.dataset_num_proc),
             rank=run.data_parallel_rank,  # the ranks of a TP group read the same documents
-            world_size=run.data_parallel_size,
+            world_size=run.parallel.data_parallel_size,
             seed=config.seed,
             max_length=config.max_length,
             dataset_name=config.dataset_name,
@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
-    token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    shards = run.parallel.sequence_shards  # sequence parallelism: the loss's forward splits rows by position
+    token_loss = losses.TokenLoss(
+        model, config.loss_implementation, chunk_size=config.loss_chunk_size, sequence_shards=shards
+    )
     router_balance.attach(model, token_loss.router_logits_of, real_of=router_balance.real_token_mask)  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)  # the stream is this rank's already: no loader to shard
@@ -186,9 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
-        scale = losses.global_mean_scale(accelerator, target_count)
+        scale = losses.global_mean_scale(run.parallel, target_count)
         loss_sum = 0.0
-        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=run.parallel):
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch

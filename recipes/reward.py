@@ -11,6 +11,7 @@ docs/reward-and-distillation.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import torch
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     train_loader = rows.train_dataloader(
         train_pairs,
         config,
-        num_processes=run.data_parallel_size,
+        num_processes=run.parallel.data_parallel_size,
         pad_token_id=tokenizer.pad_token_id,
         collate_fn=collate,
         unit="pairs",
@@ -122,14 +123,16 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="sequence-classification")  # use_peft: the head trained in full
-    router_balance.attach(model, reward_model.rewards)  # MoE only
+    shards = run.parallel.sequence_shards  # sequence parallelism: the forwards split rows by position
+    router_balance.attach(model, functools.partial(reward_model.rewards, sequence_shards=shards))  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
     total_steps = loop.total_optimizer_steps(len(train_loader), config)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
+    held_out = reward_model.make_predict(center, sequence_shards=shards)  # per pair: loss, accuracy, margin
     evaluator = evaluation.MetricEvaluator(
-        accelerator, model, eval_loader, predict=reward_model.make_predict(center), metrics={}, every=config.eval_steps
+        accelerator, model, eval_loader, predict=held_out, metrics={}, every=config.eval_steps
     )
     training = run.begin(
         model,
@@ -152,10 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         pair_count = run.sum_over_ranks(sum(paired.count_pairs(batch) for batch in micro_batches))
-        scale = losses.global_mean_scale(accelerator, pair_count)  # a rank's share of the global mean over pairs
+        scale = losses.global_mean_scale(run.parallel, pair_count)  # a rank's share of the global mean over pairs
         loss_sum, figures = 0.0, {}
-        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
-            chosen, rejected = reward_model.rewards(model, batch)
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=run.parallel):
+            chosen, rejected = reward_model.rewards(model, batch, sequence_shards=shards)
             pair_loss = reward_model.bradley_terry_losses(
                 chosen, rejected, margin=batch["margin"], center_rewards_coefficient=center
             )

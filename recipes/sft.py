@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer), main_process_first=True)
     train_rows, eval_rows = data.train_rows, data.eval_rows
     train_loader = rows.train_dataloader(
-        train_rows, config, num_processes=run.data_parallel_size, pad_token_id=tokenizer.pad_token_id
+        train_rows, config, num_processes=run.parallel.data_parallel_size, pad_token_id=tokenizer.pad_token_id
     )
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     if config.gradient_checkpointing:
         modeling.checkpoint_activations(model, config.gradient_checkpointing_kwargs)
     model = adapters.apply(model, config, task="causal-lm")  # use_peft: LoRA adapters on a frozen base
-    token_loss = losses.TokenLoss(model, config.loss_implementation, chunk_size=config.loss_chunk_size)
+    shards = run.parallel.sequence_shards  # sequence parallelism: the loss's forward splits rows by position
+    token_loss = losses.TokenLoss(
+        model, config.loss_implementation, chunk_size=config.loss_chunk_size, sequence_shards=shards
+    )
     router_balance.attach(model, token_loss.router_logits_of, real_of=router_balance.real_token_mask)  # MoE only
     optimizer = loop.build_optimizer(model, config)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     def exact_match() -> dict:
-        return supervised.exact_match(accelerator, model, tokenizer, data, config)
+        return supervised.exact_match(accelerator, model, tokenizer, data, config, parallel=run.parallel)
 
     results = {}
     if supervised.exact_match_wanted(config, data):
@@ -87,9 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     for step in training.steps():
         micro_batches = training.batches.take(config.gradient_accumulation_steps, window=training.metrics.window)
         target_count = run.sum_over_ranks(sum(losses.count_targets(batch) for batch in micro_batches))
-        scale = losses.global_mean_scale(accelerator, target_count)
+        scale = losses.global_mean_scale(run.parallel, target_count)
         loss_sum = 0.0
-        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+        for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=run.parallel):
             loss = token_loss.loss_sum(model, batch)
             accelerator.backward(loss * scale)
             loss_sum += loss.detach()  # summed on the device: no host sync per micro-batch

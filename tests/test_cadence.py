@@ -1,6 +1,7 @@
 """One cadence for logging, evaluation and checkpoints (fsdp_recipes.train.cadence), and the evaluator protocol the
 run attaches to its log (fsdp_recipes.train.evaluation.Evaluation)."""
 
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.evaluation import Evaluation
 from fsdp_recipes.train.metrics import MetricsLog
@@ -33,7 +34,7 @@ def test_an_evaluator_measures_when_due_once_per_step_and_logs_there(tmp_path):
     log = MetricsLog(tmp_path, enabled=True, printer=lambda _: None)
     log.start(resumed_step=None)
     evaluator = Counting(every=2)
-    evaluator.attach(log=log, total_steps=5)
+    evaluator.attach(log=log, total_steps=5, parallel=ParallelDims())
     for step in range(1, 6):
         evaluator.step = step
         evaluator.maybe_evaluate(step)
@@ -47,7 +48,7 @@ def test_final_results_measure_the_last_step_when_the_loop_did_not(tmp_path):
     log = MetricsLog(tmp_path, enabled=True, printer=lambda _: None)
     log.start(resumed_step=None)
     evaluator = Counting(every=None)
-    evaluator.attach(log=log, total_steps=3)
+    evaluator.attach(log=log, total_steps=3, parallel=ParallelDims())
     evaluator.step = 3
     assert evaluator.final_results() == {"eval_score": 3.0}
     assert evaluator.measured_at == [3]
@@ -55,5 +56,7 @@ def test_final_results_measure_the_last_step_when_the_loop_did_not(tmp_path):
 
 def test_the_base_evaluator_measures_nothing(tmp_path):
     evaluator = Evaluation(every=1)
-    evaluator.attach(log=MetricsLog(tmp_path, enabled=False, printer=lambda _: None), total_steps=2)
+    evaluator.attach(
+        log=MetricsLog(tmp_path, enabled=False, printer=lambda _: None), total_steps=2, parallel=ParallelDims()
+    )
     assert evaluator.maybe_evaluate(1) is None and evaluator.final_results() == {}

@@ -15,6 +15,7 @@ from datasets import ClassLabel, Dataset, Features
 from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS, classify_values
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.train import losses
 from helpers.data import write_jsonl, write_tiny_model_config
@@ -122,8 +123,7 @@ def test_balanced_class_weights_by_hand():
         classification.class_weights([0, 1], 2, "1,2,3")
 
 
-class _TwoRanks:
-    num_processes = 2
+TWO_RANKS = ParallelDims(dp_shard=2)  # two data-parallel ranks, each its own batch
 
 
 def test_weighted_loss_is_the_global_mean_whatever_the_split():
@@ -144,11 +144,11 @@ def test_weighted_loss_is_the_global_mean_whatever_the_split():
         dict(input_ids=inputs[2:], attention_mask=None, labels=labels[2:]),
     ]
     total = sum(classifier.weight_sum(batch, weights) for batch in halves)
-    scale = losses.global_mean_scale(_TwoRanks(), total)
+    scale = losses.global_mean_scale(TWO_RANKS, total)
     averaged = sum(float(classifier.loss_sum(model, batch, weights)) * float(scale) for batch in halves) / 2
     assert averaged == pytest.approx(expected, rel=1e-6)
-    assert float(losses.global_mean_scale(_TwoRanks(), torch.tensor(0.0))) == 0.0
-    assert float(losses.global_mean_scale(_TwoRanks(), torch.tensor(0.5))) == 4.0  # class weights can sum below 1
+    assert float(losses.global_mean_scale(TWO_RANKS, torch.tensor(0.0))) == 0.0
+    assert float(losses.global_mean_scale(TWO_RANKS, torch.tensor(0.5))) == 4.0  # class weights can sum below 1
 
 
 def test_class_weights_and_columns_are_validated_with_the_config(tmp_path):

@@ -439,6 +439,7 @@ def test_ddp_timeout_and_precision_reach_the_accelerator(tmp_path, monkeypatch):
     from accelerate.state import AcceleratorState
 
     from fsdp_recipes.common.arguments import parse_config
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
     from fsdp_recipes.run.starting import accelerator_for
     from fsdp_recipes.train.config import TrainingConfig
 
@@ -447,7 +448,8 @@ def test_ddp_timeout_and_precision_reach_the_accelerator(tmp_path, monkeypatch):
     config = parse_config(TrainingConfig, [*argv, "--ddp_timeout", "18000", "--bf16", "true"])
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        accelerator = accelerator_for(config)
+        accelerator, parallel = accelerator_for(config)
+        assert parallel == ParallelDims() and parallel.mesh is None  # one process, nothing launched
         assert accelerator.init_handler.timeout == datetime.timedelta(seconds=18000)
         assert accelerator.mixed_precision == "bf16"
     finally:

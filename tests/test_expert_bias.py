@@ -12,12 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from helpers.recipes import base_recipe_values, read_metrics, recipe_error_in_process, run_recipe_in_process
 from helpers.tiny_moe import COMMON, FAMILIES, tiny_moe
 
 FAMILIES_SHOWN = ("deepseek_v3", "qwen3_moe")
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+ONE_LAYOUT = ParallelDims()  # one process: every size 1
 
 
 def deepseek(**overrides):
@@ -40,7 +42,7 @@ def test_each_layers_bias_moves_by_the_rate_towards_its_own_global_mean_load_and
         for router, bias in zip(updates.routers, start):
             router.e_score_correction_bias.copy_(bias)
     updates.counts = torch.tensor([[5.0, 1.0, 3.0, 3.0], [0.0, 6.0, 4.0, 2.0]], dtype=torch.float64)  # means 3, 3
-    updates.update(ONE_PROCESS)
+    updates.update(ONE_PROCESS, ONE_LAYOUT)
     moved = torch.stack([router.e_score_correction_bias for router in updates.routers]) - start
     expected = torch.tensor([[-1.0, 1.0, 0.0, 0.0], [1.0, -1.0, -1.0, 1.0]]) * 0.01  # under-loaded up, over-loaded down
     torch.testing.assert_close(moved, expected, rtol=0, atol=1e-7)
@@ -48,10 +50,10 @@ def test_each_layers_bias_moves_by_the_rate_towards_its_own_global_mean_load_and
     assert updates.counts is None  # the next step counts afresh
     # the loads are those summed over the ranks: another rank's [0, 6, 3, 3] turns the first layer's signs around
     other_rank = torch.tensor([[0.0, 6.0, 3.0, 3.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    monkeypatch.setattr(expert_bias, "sum_tensor_over_ranks", lambda accelerator, loads: loads + other_rank)
+    monkeypatch.setattr(expert_bias, "sum_tensor_over_ranks", lambda accelerator, loads, parallel: loads + other_rank)
     before = torch.stack([router.e_score_correction_bias.clone() for router in updates.routers])
     updates.counts = torch.tensor([[5.0, 1.0, 3.0, 3.0], [0.0, 6.0, 4.0, 2.0]], dtype=torch.float64)
-    updates.update(ONE_PROCESS)
+    updates.update(ONE_PROCESS, ONE_LAYOUT)
     moved = torch.stack([router.e_score_correction_bias for router in updates.routers]) - before
     expected = torch.tensor([[1.0, -1.0, 0.0, 0.0], [1.0, -1.0, -1.0, 1.0]]) * 0.01  # global mean 6: [5, 7, 6, 6]
     torch.testing.assert_close(moved, expected, rtol=0, atol=1e-7)
@@ -62,7 +64,7 @@ def test_each_layers_bias_moves_by_the_rate_towards_its_own_global_mean_load_and
     still = expert_bias.ExpertBias(model, 0.0)
     before = [router.e_score_correction_bias.clone() for router in still.routers]
     still.counts = torch.tensor([[5.0, 1.0, 3.0, 3.0], [0.0, 6.0, 4.0, 2.0]], dtype=torch.float64)
-    still.update(ONE_PROCESS)
+    still.update(ONE_PROCESS, ONE_LAYOUT)
     assert all(torch.equal(a, router.e_score_correction_bias) for a, router in zip(before, still.routers))
     assert expert_bias.resolved_rate(None, "deepseek_v3") == 0.001  # the default: DeepSeek-V3's, for DeepSeek-V3
     assert expert_bias.resolved_rate(None, "glm4_moe") == 0.0  # keeps the bias, untested here: only when set

@@ -12,6 +12,7 @@ import torch
 
 from fsdp_recipes.distributed import float8
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.tools import cli
 from fsdp_recipes.tools.estimator.formulas import buffer_bytes, gathered_bytes, plan_units
 from fsdp_recipes.tools.estimator.shapes import load_model_info
@@ -76,8 +77,8 @@ def test_a_gpu_without_float8_tensor_cores_is_refused(capability, refused, monke
 def test_the_estimator_gathers_a_layers_linear_weights_in_one_byte_under_fp8():
     info = load_model_info(str(LLAMA_8B))
     bf16, fp8 = (
-        LaunchLayout(world_size=8, shard_size=8, mixed_precision="bf16"),
-        LaunchLayout(world_size=8, shard_size=8, mixed_precision="fp8"),
+        LaunchLayout(ParallelDims(dp_shard=8), mixed_precision="bf16"),
+        LaunchLayout(ParallelDims(dp_shard=8), mixed_precision="fp8"),
     )
     units = plan_units(info, fp8)
     layer = next(unit for unit in units if unit.kind == "layer")

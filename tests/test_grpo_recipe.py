@@ -157,6 +157,7 @@ def test_bad_inputs_are_refused_before_weights_load(
 
 def test_the_memory_estimate_counts_the_generation_pass_and_the_reference_copy():
     from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
     from fsdp_recipes.tools.estimator.formulas import estimate_for_recipe
     from fsdp_recipes.tools.estimator.recipe import config_class
     from fsdp_recipes.tools.estimator.shapes import load_model_info
@@ -166,7 +167,7 @@ def test_the_memory_estimate_counts_the_generation_pass_and_the_reference_copy()
     assert (grpo(beta=0.0).frozen_model_copies(), grpo(beta=0.1).frozen_model_copies()) == (0, 1)
     assert grpo(beta=0.1, use_peft=True).frozen_model_copies() == 0  # the policy with its adapters off
     info = load_model_info(str(REPO / "src/fsdp_recipes/tools/estimator/model_shapes/Qwen/Qwen2.5-1.5B"))
-    layout = LaunchLayout(world_size=8, shard_size=8)
+    layout = LaunchLayout(ParallelDims(dp_shard=8))
     small, large = (
         estimate_for_recipe(
             info, layout, grpo(per_device_eval_batch_size=n, max_length=4096, beta=0.1, per_device_train_batch_size=1)

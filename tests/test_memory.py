@@ -13,6 +13,7 @@ import yaml
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.sizes import parse_reserve, parse_size
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.tools.estimator.arguments import add_estimate_arguments
 from fsdp_recipes.tools.estimator.command import main, run_estimate
 from fsdp_recipes.tools.estimator.formulas import Unit, activation_bytes, estimate, plan_units, state_bytes_on_rank
@@ -119,12 +120,12 @@ def test_measured_state_shrinks_as_one_over_n(measured):
 # ------------------------------------------------------------------------------------------------ sharding arithmetic
 def test_full_shard_predicts_one_over_n_of_no_shard(llama8b, tiny_info):
     for info, tolerance in ((llama8b, 1e-4), (tiny_info, 0.02)):
-        no_shard = LaunchLayout(world_size=8, distributed_type="MULTI_GPU", shard_size=1)
+        no_shard = LaunchLayout(ParallelDims(dp_replicate=8), distributed_type="MULTI_GPU")
         whole = sum(state_bytes_on_rank(plan_units(info, no_shard), no_shard).values())
         # NO_SHARD holds fp32 params + grads + 2 AdamW states: 16 bytes per parameter (+ 4-byte steps)
         assert whole == pytest.approx(16 * info.num_params, rel=1e-3)
         for n in (2, 4, 8):
-            full = LaunchLayout(world_size=n, shard_size=n)
+            full = LaunchLayout(ParallelDims(dp_shard=n))
             sharded = sum(state_bytes_on_rank(plan_units(info, full), full).values())
             assert whole / n <= sharded <= whole / n * (1 + tolerance), (n, sharded, whole)
 
@@ -135,7 +136,7 @@ def test_padding_follows_fsdp2_chunks():
     assert [param.rows_on(r, 4) for r in range(4)] == [3, 3, 3, 1]
     assert [param.rows_on(r, 8) for r in range(8)] == [2, 2, 2, 2, 2, 0, 0, 0]
     unit = Unit("u", "layer", [param])
-    topo = LaunchLayout(world_size=4, shard_size=4)
+    topo = LaunchLayout(ParallelDims(dp_shard=4))
     assert state_bytes_on_rank([unit], topo, 3) == {
         "parameters": 4 * 3 * 7,
         "gradients": 4 * 3 * 7,
@@ -152,9 +153,9 @@ def test_hsdp_shards_over_the_shard_size_only(llama8b, tmp_path):
             parallelism_config={"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 8},
         )
     )
-    assert (hsdp.world_size, hsdp.shard_size, hsdp.sharding) == (16, 8, "HSDP")
-    full8 = LaunchLayout(world_size=8, shard_size=8)
-    full16 = LaunchLayout(world_size=16, shard_size=16)
+    assert (hsdp.parallel.world_size, hsdp.parallel.shard_size, hsdp.sharding) == (16, 8, "HSDP")
+    full8 = LaunchLayout(ParallelDims(dp_shard=8))
+    full16 = LaunchLayout(ParallelDims(dp_shard=16))
     state = lambda t: sum(state_bytes_on_rank(plan_units(llama8b, t), t).values())  # noqa: E731
     assert state(hsdp) == state(full8) and state(hsdp) > 1.9 * state(full16)
     with pytest.raises(ConfigError, match="dp_replicate_size 2 x dp_shard_size 4"):
@@ -169,7 +170,7 @@ def test_hsdp_shards_over_the_shard_size_only(llama8b, tmp_path):
 
 def test_topologies_read_from_accelerate_yaml(tmp_path):
     repo = LaunchLayout.from_file(REPO / "accelerate_configs" / "fsdp_8gpu.yaml")
-    assert (repo.world_size, repo.fsdp_version, repo.sharding, repo.mixed_precision, repo.compute_bytes) == (
+    assert (repo.parallel.world_size, repo.fsdp_version, repo.sharding, repo.mixed_precision, repo.compute_bytes) == (
         8,
         2,
         "FULL_SHARD",
@@ -186,7 +187,7 @@ def test_topologies_read_from_accelerate_yaml(tmp_path):
     )
     assert fsdp1_misplaced.sharding == "FULL_SHARD"
     ddp = LaunchLayout.from_mapping({"distributed_type": "MULTI_GPU", "num_processes": 8, "mixed_precision": "bf16"})
-    assert (ddp.distributed_type, ddp.shard_size, ddp.sharding) == ("MULTI_GPU", 1, "NO_SHARD")
+    assert (ddp.distributed_type, ddp.parallel.shard_size, ddp.sharding) == ("MULTI_GPU", 1, "NO_SHARD")
     omitted = LaunchLayout.from_mapping(
         {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2}}
     )
@@ -194,7 +195,7 @@ def test_topologies_read_from_accelerate_yaml(tmp_path):
 
 
 def test_units_mirror_accelerates_fsdp2_preparation(tiny_info):
-    topo = LaunchLayout(world_size=2, shard_size=2)
+    topo = LaunchLayout(ParallelDims(dp_shard=2))
     units = plan_units(tiny_info, topo)
     assert [u.kind for u in units] == ["embedding", "layer", "layer", "tail"]
     assert [u.reshard_after_forward for u in units] == [True, True, True, False]
@@ -207,7 +208,7 @@ def test_units_mirror_accelerates_fsdp2_preparation(tiny_info):
 
 
 def test_buffers_by_sharding(llama8b):
-    full = LaunchLayout(world_size=8, shard_size=8, mixed_precision="bf16")
+    full = LaunchLayout(ParallelDims(dp_shard=8), mixed_precision="bf16")
     work = Workload(2048, 4)
     e_full = estimate(llama8b, full, work)
     e_sgo = estimate(llama8b, dataclasses.replace(full, reshard_after_forward=False), work)
@@ -224,7 +225,7 @@ def test_buffers_by_sharding(llama8b):
 def test_the_optimizer_step_is_the_peak_once_checkpointing_shrinks_activations(llama8b):
     """AdamW's foreach step holds one fp32 copy of the rank's trainable shard; it follows backward, so it competes with
     the activations, not with them and on top. On one GPU with checkpointing it is the larger (the H200 run)."""
-    one_gpu = LaunchLayout(world_size=1, shard_size=1, mixed_precision="bf16", activation_checkpointing=True)
+    one_gpu = LaunchLayout(ParallelDims(), mixed_precision="bf16", activation_checkpointing=True)
     work = Workload(2048, 4)
     checkpointed = estimate(llama8b, one_gpu, work)
     shard = sum(unit.numel for unit in checkpointed.units)
@@ -242,14 +243,14 @@ def test_the_optimizer_step_is_the_peak_once_checkpointing_shrinks_activations(l
 def test_auto_attention_is_estimated_as_the_gpu_run_takes_it(llama8b):
     """auto: flex for packed rows (keys and values saved at the KV heads' size), sdpa under TP or unpacked rows (repeated
     to every query head), as models/attention.py chooses on a CUDA GPU."""
-    one_node = LaunchLayout(world_size=8, shard_size=8, mixed_precision="bf16")
+    one_node = LaunchLayout(ParallelDims(dp_shard=8), mixed_precision="bf16")
     packed = Workload(2048, 4, attn_implementation="auto", packs_examples=True)
     activations = lambda layout, work: estimate(llama8b, layout, work).activations_used  # noqa: E731
     flex = activations(one_node, dataclasses.replace(packed, attn_implementation="flex_attention"))
     sdpa = activations(one_node, dataclasses.replace(packed, attn_implementation="sdpa"))
     assert flex < sdpa and activations(one_node, packed) == flex
     assert activations(one_node, dataclasses.replace(packed, packs_examples=False)) == sdpa
-    tensor_parallel = dataclasses.replace(one_node, tp_size=2)
+    tensor_parallel = dataclasses.replace(one_node, parallel=ParallelDims(dp_shard=4, tp=2))
     assert activations(tensor_parallel, packed) == activations(
         tensor_parallel, dataclasses.replace(packed, attn_implementation="sdpa")
     )
@@ -437,7 +438,7 @@ def test_tied_embeddings_are_one_tail_unit_counted_once():
     the shared weight is counted once (as model.parameters() does)."""
     info = load_model_info(str(REPO / "demo" / "tiny_llama.json"))
     assert info.tied_embeddings
-    units = plan_units(info, LaunchLayout(world_size=2, shard_size=2))
+    units = plan_units(info, LaunchLayout(ParallelDims(dp_shard=2)))
     assert [u.kind for u in units] == ["layer", "layer", "layer", "tail"]
     assert "model.embed_tokens" in units[-1].name and sum(u.numel for u in units) == info.num_params == 505_600
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.train.metrics import MetricsLog, StepLogger, ThroughputWindow
 
 
@@ -31,6 +32,7 @@ def test_first_window_is_warmup_and_left_out_of_the_final_means(tmp_path, monkey
     logger = StepLogger(
         accelerator,
         log,
+        parallel=ParallelDims(),  # one process
         every=1,
         total_steps=3,
         model_config=config,

@@ -11,9 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from helpers.paths import TOKENIZER
 from helpers.recipes import base_recipe_values, read_metrics, recipe_error_in_process, run_recipe_in_process
 from helpers.tiny_moe import COMMON, FAMILIES, FUSED_ON_DISK, tiny_moe
+
+ONE_LAYOUT = ParallelDims()  # one process: every size 1
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -165,8 +168,8 @@ def test_the_router_balance_is_transformers_aux_loss_over_the_global_batch_whate
 
     whole, split = [rows([0, 1, 2, 3], 6)], [rows([0, 1], 9), rows([2, 3], 7)]
     accelerator = Accelerator(cpu=True)
-    one = router_balance.for_step(accelerator, model, whole, router_logits_of)
-    two = router_balance.for_step(accelerator, model, split, router_logits_of)
+    one = router_balance.for_step(accelerator, model, whole, router_logits_of, parallel=ONE_LAYOUT)
+    two = router_balance.for_step(accelerator, model, split, router_logits_of, parallel=ONE_LAYOUT)
     expected = load_balancing_loss_func(router_logits_of(model, whole[0]), 4, 2)
     assert one.aux_loss == pytest.approx(float(expected), rel=1e-5) and two.aux_loss == pytest.approx(one.aux_loss)
 
@@ -185,7 +188,10 @@ def test_the_router_balance_is_transformers_aux_loss_over_the_global_batch_whate
             assert float(sum(shares)) == pytest.approx(0.5 * one.aux_loss, rel=1e-5)  # coefficient x aux
     torch.testing.assert_close(gradient(two, split), gradient(one, whole), rtol=1e-5, atol=1e-8)
     assert gradient(one, whole).abs().sum() > 0
-    assert router_balance.for_step(accelerator, tiny_moe("qwen3_moe"), whole, router_logits_of) is None  # not asked
+    not_asked = router_balance.for_step(
+        accelerator, tiny_moe("qwen3_moe"), whole, router_logits_of, parallel=ONE_LAYOUT
+    )
+    assert not_asked is None  # its config does not ask for the loss
     from fsdp_recipes.models.experts import describe_experts
 
     assert "not added to this recipe's objective" in describe_experts(model.config)["router_aux_loss"]
@@ -223,13 +229,15 @@ def test_an_attached_router_balance_adds_the_loss_shares_gradient_and_changes_no
     balance = router_balance.attach(model, forward, real_of=router_balance.real_token_mask)
     assert router_balance.attached(model) is balance and router_balance.attached(by_hand) is None
     attached_losses = []
-    for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches):
+    for batch in loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=ONE_LAYOUT):
         loss = task_loss(forward(model, batch))
         loss.backward()
         attached_losses.append(loss.detach())
     assert balance.figures()["aux_loss"] > 0
 
-    step = router_balance.for_step(accelerator, by_hand, micro_batches, lambda m, b: forward(m, b).router_logits)
+    step = router_balance.for_step(
+        accelerator, by_hand, micro_batches, lambda m, b: forward(m, b).router_logits, parallel=ONE_LAYOUT
+    )
     hand_losses = []
     for batch in micro_batches:
         output = forward(by_hand, batch)
@@ -250,10 +258,10 @@ def test_an_attached_router_balance_adds_the_loss_shares_gradient_and_changes_no
 
     with pytest.raises(RuntimeError, match="outside the step's micro-batches"):
         task_loss(forward(model, micro_batches[0])).backward()
-    synced = loop.micro_batches_in_sync(accelerator, model, micro_batches)
+    synced = loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=ONE_LAYOUT)
     task_loss(forward(model, next(synced))).backward()  # one of the two forwards only
     with pytest.raises(RuntimeError, match="fewer than its micro-batches"):
-        next(iter(loop.micro_batches_in_sync(accelerator, model, micro_batches)))
+        next(iter(loop.micro_batches_in_sync(accelerator, model, micro_batches, parallel=ONE_LAYOUT)))
     assert router_balance.attach(tiny_moe("qwen3_moe"), forward) is None  # its config does not ask for the loss
 
     def problem(**asked):  # the checkpointing the hook cannot ride on, refused before loading

@@ -79,13 +79,14 @@ def test_fp16_under_tp_is_refused():
 
 def test_the_estimator_and_the_catalog_read_tp_layouts_and_refuse_cp(tmp_path):
     hsdp_tp = LaunchLayout.from_file(config_with(tmp_path, "hsdp_tp.yaml", 8, dp_replicate=2, dp_shard=2, tp=2, cp=1))
-    assert (hsdp_tp.tp_size, hsdp_tp.shard_size, hsdp_tp.data_parallel_size, hsdp_tp.hsdp_replicate) == (2, 2, 4, 2)
+    parallel = hsdp_tp.parallel
+    assert (parallel.tp, parallel.shard_size, parallel.data_parallel_size, parallel.hsdp_replicas) == (2, 2, 4, 2)
     assert "2 replicas x 2 shards) x TP 2" in hsdp_tp.describe()
     with pytest.raises(ConfigError, match=r"dp_replicate_size 2 x dp_shard_size 2 x tp_size 2 != num_processes 16"):
         LaunchLayout.from_file(config_with(tmp_path, "bad.yaml", 16, dp_replicate=2, dp_shard=2, tp=2, cp=1))
     with pytest.raises(ConfigError, match=r"context parallelism \(cp_size 8\) is not supported"):
         LaunchLayout.from_file(config_with(tmp_path, "cp8.yaml", 8, dp_shard=1, cp=8))
-    assert LaunchLayout.from_file(CONFIG_DIR / "tp8_fsdp_2x8gpu.yaml").shard_size == 2
+    assert LaunchLayout.from_file(CONFIG_DIR / "tp8_fsdp_2x8gpu.yaml").parallel.shard_size == 2
 
 
 def test_sizes_that_do_not_multiply_to_the_processes_name_every_dimension(tmp_path):
@@ -108,17 +109,18 @@ def test_validate_config_with_a_model_names_what_tp_cannot_split(tmp_path, token
 def test_a_model_tp_cannot_split_is_named_with_its_numbers(tmp_path, tokenizer):
     from transformers import AutoConfig, GPT2Config, LlamaForCausalLM
 
-    from fsdp_recipes.distributed.tensor_parallel import NdLayout, model_problems
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
+    from fsdp_recipes.distributed.tensor_parallel import model_problems
     from fsdp_recipes.models.modeling import model_class_for
     from helpers.data import write_tiny_model_config
 
     config = AutoConfig.from_pretrained(write_tiny_model_config(tmp_path / "c.json", tokenizer, vocab_size=104))
     assert model_class_for(config, "causal-lm") is LlamaForCausalLM
-    assert model_problems(NdLayout(1, 1, 2), config, LlamaForCausalLM) == []
-    (problem,) = model_problems(NdLayout(1, 1, 3), config, LlamaForCausalLM)
+    assert model_problems(ParallelDims(tp=2), config, LlamaForCausalLM) == []
+    (problem,) = model_problems(ParallelDims(tp=3), config, LlamaForCausalLM)
     assert "tp_size 3 does not divide Llama's num_attention_heads 4, num_key_value_heads 2" in problem
     assert "intermediate_size 128, vocab_size 104:" in problem
-    no_plan = model_problems(NdLayout(1, 1, 2), GPT2Config(), model_class_for(GPT2Config(), "causal-lm"))
+    no_plan = model_problems(ParallelDims(tp=2), GPT2Config(), model_class_for(GPT2Config(), "causal-lm"))
     assert len(no_plan) == 1 and "has no tensor-parallel plan" in no_plan[0], no_plan
 
 
@@ -184,13 +186,15 @@ DEMO_MOE = Path(__file__).resolve().parents[1] / "demo" / "tiny_qwen3_moe.json" 
 
 def test_ep_reaches_the_processes_from_the_launched_file_and_its_mesh_rules_are_checked(tmp_path, monkeypatch):
     from fsdp_recipes.distributed import expert_parallel, tensor_parallel
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
 
     shipped = CONFIG_DIR / "fsdp2_tp2_ep2_4proc_cpu.yaml"
     environment = exported_environment(shipped)  # what each rank sees once it has read the file itself
     assert environment["PARALLELISM_CONFIG_EP_SIZE"] == "2" and check_launch_environment(environment) == []
-    layout = tensor_parallel.layout_from_environment(environment, 4)
-    assert (layout.dp_shard, layout.tp, layout.ep) == (2, 2, 2) and layout.describe() == "fsdp 2 x tp 2 x ep 2"
-    assert LaunchLayout.from_file(shipped).ep_size == 2
+    layout = ParallelDims.from_environment(environment)
+    assert (layout.dp_shard, layout.tp, layout.ep) == (2, 2, 2)
+    assert tensor_parallel.layout_text(layout) == "fsdp 2 x tp 2 x ep 2"
+    assert LaunchLayout.from_file(shipped).parallel.ep == 2
     # the carrier: the variable when a launcher set it, else the file of the `accelerate launch` above this process
     monkeypatch.setattr(expert_parallel, "launching_config_file", lambda: shipped)
     launched = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
@@ -236,29 +240,109 @@ def test_ep_on_a_dense_model_or_one_whose_experts_it_does_not_divide_is_refused_
 
 
 def test_lora_an_adapter_or_an_unsplittable_model_under_a_running_tp_or_ep_layout_is_refused_with_the_fix(
-    monkeypatch, tiny_model_config
+    tiny_model_config,
 ):
-    """The check every recipe runs on its ranks before loading (run.starting.check_tensor_parallel), on the layout a
-    TP/EP launch attaches; each problem is named with its way out."""
+    """The check every recipe runs on its ranks before loading (run.checks.TENSOR_PARALLEL), on the layout a TP/EP
+    launch carries; each problem is named with its way out."""
     from types import SimpleNamespace
 
     from transformers import AutoConfig
 
-    from fsdp_recipes.common.errors import ConfigError
-    from fsdp_recipes.distributed.tensor_parallel import NdLayout
-    from fsdp_recipes.run import starting
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
+    from fsdp_recipes.run import checks
 
     dense = AutoConfig.from_pretrained(tiny_model_config)
-    layouts = {"tp": NdLayout(dp_replicate=1, dp_shard=1, tp=2, ep=1), "ep": NdLayout(1, 2, 1, 2)}
+    layouts = {"tp": ParallelDims(tp=2), "ep": ParallelDims(dp_shard=2, ep=2)}
 
     def problems(layout, config, **options):
-        monkeypatch.setattr(starting.tensor_parallel, "layout_of", lambda accelerator: layouts[layout])
+        facts = checks.BeforeLoading(
+            config=config, parallel=layouts[layout], model_config=dense, task="causal-lm", recipe="sft",
+            accelerator=None, attn_implementation="sdpa", **options,
+        )  # fmt: skip
         with pytest.raises(ConfigError) as refused:
-            starting.check_tensor_parallel(None, config, dense, "causal-lm", **options)
+            checks.run_checks([checks.TENSOR_PARALLEL], facts)
         return str(refused.value)
 
-    assert "use_peft under" in problems("tp", SimpleNamespace(use_peft=True)) and "train LoRA with FSDP alone" in (
+    assert "use_peft under tp 2" in problems("tp", SimpleNamespace(use_peft=True)) and "train LoRA with FSDP alone" in (
         problems("tp", SimpleNamespace(use_peft=True))
     )
     assert "merge it first (fsdp-recipes export)" in problems("tp", SimpleNamespace(), adapter=True)
     assert "a dense model (no routed experts)" in problems("ep", SimpleNamespace())
+
+
+def test_every_shipped_config_gives_one_layout_offline_and_from_what_its_launcher_exports():
+    """The two ways ParallelDims is built agree: from the YAML (linter, estimator, ls, rehearse) and from the
+    variables accelerate's own launcher code exports for it (what each rank reads at start-up), with the per-node
+    count torchrun adds. The launches themselves record theirs in run_summary.json (tests/test_hsdp.py and the
+    four-process fixture compare it with this one)."""
+    from fsdp_recipes.distributed.accelerate_config import read_accelerate_yaml
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
+
+    shipped = sorted(path for path in CONFIG_DIR.glob("*.yaml") if path.name != "topologies.yaml")
+    assert len(shipped) > 20
+    seen = set()
+    for path in shipped:
+        raw = read_accelerate_yaml(path)
+        offline = ParallelDims.from_accelerate_config(raw)
+        environment = exported_environment(path)
+        machines = int(raw.get("num_machines", 1) or 1)
+        environment["LOCAL_WORLD_SIZE"] = str(int(environment["WORLD_SIZE"]) // machines)
+        live = ParallelDims.from_environment(environment)
+        assert live == offline, path.name
+        assert offline.world_size == int(raw.get("num_processes", 1)) or raw.get("distributed_type") == "NO"
+        assert LaunchLayout.from_file(path).parallel == offline, path.name
+        seen.add((offline.dp_replicate > 1, offline.dp_shard > 1, offline.tp > 1, offline.ep > 1, offline.sp > 1))
+    assert len(seen) >= 7  # DDP, FSDP, HSDP, TP, TP x EP, EP, SP among them
+
+
+def test_the_layouts_derived_sizes():
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
+
+    hsdp_tp = ParallelDims(dp_replicate=2, dp_shard=2, tp=8)
+    assert (hsdp_tp.world_size, hsdp_tp.data_parallel_size, hsdp_tp.batch_sharing_size) == (32, 4, 8)
+    assert (hsdp_tp.shard_size, hsdp_tp.fsdp_size, hsdp_tp.hsdp_replicas) == (2, 4, 2)
+    assert [hsdp_tp.data_parallel_rank(rank) for rank in (0, 7, 8, 31)] == [0, 0, 1, 3]
+    sp = ParallelDims(dp_shard=4, sp=8)
+    assert (sp.world_size, sp.data_parallel_size, sp.shard_size, sp.fsdp_size, sp.hsdp_replicas) == (
+        32,
+        4,
+        32,
+        32,
+        None,
+    )
+    ddp = ParallelDims(dp_replicate=8)
+    assert (ddp.shard_size, ddp.hsdp_replicas, ddp.data_parallel_size, ddp.sharded_layers) == (1, None, 8, False)
+    assert ParallelDims(dp_shard=8, ep=8).sharded_layers and ParallelDims(dp_shard=8, ep=8).world_size == 8
+    assert ParallelDims.fsdp1("HYBRID_SHARD", 16, 2) == ParallelDims(dp_replicate=2, dp_shard=8)
+    assert ParallelDims.fsdp1("3", 8, 1) == ParallelDims(dp_replicate=8)  # NO_SHARD by its number
+
+
+def test_the_checks_before_loading_are_named_each_answers_alone_and_the_first_problem_stops(tiny_model_config):
+    """run/checks.py: each check applies to a layout or not and names its problem; run_checks lists those that ran."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
+    from fsdp_recipes.run import checks
+
+    names = [check.name for check in checks.TRAINING]
+    assert len(names) == len(set(names)) and {check.name for check in checks.EVALUATION} <= set(names)
+    model_config = AutoConfig.from_pretrained(tiny_model_config)
+    config = SimpleNamespace(sequence_split_problem=lambda: "a reason", generation_backend="generate")
+
+    def facts(parallel, attn="sdpa"):
+        return checks.BeforeLoading(
+            config=config, parallel=parallel, model_config=model_config, task="causal-lm", recipe="sft",
+            accelerator=None, attn_implementation=attn,
+        )  # fmt: skip
+
+    layout_checks = [checks.TENSOR_PARALLEL, checks.SEQUENCE_PARALLEL, checks.SEQUENCE_SPLIT, checks.GENERATION_BACKEND]
+    assert checks.run_checks(layout_checks, facts(ParallelDims(dp_shard=4))) == ["generation_backend"]
+    with pytest.raises(ConfigError, match="^under sequence parallelism: a reason$"):
+        checks.run_checks(layout_checks, facts(ParallelDims(dp_shard=2, sp=2)))
+    with pytest.raises(ConfigError, match="sequence parallelism wraps sdpa attention, not eager"):  # the first wins
+        checks.run_checks(layout_checks, facts(ParallelDims(dp_shard=2, sp=2), attn="eager"))
+    config.sequence_split_problem = lambda: None
+    ran = checks.run_checks(layout_checks, facts(ParallelDims(dp_shard=2, sp=2)))
+    assert ran == ["sequence_parallel", "sequence_split", "generation_backend"]

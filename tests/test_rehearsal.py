@@ -157,6 +157,7 @@ def test_the_real_sizes_are_checked_as_the_real_run_checks_them_before_any_stand
     from transformers import LlamaConfig
 
     from fsdp_recipes.distributed import tensor_parallel
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
     from fsdp_recipes.models.modeling import model_class_for
 
     monkeypatch.chdir(REPO)
@@ -172,7 +173,7 @@ def test_the_real_sizes_are_checked_as_the_real_run_checks_them_before_any_stand
             locals_={"meta-llama/Llama-3.1-70B": str(odd)},
         )  # fmt: skip
     real_run = tensor_parallel.model_problems(
-        tensor_parallel.NdLayout(1, 4, 8, 1),
+        ParallelDims(dp_replicate=1, dp_shard=4, tp=8, ep=1),
         LlamaConfig.from_pretrained(odd),
         model_class_for(LlamaConfig(), "causal-lm"),
     )

@@ -16,6 +16,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from helpers.paths import REPO
 from helpers.recipes import read_metrics, run_recipe_launched_here
 
@@ -34,15 +36,19 @@ def test_what_sequence_parallelism_cannot_split_is_refused_with_its_fix():
     from transformers import LlamaConfig, Qwen3MoeConfig
 
     from fsdp_recipes.distributed import sequence_parallel
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
 
-    assert sequence_parallel.layout_problems(LAUNCHED) == {}
+    def layout_problems(environ):
+        return sequence_parallel.layout_problems(ParallelDims.from_environment(environ), environ)
+
+    assert layout_problems(LAUNCHED) == {}
     for change, words in (
         ({"PARALLELISM_CONFIG_TP_SIZE": "2"}, "does not compose with tensor or expert parallelism"),
         ({"PARALLELISM_CONFIG_EP_SIZE": "2"}, "does not compose with tensor or expert parallelism"),
         ({"PARALLELISM_CONFIG_CP_SIZE": "2"}, "choose one"),
         ({"FSDP_VERSION": "1"}, "runs with FSDP2"),
     ):
-        (problem,) = sequence_parallel.layout_problems({**LAUNCHED, **change}).values()
+        (problem,) = layout_problems({**LAUNCHED, **change}).values()
         assert words in problem and "parallelism_config_sp_size: 1" in problem, problem
     llama = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     problems = sequence_parallel.model_problems(4, llama, attn_implementation="sdpa", recipe="sft")
@@ -79,11 +85,11 @@ def test_the_layout_and_the_estimate_of_a_sequence_parallel_launch():
     from fsdp_recipes.tools.estimator.recipe import recipe_config as read_recipe_config
     from fsdp_recipes.tools.estimator.workload import Workload
 
-    cpu = LaunchLayout.from_file(SP_2)
-    assert (cpu.sp_size, cpu.shard_size, cpu.data_parallel_size, cpu.hsdp_replicate) == (2, 4, 2, None)
-    assert "over SP 2" in cpu.describe()
-    node = LaunchLayout.from_file(REPO / "accelerate_configs" / "sp8_fsdp_4x8gpu.yaml")
-    assert (node.sp_size, node.shard_size, node.data_parallel_size) == (8, 32, 4)
+    cpu = LaunchLayout.from_file(SP_2).parallel
+    assert (cpu.sp, cpu.shard_size, cpu.data_parallel_size, cpu.hsdp_replicas) == (2, 4, 2, None)
+    assert "over SP 2" in LaunchLayout.from_file(SP_2).describe()
+    node = LaunchLayout.from_file(REPO / "accelerate_configs" / "sp8_fsdp_4x8gpu.yaml").parallel
+    assert (node.sp, node.shard_size, node.data_parallel_size) == (8, 32, 4)
 
     catalog = Catalog(REPO)
     config = catalog.find("sft/llama-3.1-70b_long_128k_sp8")
@@ -91,7 +97,7 @@ def test_the_layout_and_the_estimate_of_a_sequence_parallel_launch():
     recipe = read_recipe_config(config.values, script=REPO / "recipes" / "sft.py", where=config.key)
     split = catalog.estimate(config)
     whole = estimate_for_recipe(info, LaunchLayout.from_file(REPO / "accelerate_configs" / "fsdp_4x8gpu.yaml"), recipe)
-    assert split.layout.sp_size == 8 and split.fits and not whole.fits  # as the shipped config's comment says
+    assert split.layout.parallel.sp == 8 and split.fits and not whole.fits  # as the shipped config's comment says
     assert longest_row(info, split) >= 131072 > 4 * longest_row(info, whole)
     work = Workload(row_length=4096, micro_batch_rows=1)
     one, two = (activation_bytes(info, work, 2, sp=sp)["per_layer"] for sp in (1, 2))
@@ -125,9 +131,12 @@ def test_per_token_values_and_every_recipe_split_by_position_equal_one_process_a
     _assert_same_steps(launched / "sp" / "hsdp", launched / "one" / "sft", "hsdp 2 x sp 2, checkpointed")
     hsdp = json.loads((launched / "sp" / "hsdp" / "run_summary.json").read_text())
     assert hsdp["parameter_placements"] == ["(Replicate(), Shard(dim=0))"], hsdp["parameter_placements"]
+    assert hsdp["parallel_dims"] == ParallelDims(dp_replicate=2, sp=2).describe()
     summary = json.loads((launched / "sp" / "sft" / "run_summary.json").read_text())
     assert summary["world_size"] == 4 and summary["global_batch_rows"] == 2
     assert summary["sequence_parallel"]["size"] == 2 and summary["sequence_parallel"]["data_parallel_size"] == 2
+    assert summary["parallel_dims"] == LaunchLayout.from_file(SP_2).parallel.describe()  # live = offline
+    assert {"sequence_parallel", "sequence_split"} <= set(summary["checks_before_loading"])
     assert summary["parameter_meshes"] == ["('dp_shard_cp',)"]  # FSDP shards over the sp ranks too
     # resumed on the same layout: step 3 as the uninterrupted run had it, and the same export, bitwise
     assert _steps(launched / "sp" / "resumed")[(3, "loss")] == _steps(launched / "sp" / "sft")[(3, "loss")]

@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 from fixtures.every_recipe import TRAINING_RECIPES
 from fixtures.four_processes import moe_values
 from fixtures.grpo import tool_run_values
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.tools import cli
 from helpers.data import write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
@@ -122,6 +124,9 @@ def test_every_recipe_under_tp_2_equals_one_process(
     assert step_values(tmp_path / "tp" / "gkd", ("on_policy",)) == {(1, "on_policy"): 0.0, (2, "on_policy"): 1.0}
     summary = json.loads((tmp_path / "tp" / "sft" / "run_summary.json").read_text())
     assert summary["tensor_parallel"]["layout"] == "tp 2" and summary["global_batch_rows"] == 4
+    # the layout each rank read at start-up is the one the linter and the estimator read from the YAML
+    assert summary["parallel_dims"] == LaunchLayout.from_file(TP_2).parallel.describe()
+    assert "tensor_parallel" in summary["checks_before_loading"] and "positions" in summary["checks_before_loading"]
     assert "Shard(dim=0)" in str(summary["parameter_placements"])  # sharded, not replicated
     # the estimator's TP shapes: what each rank holds, exactly (parameters, gradients, AdamW state)
     assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]
@@ -149,6 +154,7 @@ def test_an_moe_under_fsdp_2_x_tp_2_x_ep_2_equals_one_process_and_its_checkpoint
     summary = json.loads((launched / "nd" / "run_summary.json").read_text())
     # ep reached every rank (here through the launch's environment; from a launched YAML, expert_parallel reads it)
     assert summary["tensor_parallel"]["layout"] == "fsdp 2 x tp 2 x ep 2" and summary["global_batch_rows"] == 16
+    assert summary["parallel_dims"] == ParallelDims(dp_shard=2, tp=2, ep=2).describe()
     assert "('efsdp', 'ep')" in summary["parameter_meshes"], summary["parameter_meshes"]  # the experts' own mesh
     # the estimator's expert split: each rank holds 1/(ep x efsdp) of the routed experts, exactly as predicted
     held = [rank["routed_expert_parameters"] for rank in summary["state_bytes_per_rank"]]

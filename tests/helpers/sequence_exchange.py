@@ -15,7 +15,6 @@ def per_token_errors(shards) -> dict[str, list[float]]:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from fsdp_recipes.distributed import sequence_parallel
     from fsdp_recipes.train.losses import TokenLoss
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -34,13 +33,12 @@ def per_token_errors(shards) -> dict[str, list[float]]:
             config._attn_implementation = "sdpa"
             torch.manual_seed(1)
             model = AutoModelForCausalLM.from_config(config)
-            loss = TokenLoss(model, implementation, chunk_size=5)
-            sequence_parallel._SHARDS = None  # the same model, whole rows, this rank alone
+            loss = TokenLoss(model, implementation, chunk_size=5)  # no group: whole rows, this rank alone
             expected = loss.token_losses(model, batch)
             expected.sum().backward()
             whole = {n: p.grad.clone() for n, p in model.named_parameters()}
             model.zero_grad()
-            sequence_parallel._SHARDS = shards
+            loss.sequence_shards = shards  # now split by position over the group
             got = loss.token_losses(model, batch)
             got.sum().backward()
             worst = 0.0
@@ -55,12 +53,10 @@ def per_token_errors(shards) -> dict[str, list[float]]:
 def main(output: str) -> None:
     from accelerate.utils import gather_object
 
-    from fsdp_recipes.distributed import sequence_parallel
     from fsdp_recipes.distributed.accelerator import build_accelerator
 
-    accelerator = build_accelerator()
-    shards = sequence_parallel.active()
-    errors = per_token_errors(shards)
+    accelerator, parallel = build_accelerator()
+    errors = per_token_errors(parallel.sequence_shards)
     gathered = gather_object([errors])
     if accelerator.is_main_process:
         Path(output).write_text(json.dumps({str(rank): value for rank, value in enumerate(gathered)}))

@@ -25,6 +25,7 @@ from accelerate.utils import DistributedType, gather_object
 
 from fsdp_recipes.common.errors import DistributedSetupError
 from fsdp_recipes.distributed import buffer_loading, expert_parallel, float8, sequence_parallel, tensor_parallel
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 
 T = TypeVar("T")
 
@@ -42,32 +43,33 @@ def has_accelerator_device() -> bool:
     return torch.accelerator.is_available()
 
 
-def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
-    """The Accelerator for this launch: real FSDP on GPUs, real FSDP2 over gloo on CPU, and never a degraded launch.
+def build_accelerator(
+    parallel: ParallelDims | None = None, **accelerator_kwargs: Any
+) -> tuple[Accelerator, ParallelDims]:
+    """The Accelerator for this launch (real FSDP on GPUs, real FSDP2 over gloo on CPU, and never a degraded launch),
+    and `parallel` (default: what the launcher exported, `ParallelDims.from_environment`) with the meshes it
+    attached.
 
     Keyword arguments go to `Accelerator` (mixed precision, FSDP settings and the like come from the launcher's
     environment, i.e. from the Accelerate YAML, and should not be passed here).
     """
-    expert_parallel.export_launched_size()  # the one size accelerate's launcher does not export
-    buffer_loading.install()  # checkpoint buffers (DeepSeek-V3's router bias) through accelerate's FSDP2 load
-    layout = tensor_parallel.requested()
-    if layout is not None:
-        # transformers shards the model itself; accelerate must not build its own TP ParallelismConfig (whose
-        # preparation is broken on the pinned versions): the variable is hidden and a data-parallel mesh attached.
+    if parallel is None:
+        expert_parallel.export_launched_size()  # the one size accelerate's launcher does not export
+        parallel = ParallelDims.from_environment(os.environ)
+    mesh = shards = None
+    if parallel.sharded_layers or parallel.sp > 1:
+        # TP/EP: transformers shards the model itself; accelerate must not build its own TP ParallelismConfig (whose
+        # preparation is broken on the pinned versions). SP: accelerate 1.15 runs parallelism_config_sp_size only with
+        # DeepSpeed. Either way its parallelism config is hidden and the mesh attached here.
         with _environment_without("ACCELERATE_USE_PARALLELISM_CONFIG"):
             if has_accelerator_device():
                 accelerator = Accelerator(**accelerator_kwargs)
             else:
                 accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
-        tensor_parallel.attach_data_parallel_mesh(accelerator, layout)
-    elif sequence_parallel.size_from_environment() > 1:
-        # accelerate 1.15 runs parallelism_config_sp_size only with DeepSpeed: its parallelism config is hidden and
-        # the sequence-parallel mesh attached (distributed/sequence_parallel.py)
-        with _environment_without("ACCELERATE_USE_PARALLELISM_CONFIG"):
-            if has_accelerator_device():
-                accelerator = Accelerator(**accelerator_kwargs)
-            else:
-                accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
+        if parallel.sharded_layers:
+            mesh = tensor_parallel.attach_data_parallel_mesh(accelerator, parallel)
+        else:
+            mesh, shards = sequence_parallel.attach(accelerator, parallel)  # distributed/sequence_parallel.py
     elif fsdp_requested() and not has_accelerator_device():
         accelerator = _build_cpu_fsdp2_accelerator(**accelerator_kwargs)
     elif launched_world_size() > 1 and not has_accelerator_device():
@@ -76,10 +78,10 @@ def build_accelerator(**accelerator_kwargs: Any) -> Accelerator:
         accelerator = Accelerator(cpu=True, **accelerator_kwargs)
     else:
         accelerator = Accelerator(**accelerator_kwargs)
-    sequence_parallel.attach(accelerator, sequence_parallel.size_from_environment())  # sp 1: none
     refuse_degraded_launch(accelerator)
     keep_fp32_module_outputs(accelerator)
-    return accelerator
+    buffer_loading.install()  # checkpoint buffers (DeepSeek-V3's router bias) through accelerate's FSDP2 load
+    return accelerator, parallel.with_meshes(mesh or accelerator.torch_device_mesh, shards)
 
 
 def keep_fp32_module_outputs(accelerator: Accelerator) -> None:
@@ -208,7 +210,9 @@ def local_and_total_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return local, total
 
 
-def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes: list[str] | None) -> dict[str, Any]:
+def describe_run(
+    accelerator: Accelerator, parallel: ParallelDims, model: torch.nn.Module, wrap_classes: list[str] | None
+) -> dict[str, Any]:
     """Collective: what this launch really does (from accelerate's resolved state, not from the YAML text)."""
     local, total = local_and_total_parameters(model)
     per_rank = gather_object([local]) if accelerator.num_processes > 1 else [local]
@@ -226,8 +230,9 @@ def describe_run(accelerator: Accelerator, model: torch.nn.Module, wrap_classes:
             {str(p.device_mesh.mesh_dim_names) for p in model.parameters() if hasattr(p, "device_mesh")}
         ),
         "fsdp": None,
-        "tensor_parallel": tensor_parallel.describe(tensor_parallel.layout_of(accelerator)),
-        "sequence_parallel": sequence_parallel.describe(accelerator),
+        "parallel_dims": parallel.describe(),
+        "tensor_parallel": tensor_parallel.describe(parallel),
+        "sequence_parallel": sequence_parallel.describe(parallel),
     }
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin

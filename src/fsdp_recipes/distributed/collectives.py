@@ -1,5 +1,6 @@
 """Collectives every recipe needs: a step run on all ranks that fails on all of them together, sums and values
-gathered over ranks."""
+gathered over ranks. Those over the data-parallel ranks take the run's layout (`parallel`, `Run.parallel`): the ranks
+of a TP or SP group hold the same batch, and so the same values, which count once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from accelerate.utils import gather_object
 
 from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import PeerRankFailed, UserError
-from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 
 T = TypeVar("T")
 
@@ -70,21 +71,23 @@ def _report(failure: Exception) -> tuple[str, str]:
     return ("peer-bug" if getattr(failure, "bug", False) else "user"), str(failure)
 
 
-def sum_over_ranks(accelerator: Accelerator, value: float | int) -> float:
+def sum_over_ranks(accelerator: Accelerator, value: float | int, *, parallel: ParallelDims) -> float:
     """Collective: the sum of `value` over the data-parallel ranks (float64, so token counts stay exact). Under
-    tensor parallelism every rank of a TP group holds the same batch and so the same value: the sum over all ranks
-    divided by the TP size counts each token once."""
+    tensor or sequence parallelism every rank of a group holds the same batch and so the same value: the sum over all
+    ranks divided by `parallel.batch_sharing_size` counts each token once."""
     return float(
-        sum_tensor_over_ranks(accelerator, torch.tensor(float(value), dtype=torch.float64, device=accelerator.device))
+        sum_tensor_over_ranks(
+            accelerator, torch.tensor(float(value), dtype=torch.float64, device=accelerator.device), parallel=parallel
+        )
     )
 
 
-def sum_tensor_over_ranks(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
-    """Collective: `tensor` summed over the data-parallel ranks (the ranks of a TP group hold the same values: the sum
-    over all ranks divided by the TP size)."""
+def sum_tensor_over_ranks(accelerator: Accelerator, tensor: torch.Tensor, *, parallel: ParallelDims) -> torch.Tensor:
+    """Collective: `tensor` summed over the data-parallel ranks (the ranks of a TP or SP group hold the same values:
+    the sum over all ranks divided by `parallel.batch_sharing_size`)."""
     if accelerator.num_processes == 1:
         return tensor
-    return accelerator.reduce(tensor, reduction="sum") / tensor_parallel.batch_sharing_size(accelerator)
+    return accelerator.reduce(tensor, reduction="sum") / parallel.batch_sharing_size
 
 
 def extreme_over_ranks(accelerator: Accelerator, tensor: torch.Tensor, kind: str) -> torch.Tensor:
@@ -107,34 +110,37 @@ def values_of_all_ranks(accelerator: Accelerator, value: float) -> list[float]:
 
 # Under tensor (or sequence) parallelism every rank of a TP (SP) group holds the same batch and so the same values: the
 # gathers below keep one copy per data-parallel rank (the first rank of each group), in data-parallel rank order.
-def gather_lists(accelerator: Accelerator, values: list) -> list:
+def gather_lists(accelerator: Accelerator, values: list, *, parallel: ParallelDims) -> list:
     """Collective: every data-parallel rank's `values`, concatenated in rank order, on every rank."""
     if accelerator.num_processes == 1:
         return list(values)
-    tp = tensor_parallel.batch_sharing_size(accelerator)
-    if tp == 1:
+    sharing = parallel.batch_sharing_size
+    if sharing == 1:
         return gather_object(list(values))
     per_rank = gather_object([list(values)])
-    return [value for rank, part in enumerate(per_rank) if rank % tp == 0 for value in part]
+    return [value for rank, part in enumerate(per_rank) if rank % sharing == 0 for value in part]
 
 
-def gather_tensors(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
+def gather_tensors(accelerator: Accelerator, tensor: torch.Tensor, *, parallel: ParallelDims) -> torch.Tensor:
     """Collective: every data-parallel rank's `tensor` (the same shape on every rank), concatenated along dim 0."""
     if accelerator.num_processes == 1:
         return tensor
     gathered = accelerator.gather(tensor)
-    tp = tensor_parallel.batch_sharing_size(accelerator)
-    if tp == 1:
+    sharing = parallel.batch_sharing_size
+    if sharing == 1:
         return gathered
-    return gathered.reshape(accelerator.num_processes, *tensor.shape)[::tp].flatten(0, 1)
+    return gathered.reshape(accelerator.num_processes, *tensor.shape)[::sharing].flatten(0, 1)
 
 
-def gather_for_metrics(accelerator: Accelerator, value, *, use_gather_object: bool = False):
+def gather_for_metrics(accelerator: Accelerator, value, *, parallel: ParallelDims, use_gather_object: bool = False):
     """`accelerator.gather_for_metrics` (one copy of every example of a prepared loader's batch, the copies padding
-    an uneven last batch dropped) that also counts a TP group's shared batch once."""
-    if tensor_parallel.batch_sharing_size(accelerator) == 1:
+    an uneven last batch dropped) that also counts a TP or SP group's shared batch once."""
+    if parallel.batch_sharing_size == 1:
         return accelerator.gather_for_metrics(value, use_gather_object=use_gather_object)
-    data = gather_lists(accelerator, list(value)) if use_gather_object else gather_tensors(accelerator, value)
+    if use_gather_object:
+        data = gather_lists(accelerator, list(value), parallel=parallel)
+    else:
+        data = gather_tensors(accelerator, value, parallel=parallel)
     state = accelerator.gradient_state
     if state.end_of_dataloader and state.remainder > 0:
         data = data[: state.remainder]

@@ -31,15 +31,11 @@ def size_in_config(raw: Mapping) -> int:
     return int(value or 1)
 
 
-def size_from_environment(environ: Mapping[str, str]) -> int:
-    return int(environ.get(ENVIRONMENT, "1") or 1)
-
-
 def export_launched_size(environ: MutableMapping[str, str] = os.environ) -> int:
     """This launch's `ep`: PARALLELISM_CONFIG_EP_SIZE when set, else read from the launching Accelerate config and
     exported. A launch with no parallelism_config has none (1), whatever a file says."""
     if ENVIRONMENT in environ:
-        return size_from_environment(environ)
+        return int(environ[ENVIRONMENT] or 1)
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return 1
     config_file = launching_config_file()

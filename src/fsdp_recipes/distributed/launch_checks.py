@@ -22,8 +22,9 @@ from unittest import mock
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.yaml_json import load_yaml_mapping
-from fsdp_recipes.distributed import expert_parallel, parallel_dims, sequence_parallel, tensor_parallel
-from fsdp_recipes.distributed.accelerate_config import FSDP1_STRATEGIES, STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
+from fsdp_recipes.distributed import expert_parallel, sequence_parallel, tensor_parallel
+from fsdp_recipes.distributed.accelerate_config import STATE_DICT_TYPES, WRAP_POLICIES, fsdp_settings
+from fsdp_recipes.distributed.parallel_dims import FSDP1_STRATEGIES, ParallelDims, context_parallel_problem
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
 # Keys the launcher exports although FSDP2's plugin never reads them (or drops them with a warning).
@@ -260,14 +261,21 @@ def exported_environment(config_file: str | Path) -> dict[str, str]:
 
 
 def lint_launch_environment(
-    environ: Mapping[str, str], *, local_device_count: int | None = None, has_cuda: bool | None = None
+    environ: Mapping[str, str],
+    *,
+    parallel: ParallelDims | None = None,
+    local_device_count: int | None = None,
+    has_cuda: bool | None = None,
 ) -> list[Finding]:
-    """Checks on what the launcher exported. `local_device_count`: accelerators on this node, if any; `has_cuda`:
-    whether this machine has CUDA (None: not known, the file checked offline)."""
+    """Checks on what the launcher exported (`parallel`: its layout, read from `environ` if not given).
+    `local_device_count`: accelerators on this node, if any; `has_cuda`: whether this machine has CUDA (None: not
+    known, the file checked offline)."""
+    parallel = ParallelDims.from_environment(environ) if parallel is None else parallel
+    cp_problem = context_parallel_problem(parallel.cp, has_cuda=has_cuda)
     refused = (
-        parallel_dims.problems(environ, has_cuda)
-        | tensor_parallel.problems(environ)
-        | sequence_parallel.layout_problems(environ)
+        ({"parallelism_config.parallelism_config_cp_size": cp_problem} if cp_problem else {})
+        | tensor_parallel.problems(parallel, environ)
+        | sequence_parallel.layout_problems(parallel, environ)
     )
     findings = [Finding(ERROR, key, problem) for key, problem in refused.items()]
     world_size = int(environ.get("WORLD_SIZE", "1"))
@@ -395,16 +403,16 @@ def _lint_fsdp_environment(environ: Mapping[str, str]) -> list[Finding]:
     return findings
 
 
-def check_launch_environment(environ: Mapping[str, str] | None = None) -> list[Finding]:
-    """For recipes, at start-up: the launch-environment checks on this process's real environment. Raises ConfigError
-    listing every error; returns the warnings (for the recipe to print)."""
+def check_launch_environment(environ: Mapping[str, str], *, parallel: ParallelDims | None = None) -> list[Finding]:
+    """For recipes, at start-up: the launch-environment checks on this process's real environment and the layout read
+    from it (fsdp_recipes.distributed.accelerator.launched_layout). Raises ConfigError listing every error; returns the
+    warnings (for the recipe to print)."""
     import torch
 
-    if environ is None:
-        expert_parallel.export_launched_size()  # the one size accelerate's launcher does not export
-        environ = os.environ
     device_count = torch.accelerator.device_count() if torch.accelerator.is_available() else None
-    findings = lint_launch_environment(environ, local_device_count=device_count, has_cuda=torch.cuda.is_available())
+    findings = lint_launch_environment(
+        environ, parallel=parallel, local_device_count=device_count, has_cuda=torch.cuda.is_available()
+    )
     errors = [
         f"the Accelerate config: {finding.key}: {finding.message}" for finding in findings if finding.severity == ERROR
     ]

@@ -9,7 +9,7 @@ does a TP group's.
 
 What a group of `sp` ranks does with its batch:
 - every value outside the model's forward is the whole batch's, the same on each rank of the group (counts, losses,
-  log-probabilities, metrics): the group shares its batch as a TP group does (`tensor_parallel.batch_sharing_size`);
+  log-probabilities, metrics): the group shares its batch as a TP group does (`ParallelDims.batch_sharing_size`);
 - inside a forward run through `SequenceShards.per_token` (the token losses, distillation's, GRPO's packed policy
   passes), each rank runs its slice of every row (the row padded to a multiple of `sp`, position ids kept, so rotary
   embeddings and packed examples stay right); around attention an all-to-all turns the sequence slices into head
@@ -28,13 +28,12 @@ sdpa, heads or KV heads that `sp` does not divide, and a mixture of experts' rou
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from fsdp_recipes.distributed import parallel_dims
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 
 SHARDS_KEYWORD = "sequence_parallel_shards"  # the model call's keyword that reaches the attention
 MESH_DIMENSION = "cp"  # accelerate's dataloader gives the ranks of a "cp" dimension the same batch
@@ -43,21 +42,16 @@ KEY = "parallelism_config.parallelism_config_sp_size"
 DOCS = "docs/parallelism.md#sequence-parallelism"
 
 
-def size_from_environment(environ: Mapping[str, str] = os.environ) -> int:
-    return parallel_dims.sizes_from_environment(environ)["sp"]
-
-
-def layout_problems(environ: Mapping[str, str]) -> dict[str, str]:
+def layout_problems(parallel: ParallelDims, environ: Mapping[str, str]) -> dict[str, str]:
     """{Accelerate config key: why} for a launch asking for sequence parallelism in a way this route cannot run."""
-    sizes = parallel_dims.sizes_from_environment(environ)
-    sp = sizes["sp"]
+    sp = parallel.sp
     if sp <= 1:
         return {}
     fix = "set parallelism_config_sp_size: 1"
-    if sizes["tp"] > 1 or int(environ.get("PARALLELISM_CONFIG_EP_SIZE", "1") or 1) > 1:
+    if parallel.tp > 1 or parallel.ep > 1:
         return {KEY: f"sequence parallelism (sp {sp}) does not compose with tensor or expert parallelism yet: {fix}, "
                 f"or parallelism_config_tp_size and parallelism_config_ep_size: 1 ({DOCS})"}  # fmt: skip
-    if sizes["cp"] > 1:
+    if parallel.cp > 1:
         return {KEY: f"sequence parallelism and context parallelism are two ways to split a row: choose one ({fix})"}
     if environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or environ.get("FSDP_VERSION", "1") != "2":
         return {KEY: f"sequence parallelism (sp {sp}) runs with FSDP2 (distributed_type: FSDP, fsdp_version: 2): "
@@ -139,18 +133,7 @@ class SequenceShards:
         return _GatherSequence.apply(values, self)[:, :width]
 
 
-_SHARDS: SequenceShards | None = None  # this process's group, while a sequence-parallel launch runs
-_SHARDED: tuple[SequenceShards, list] | None = None  # inside `per_token`: the group, and each row's examples
-
-
-def active() -> SequenceShards | None:
-    """The sequence-parallel group of this launch, or None."""
-    return _SHARDS
-
-
-def active_size() -> int:
-    """The sequence-parallel size of this launch (1 without)."""
-    return 1 if _SHARDS is None else _SHARDS.size
+_SHARDED: tuple[SequenceShards, list] | None = None  # inside `per_token` only: the group, and each row's examples
 
 
 @contextlib.contextmanager
@@ -163,51 +146,41 @@ def _sharded(shards: SequenceShards, examples: list[list[tuple[int, int]]]):
         _SHARDED = saved
 
 
-def attach(accelerator, sp: int) -> None:
+def attach(accelerator, parallel: ParallelDims):
     """Collective: the (dp_replicate, dp_shard, cp) mesh where accelerate's FSDP2 preparation and dataloader look for
-    it, this process's `SequenceShards`, and the attention wrapper. sp 1: nothing, and none left from before."""
-    global _SHARDS
-    _SHARDS = None
-    if sp <= 1:
-        return
+    it, and the attention wrapper; returns (the mesh, this process's `SequenceShards`) for `ParallelDims.with_meshes`.
+    sp 1: nothing, (None, None)."""
+    if parallel.sp <= 1:
+        return None, None
     from accelerate.parallelism_config import ParallelismConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    sizes = parallel_dims.sizes_from_environment(os.environ)
-    replicate = sizes["dp_replicate"]
-    shard = accelerator.num_processes // (replicate * sp)
     mesh = init_device_mesh(
-        accelerator.device.type, (replicate, shard, sp), mesh_dim_names=("dp_replicate", "dp_shard", MESH_DIMENSION)
+        accelerator.device.type,
+        (parallel.dp_replicate, parallel.dp_shard, parallel.sp),
+        mesh_dim_names=("dp_replicate", "dp_shard", MESH_DIMENSION),
     )
     mesh[("dp_replicate", "dp_shard")]._flatten("dp")
     mesh[("dp_shard", MESH_DIMENSION)]._flatten("dp_shard_cp")
     # FSDP shards over dp_shard x sp; the config's sizes say so (accelerate reads only which FSDP dimensions exist)
-    parallelism = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard * sp)
+    parallelism = ParallelismConfig(dp_replicate_size=parallel.dp_replicate, dp_shard_size=parallel.shard_size)
     accelerator.state.parallelism_config = parallelism
     accelerator.state.device_mesh = mesh
     if accelerator.torch_device_mesh is not mesh or accelerator.parallelism_config is not parallelism:
         raise RuntimeError("the sequence-parallel mesh could not be attached (written for accelerate 1.15)")
     sp_mesh = mesh[MESH_DIMENSION]
-    _SHARDS = SequenceShards(sp_mesh.get_group(), sp, sp_mesh.get_local_rank())
     _install_attention()
+    return mesh, SequenceShards(sp_mesh.get_group(), parallel.sp, sp_mesh.get_local_rank())
 
 
-def size_of(accelerator) -> int:
-    """The sequence-parallel size of this launch (1 without)."""
-    mesh = getattr(accelerator, "torch_device_mesh", None) if _SHARDS is not None else None
-    if mesh is None or MESH_DIMENSION not in (mesh.mesh_dim_names or ()):
-        return 1
-    return mesh[MESH_DIMENSION].size()
-
-
-def describe(accelerator) -> dict | None:
+def describe(parallel: ParallelDims) -> dict | None:
     """The run summary's `sequence_parallel` (None without)."""
-    sp = size_of(accelerator)
+    sp = parallel.sp
     if sp == 1:
         return None
     return {
         "size": sp,
-        "data_parallel_size": accelerator.num_processes // sp,
+        "data_parallel_size": parallel.data_parallel_size,
         "how": f"each row split over {sp} ranks by position (padded to a multiple of {sp}); an all-to-all around "
         f"attention gives each rank whole rows for heads / {sp}; sdpa runs each example causal; per-token losses "
         "gathered back (Ulysses)",

@@ -11,12 +11,12 @@ Accelerate's own TP path is not used: on the pinned accelerate 1.15 it imports a
 (docs/parallelism.md).
 
 What this module owns:
-- the layout (`NdLayout`) read from the launch environment, and every setting of the Accelerate config
-  that this route cannot honour, refused with the reason before any weight loads (`layout_problems`);
+- every setting of the Accelerate config that this route cannot honour, refused with the reason before any weight
+  loads (`layout_problems`; the sizes themselves are the run's `ParallelDims`, fsdp_recipes.distributed.parallel_dims);
 - what the model must allow (`model_problems`): a `tp_plan`, and `tp` dividing heads, KV heads, MLP width, vocabulary;
-- the data-parallel mesh attached to the accelerator, so that accelerate's dataloader gives every rank of a TP group
-  the same batch and each data-parallel rank its own (`attach_data_parallel_mesh`), and the sizes the loss and the
-  metrics divide by (`data_parallel_size`, `tensor_parallel_size`).
+- transformers' `DistributedConfig` for the layout (`distributed_config`), and the data-parallel mesh attached to the
+  accelerator, so that accelerate's dataloader gives every rank of a TP group the same batch and each data-parallel
+  rank its own (`attach_data_parallel_mesh`).
 The embedding and output layers are sharded on the vocabulary as the model's plan says; the chunked loss gathers the
 output layer's weight per forward (`full_weight`) rather than gathering logits or going vocabulary-parallel.
 
@@ -27,8 +27,6 @@ pyproject.toml).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,52 +34,37 @@ from typing import Any
 
 import torch
 
-from fsdp_recipes.distributed import expert_parallel, parallel_dims, sequence_parallel
+from fsdp_recipes.distributed import expert_parallel
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 
 TRANSFORMERS_VERSION = "5.24"
 
 
-@dataclasses.dataclass(frozen=True)
-class NdLayout:
-    """The N-D mesh of a TP/EP launch, in transformers' order (dp_replicate, fsdp, tp): rank = (r * fsdp + f) * tp + t.
-    The experts' mesh (dp_replicate, efsdp, ep) spans the same ranks."""
+def layout_text(parallel: ParallelDims) -> str:
+    """The TP/EP route's layout in words ("replicate 2 x fsdp 2 x tp 2 x ep 2"), for messages and the run summary."""
+    parts = [f"tp {parallel.tp}"] if parallel.tp > 1 else []
+    if parallel.ep > 1:
+        parts.append(f"ep {parallel.ep}")
+    if parallel.dp_shard > 1:
+        parts.insert(0, f"fsdp {parallel.dp_shard}")
+    if parallel.dp_replicate > 1:
+        parts.insert(0, f"replicate {parallel.dp_replicate}")
+    return " x ".join(parts)
 
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    ep: int = 1
 
-    @property
-    def data_parallel_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
+def distributed_config(parallel: ParallelDims, *, mixed_precision: str):
+    """transformers' DistributedConfig for this layout."""
+    from transformers.distributed import DistributedConfig
 
-    @property
-    def world_size(self) -> int:
-        return self.data_parallel_size * self.tp
+    _sum_partial_gradients_once_per_backward()
 
-    def describe(self) -> str:
-        parts = [f"tp {self.tp}"] if self.tp > 1 else []
-        if self.ep > 1:
-            parts.append(f"ep {self.ep}")
-        if self.dp_shard > 1:
-            parts.insert(0, f"fsdp {self.dp_shard}")
-        if self.dp_replicate > 1:
-            parts.insert(0, f"replicate {self.dp_replicate}")
-        return " x ".join(parts)
-
-    def distributed_config(self, *, mixed_precision: str):
-        """transformers' DistributedConfig for this layout."""
-        from transformers.distributed import DistributedConfig
-
-        _sum_partial_gradients_once_per_backward()
-
-        return DistributedConfig(
-            tp_size=self.tp,
-            fsdp_size=self.dp_shard,
-            dp_replicate_size=self.dp_replicate,
-            ep_size=self.ep,
-            fsdp_mixed_precision=mixed_precision == "bf16",
-        )
+    return DistributedConfig(
+        tp_size=parallel.tp,
+        fsdp_size=parallel.dp_shard,
+        dp_replicate_size=parallel.dp_replicate,
+        ep_size=parallel.ep,
+        fsdp_mixed_precision=mixed_precision == "bf16",
+    )
 
 
 def _sum_partial_gradients_once_per_backward() -> None:
@@ -116,22 +99,9 @@ def _sum_partial_gradients_once_per_backward() -> None:
     ALL_PARALLEL_STYLES["replicated_with_grad_allreduce"] = ReplicatedGradientSummedPerBackward()
 
 
-def layout_from_environment(environ: Mapping[str, str], world_size: int) -> NdLayout | None:
-    """The TP/EP layout the launcher exported (PARALLELISM_CONFIG_*), or None when it asks for neither.
-    A dp_shard size of -1 or 0 (accelerate's "the rest") is resolved from the world size."""
-    sizes = parallel_dims.sizes_from_environment(environ)
-    uses_parallelism_config = environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
-    ep = expert_parallel.size_from_environment(environ) if uses_parallelism_config else 1
-    if sizes["tp"] <= 1 and ep <= 1:
-        return None
-    replicate, tp = max(1, sizes["dp_replicate"]), max(1, sizes["tp"])
-    shard = sizes["dp_shard"] if sizes["dp_shard"] > 0 else max(1, world_size // (replicate * tp))
-    return NdLayout(dp_replicate=replicate, dp_shard=shard, tp=tp, ep=ep)
-
-
-def layout_problems(layout: NdLayout, environ: Mapping[str, str], world_size: int) -> list[str]:
+def layout_problems(parallel: ParallelDims, environ: Mapping[str, str]) -> list[str]:
     """What the Accelerate config asks for that the TP/EP route cannot do, each with its fix (empty: it runs)."""
-    problems = expert_parallel.layout_problems(ep=layout.ep, tp=layout.tp, dp_shard=layout.dp_shard)
+    problems = expert_parallel.layout_problems(ep=parallel.ep, tp=parallel.tp, dp_shard=parallel.dp_shard)
     # sizes that do not multiply to the world size: launch_checks, with every dimension named
     fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if not fsdp or environ.get("FSDP_VERSION", "1") != "2":
@@ -172,18 +142,16 @@ def layout_problems(layout: NdLayout, environ: Mapping[str, str], world_size: in
     return problems
 
 
-def problems(environ: Mapping[str, str]) -> dict[str, str]:
+def problems(parallel: ParallelDims, environ: Mapping[str, str]) -> dict[str, str]:
     """{Accelerate config key: what the TP/EP route cannot do} for the launch environment (empty without either)."""
-    world_size = int(environ.get("WORLD_SIZE", "1"))
-    layout = layout_from_environment(environ, world_size)
-    found = [] if layout is None else layout_problems(layout, environ, world_size)
+    found = layout_problems(parallel, environ) if parallel.sharded_layers else []
     if not found:
         return {}
-    key = "parallelism_config_tp_size" if layout.tp > 1 else expert_parallel.CONFIG_KEY
+    key = "parallelism_config_tp_size" if parallel.tp > 1 else expert_parallel.CONFIG_KEY
     return {f"parallelism_config.{key}": "; ".join(found)}
 
 
-def model_problems(layout: NdLayout, model_config, model_class, num_experts: int | None = None) -> list[str]:
+def model_problems(layout: ParallelDims, model_config, model_class, num_experts: int | None = None) -> list[str]:
     """What keeps this model from `layout`: for TP no tp_plan, or sizes tp does not divide (the model's numbers); for
     EP what fsdp_recipes.distributed.expert_parallel.model_problems says (`num_experts`: the routed experts, None for
     a dense model)."""
@@ -193,7 +161,7 @@ def model_problems(layout: NdLayout, model_config, model_class, num_experts: int
     return found + _tensor_parallel_model_problems(layout, model_config, model_class)
 
 
-def _tensor_parallel_model_problems(layout: NdLayout, model_config, model_class) -> list[str]:
+def _tensor_parallel_model_problems(layout: ParallelDims, model_config, model_class) -> list[str]:
     name = type(model_config).__name__.removesuffix("Config")
     plan = dict(getattr(model_class, "_tp_plan", None) or {}) | dict(
         getattr(model_config, "base_model_tp_plan", None) or {}
@@ -224,7 +192,7 @@ def _tensor_parallel_model_problems(layout: NdLayout, model_config, model_class)
 
 
 # --- the running launch ------------------------------------------------------------------------------------------------
-def attach_data_parallel_mesh(accelerator, layout: NdLayout) -> None:
+def attach_data_parallel_mesh(accelerator, parallel: ParallelDims):
     """A (dp_replicate, dp_shard, tp) mesh in transformers' rank order, attached where accelerate's dataloader looks:
     every rank of a TP group then gets the same batch and each data-parallel rank its own slice. No
     ParallelismConfig is attached, so that accelerate's own (broken) TP preparation never runs."""
@@ -232,43 +200,13 @@ def attach_data_parallel_mesh(accelerator, layout: NdLayout) -> None:
 
     mesh = init_device_mesh(
         accelerator.device.type,
-        (layout.dp_replicate, layout.dp_shard, layout.tp),
+        (parallel.dp_replicate, parallel.dp_shard, parallel.tp),
         mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
     )
     accelerator.state.device_mesh = mesh
     if accelerator.torch_device_mesh is not mesh:
         raise RuntimeError("accelerate's device mesh could not be attached (written for accelerate 1.15)")
-
-
-def layout_of(accelerator) -> NdLayout | None:
-    """The TP/EP layout of a running launch (the mesh `attach_data_parallel_mesh` attached, and the exported `ep`),
-    None without either."""
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-        return None
-    return NdLayout(
-        dp_replicate=mesh["dp_replicate"].size(),
-        dp_shard=mesh["dp_shard"].size(),
-        tp=mesh["tp"].size(),
-        ep=expert_parallel.size_from_environment(os.environ),
-    )
-
-
-def tensor_parallel_size(accelerator) -> int:
-    """Ranks that share one batch (1 without TP)."""
-    layout = layout_of(accelerator)
-    return 1 if layout is None else layout.tp
-
-
-def batch_sharing_size(accelerator) -> int:
-    """Ranks that hold one batch together and so the same values outside the model: a TP group, or a
-    sequence-parallel group (its rows split by position inside the forward only); 1 without either."""
-    return tensor_parallel_size(accelerator) * sequence_parallel.size_of(accelerator)
-
-
-def data_parallel_size(accelerator) -> int:
-    """Ranks that each see a distinct batch: the world size over the TP (or SP) size."""
-    return accelerator.num_processes // batch_sharing_size(accelerator)
+    return mesh
 
 
 @contextlib.contextmanager
@@ -312,12 +250,6 @@ def sharded_root(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def data_parallel_rank(accelerator) -> int:
-    """This rank's index among the data-parallel ranks (transformers' mesh puts TP innermost, the sequence-parallel
-    mesh SP: rank // tp, rank // sp)."""
-    return accelerator.process_index // batch_sharing_size(accelerator)
-
-
 @contextlib.contextmanager
 def saved_as_one_model(model: torch.nn.Module):
     """For `save_pretrained` on the main process alone with a state dict already gathered: transformers would
@@ -343,19 +275,14 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
 
-def describe(layout: NdLayout | None) -> dict[str, Any] | None:
+def describe(parallel: ParallelDims) -> dict[str, Any] | None:
     """The run summary's record of the TP/EP route (None without either)."""
-    if layout is None:
+    if not parallel.sharded_layers:
         return None
     return {
-        "layout": layout.describe(),
+        "layout": layout_text(parallel),
         "engine": f"transformers.distributed.DistributedConfig (written for transformers {TRANSFORMERS_VERSION})",
-        "data_parallel_size": layout.data_parallel_size,
-        "tensor_parallel_size": layout.tp,
-        "expert_parallel_size": layout.ep,
+        "data_parallel_size": parallel.data_parallel_size,
+        "tensor_parallel_size": parallel.tp,
+        "expert_parallel_size": parallel.ep,
     }
-
-
-def requested() -> NdLayout | None:
-    """This launch's TP/EP layout, from its environment (None without either)."""
-    return layout_from_environment(os.environ, int(os.environ.get("WORLD_SIZE", "1")))

@@ -53,7 +53,7 @@ def resume_position(run, train_loader, scheduler) -> tuple[Any, int]:
             train_loader,
             epoch=progress.epoch,
             batches_into_epoch=progress.batches_into_epoch_for(
-                run.data_parallel_size, run.config.per_device_train_batch_size
+                run.parallel.data_parallel_size, run.config.per_device_train_batch_size
             ),
         )
     loop.apply_settings_on_resume(scheduler, run.config)
@@ -64,7 +64,7 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
     """Collective: what this run really does (the launch from accelerate's resolved state, the model, its data and
     the choices made for it) and the memory the estimator predicts, with the recipe's own `summary` fields."""
     config, accelerator = run.config, run.accelerator
-    described = describe_run(accelerator, model, run.wrap_classes)
+    described = describe_run(accelerator, run.parallel, model, run.wrap_classes)
     moe = experts.describe_experts(accelerator.unwrap_model(model).config)
     balance = router_balance.attached(model)
     if moe is not None:
@@ -80,6 +80,7 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
     described.update(
         recipe=run.name,
         task=run.task,
+        checks_before_loading=run.checks_before_loading,
         attn_implementation=run.attention_note,
         **(summary or {}),
         **(balance.summary() if balance is not None else {}),
@@ -96,7 +97,10 @@ def run_summary(run, model, train_loader, summary: dict[str, Any] | None) -> dic
         export_dtype=dtype_name(run.export_dtype),
         device_name=device_name(accelerator.device),
         memory_estimate=estimate_for_run(
-            accelerator, run.model_config, dataclasses.replace(config, attn_implementation=run.attn_implementation)
+            accelerator,
+            run.model_config,
+            dataclasses.replace(config, attn_implementation=run.attn_implementation),
+            parallel=run.parallel,
         ),
     )
     return described
@@ -187,6 +191,7 @@ def step_logger(run, model, log: MetricsLog, batches, scheduler) -> StepLogger:
     return StepLogger(
         accelerator,
         log,
+        parallel=run.parallel,
         every=run.config.logging_steps,
         total_steps=run.total_steps,
         model_config=run.model_config,
@@ -215,7 +220,7 @@ def checkpointer(
             step=step,
             epoch=batches.epoch,
             batches_into_epoch=batches.batches_into_epoch,
-            world_size=run.data_parallel_size,  # the ranks reading distinct data
+            world_size=run.parallel.data_parallel_size,  # the ranks reading distinct data
             per_device_train_batch_size=config.per_device_train_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             data_state_per_rank=per_rank_stream,

@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.accelerator import launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_tensor_over_ranks, values_of_all_ranks
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models import adapter_export, adapters, fused_kernels
 from fsdp_recipes.models.export_dtype import recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import checkpoint_lacks_task_weights, load_model
@@ -38,6 +39,7 @@ class StartedRun:
     name: str
     task: str
     accelerator: Accelerator
+    parallel: ParallelDims  # the launch's layout, built once at start-up: every size is read from here
     tokenizer: Any
     model_config: Any
     hub_token: str | None
@@ -58,21 +60,17 @@ class StartedRun:
             total = value.to(device=self.accelerator.device, dtype=torch.float64)
         else:  # filled on the device: a tensor made from a host value would be a copy the step waits for
             total = torch.full((), float(value), dtype=torch.float64, device=self.accelerator.device)
-        return sum_tensor_over_ranks(self.accelerator, total)
+        return sum_tensor_over_ranks(self.accelerator, total, parallel=self.parallel)
 
     def most_over_ranks(self, value: int) -> int:
         """Collective: the largest of every rank's `value` (e.g. the rows each rank still has to generate for)."""
         return int(max(values_of_all_ranks(self.accelerator, value)))
 
     @property
-    def data_parallel_size(self) -> int:
-        """Ranks that each see a distinct batch: the world size, or the world size over the TP size."""
-        return tensor_parallel.data_parallel_size(self.accelerator)
-
-    @property
     def data_parallel_rank(self) -> int:
-        """This rank's index among them (the ranks of a TP group share one)."""
-        return tensor_parallel.data_parallel_rank(self.accelerator)
+        """This rank's index among the `parallel.data_parallel_size` ranks that each see a distinct batch (the ranks
+        of a TP or SP group share one)."""
+        return self.parallel.data_parallel_rank(self.accelerator.process_index)
 
     @property
     def scratch_dir(self) -> str:
@@ -101,8 +99,7 @@ class StartedRun:
                 model_config, model_name_or_path=model_name_or_path, revision=revision, **common, **options
             )
 
-        layout = tensor_parallel.layout_of(self.accelerator)
-        if layout is None:
+        if not self.parallel.sharded_layers:
             return whole()
         incomplete = model_name_or_path is None or checkpoint_lacks_task_weights(model_config, task)
         with tensor_parallel.weights_to_load(
@@ -112,7 +109,9 @@ class StartedRun:
                 model_config,
                 model_name_or_path=source,
                 revision=revision if source == model_name_or_path else "main",
-                distributed_config=layout.distributed_config(mixed_precision=self.accelerator.mixed_precision),
+                distributed_config=tensor_parallel.distributed_config(
+                    self.parallel, mixed_precision=self.accelerator.mixed_precision
+                ),
                 **common,
                 **options,
             )
@@ -127,6 +126,7 @@ class EvaluationRun(StartedRun):
     output_dir: Path
     hub_model_id: str | None
     generation_server: Any = None  # generation_backend vllm: the server (train.vllm_client.VLLMServer), checked
+    checks_before_loading: list[str] = dataclasses.field(default_factory=list)  # the named checks that ran (run.checks)
 
 
 @dataclasses.dataclass
@@ -138,6 +138,7 @@ class Run(StartedRun):
     checkpoint: Path | None
     config_changes: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # resumed: allowed, old -> new
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    checks_before_loading: list[str] = dataclasses.field(default_factory=list)  # the named checks that ran (run.checks)
     total_steps: int = 0
     compile_note: str = ""  # whether the decoder layers are compiled, and why (train/compilation.py)
     fused_kernels: str | None = None  # use_liger_kernel: what liger patched into the model
@@ -207,7 +208,7 @@ class Run(StartedRun):
         components.record_state_bytes_after_first_step(self, model, scheduler.optimizer, frozen_models)
         metrics = components.step_logger(self, model, log, batches, scheduler)
         evaluation = evaluator or Evaluation()
-        evaluation.attach(log=log, total_steps=total_steps, pause=metrics.window.paused)
+        evaluation.attach(log=log, total_steps=total_steps, parallel=self.parallel, pause=metrics.window.paused)
         shared = components.shared(train_loader)
         checkpoints = components.checkpointer(
             self, model, log, batches, per_rank_stream=not shared, pause=metrics.window.paused, files=checkpoint_files
@@ -232,7 +233,9 @@ class Run(StartedRun):
     @property
     def global_batch_rows(self) -> int:
         config = self.config
-        return config.per_device_train_batch_size * self.data_parallel_size * config.gradient_accumulation_steps
+        return (
+            config.per_device_train_batch_size * self.parallel.data_parallel_size * config.gradient_accumulation_steps
+        )
 
     @property
     def accelerate_settings(self) -> dict[str, Any]:

@@ -14,41 +14,29 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, To
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
-from fsdp_recipes.distributed import float8, logs, sequence_parallel, tensor_parallel
+from fsdp_recipes.distributed import expert_parallel, float8, logs
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
-from fsdp_recipes.models import adapters, fused_kernels
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.attention import resolve_attn_implementation
-from fsdp_recipes.models.experts import apply_router_aux_loss_coef, expert_routing
+from fsdp_recipes.models.experts import apply_router_aux_loss_coef
 from fsdp_recipes.models.modeling import (
-    check_one_activation_checkpointing,
-    check_packing_is_isolated,
-    check_same_shapes,
     check_tokenizer_fits_model,
     load_model_config,
     load_tokenizer,
-    model_class_for,
     resolve_wrap_classes,
 )
-from fsdp_recipes.models.positions import check_example_fits_positions
 from fsdp_recipes.publish.hub import require_hub_token
 from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
+from fsdp_recipes.run import checks as before_loading
 from fsdp_recipes.run.runs import EvaluationRun, Run
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import (
-    expert_bias,
-    generation_backends,
-    preemption,
-    router_balance,
-    trainer_arguments,
-    vllm_settings,
-)
+from fsdp_recipes.train import preemption, trainer_arguments, vllm_settings
 from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
-from fsdp_recipes.train.losses import loss_implementation_problem
 
 
 def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
@@ -56,14 +44,14 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     check that needs no weights, run on all ranks together so that a problem stops all of them before anything
     expensive: the Accelerate config, the checkpoint to resume (same global batch, same model), output_dir, the Hub
     token, tokenizer and model config, the wrap classes, activation checkpointing, the attention implementation."""
-    accelerator = accelerator_for(config)
+    accelerator, parallel = accelerator_for(config)
     compiled, compile_note = on_every_rank_together(
         accelerator,
         lambda: compile_choice(
             config.torch_compile,
             device_type=accelerator.device.type,
             max_steps=config.max_steps,
-            sequence_parallel=sequence_parallel.size_of(accelerator),
+            sequence_parallel=parallel.sp,
         ),
     )
     if compiled:  # read by prepare; attached here because the device decides `auto`
@@ -71,8 +59,11 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     if not config.resume_from_checkpoint and (reason := preemption.automatic_resume(config.output_dir)):
         logs.info(reason)
         config.resume_from_checkpoint = "latest"
-    checks = on_every_rank_together(accelerator, lambda: _checks_before_loading(accelerator, config, task, name))
-    return Run(config=config, name=name, task=task, accelerator=accelerator, compile_note=compile_note, **checks)
+    checked = on_every_rank_together(accelerator, lambda: _before_loading(accelerator, parallel, config, task, name))
+    return Run(
+        config=config, name=name, task=task, accelerator=accelerator, parallel=parallel, compile_note=compile_note,
+        **checked,
+    )  # fmt: skip
 
 
 def start_evaluation(
@@ -82,7 +73,7 @@ def start_evaluation(
     on a model folder, Hub id, LoRA adapter folder or recipe checkpoint; `task` None: the model's own (a
     *ForSequenceClassification is a classifier). output_dir None: the model folder itself. `base_model_name_or_path`:
     a LoRA adapter's base, instead of the one it records."""
-    accelerator = accelerator_for(config)
+    accelerator, parallel = accelerator_for(config)
 
     def checks() -> dict[str, Any]:
         source = resolve_model_source(config.model_name_or_path, base_model_name_or_path=base_model_name_or_path)
@@ -107,10 +98,14 @@ def start_evaluation(
             model_setting="base_model_name_or_path" if source.kind == "adapter" else "model_name_or_path",
         )
         model_task = task or model_source_task(source, model_config)
-        check_tensor_parallel(accelerator, config, model_config, model_task, adapter=source.kind == "adapter")
-        check_sequence_parallel(accelerator, model_config, config.attn_implementation, recipe=name)
-        server = check_generation_backend(accelerator, config, model_config, model_name=source.config_files)
+        facts = before_loading.BeforeLoading(
+            config=config, parallel=parallel, model_config=model_config, task=model_task, recipe=name,
+            accelerator=accelerator, attn_implementation=config.attn_implementation, adapter=source.kind == "adapter",
+        )  # fmt: skip
+        checks_ran = before_loading.run_checks(before_loading.EVALUATION, facts)
+        server = generation_server(config, model_config, model_name=source.config_files)
         return dict(
+            checks_before_loading=checks_ran,
             generation_server=server,
             source=source,
             output_dir=Path(output_dir),
@@ -119,12 +114,12 @@ def start_evaluation(
             tokenizer=tokenizer,
             model_config=model_config,
             task=model_task,
-            **model_layout(accelerator, config, model_config, model_task),
+            **model_layout(accelerator, parallel, config, model_config, model_task),
         )
 
     started = on_every_rank_together(accelerator, checks)
     accelerator.project_configuration.set_directories(str(started["output_dir"]))  # trackers write beside results
-    return EvaluationRun(config=config, name=name, accelerator=accelerator, **started)
+    return EvaluationRun(config=config, name=name, accelerator=accelerator, parallel=parallel, **started)
 
 
 def compile_plugin(config: TrainingConfig) -> TorchDynamoPlugin:
@@ -139,12 +134,14 @@ def compile_plugin(config: TrainingConfig) -> TorchDynamoPlugin:
     return plugin
 
 
-def accelerator_for(config: RunConfig) -> Accelerator:
-    """The Accelerate config as exported checked (its errors stop every rank here, its warnings are printed), the
-    accelerator built from it with the config's trackers and process-group timeout, logging set up (`log_level`),
-    and the seed set. bf16/fp16 must agree with the Accelerate config's mixed_precision; run without one, they set
-    it (as Trainer does)."""
-    launch_warnings = check_launch_environment()
+def accelerator_for(config: RunConfig) -> tuple[Accelerator, ParallelDims]:
+    """The launch's layout, read once; the Accelerate config as exported checked (its errors stop every rank here, its
+    warnings are printed); the accelerator built from it with the config's trackers and process-group timeout, and
+    the layout's meshes attached; logging set up (`log_level`), and the seed set. bf16/fp16 must agree with the
+    Accelerate config's mixed_precision; run without one, they set it (as Trainer does)."""
+    expert_parallel.export_launched_size()  # the one size accelerate's launcher does not export
+    parallel = ParallelDims.from_environment(os.environ)  # the launch's layout, read once
+    launch_warnings = check_launch_environment(os.environ, parallel=parallel)
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by accelerate launch from its config
     problem = trainer_arguments.precision_problem(config, launch_precision)
     if launch_precision == "fp8":
@@ -154,7 +151,8 @@ def accelerator_for(config: RunConfig) -> Accelerator:
     precision = (
         {} if launch_precision else {"mixed_precision": trainer_arguments.mixed_precision_without_launch_config(config)}
     )
-    accelerator = build_accelerator(
+    accelerator, parallel = build_accelerator(
+        parallel,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         log_with=config.trackers() or None,
         project_dir=config.output_dir,
@@ -167,7 +165,7 @@ def accelerator_for(config: RunConfig) -> Accelerator:
     set_seed(config.seed)
     for warning in launch_warnings:
         logs.warning(f"warning: the Accelerate config: {warning.key}: {warning.message}")
-    return accelerator
+    return accelerator, parallel
 
 
 def load_model_files(
@@ -198,12 +196,12 @@ def load_model_files(
         setting=None if model_config_file else model_setting,
     )
     check_tokenizer_fits_model(tokenizer, model_config)
-    if hasattr(config, "packs_examples"):  # a training recipe (eval.py checks where its measures read max_length)
-        check_example_fits_positions(model_config, config.max_length)
     return tokenizer, model_config
 
 
-def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task: str) -> dict[str, Any]:
+def model_layout(
+    accelerator: Accelerator, parallel: ParallelDims, config: RunConfig, model_config, task: str
+) -> dict[str, Any]:
     """What the Accelerate config will wrap (checked against the model) and the attention implementation to load."""
     wrap_classes = resolve_wrap_classes(
         accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code
@@ -217,20 +215,16 @@ def model_layout(accelerator: Accelerator, config: RunConfig, model_config, task
         device_type=accelerator.device.type,
         packs_examples=training and config.packs_examples(),
         training=training,
-        tensor_parallel=tensor_parallel.layout_of(accelerator) is not None,
+        tensor_parallel=parallel.sharded_layers,
         generates=training and config.generation_footprint()[0] > 0,
     )
     return dict(wrap_classes=wrap_classes, attn_implementation=attn_implementation, attention_note=attention_note)
 
 
-def check_generation_backend(accelerator: Accelerator, config: RunConfig, model_config, *, model_name: str | None):
-    """A recipe that generates: its `generation_backend` can run this model in this layout (ConfigError: why not);
-    with vLLM, the server, connected and checked against the model (`train.vllm_settings.connect`), else None."""
-    backend = getattr(config, "generation_backend", "generate")
-    sharded = tensor_parallel.layout_of(accelerator) is not None
-    if problem := generation_backends.backend_problem(backend, model_config, sharded_layers=sharded):
-        raise ConfigError(problem)
-    if backend != "vllm":
+def generation_server(config: RunConfig, model_config, *, model_name: str | None):
+    """With `generation_backend: vllm`, the server, connected and checked against the model
+    (`train.vllm_settings.connect`); else None (the backend itself is checked before: `checks.GENERATION_BACKEND`)."""
+    if getattr(config, "generation_backend", "generate") != "vllm":
         return None
     owner = str(Path(config.output_dir or model_name).resolve())  # the run: pushes from another are told apart
     return vllm_settings.connect(
@@ -238,49 +232,16 @@ def check_generation_backend(accelerator: Accelerator, config: RunConfig, model_
     )
 
 
-def check_tensor_parallel(
-    accelerator: Accelerator, config: RunConfig, model_config, task: str, *, adapter: bool = False
-) -> None:
-    """Under a TP/EP launch: the model can be split `tp` (and its experts `ep`) ways, and nothing the route cannot do
-    is asked for (`adapter`: the model to load is a LoRA adapter, merged into its base before sharding)."""
-    layout = tensor_parallel.layout_of(accelerator)
-    if layout is None:
-        return
-    routing = expert_routing(model_config)
-    problems = tensor_parallel.model_problems(
-        layout, model_config, model_class_for(model_config, task), routing and routing.num_experts
-    )
-    fsdp_alone = "FSDP alone (parallelism_config_tp_size: 1, parallelism_config_ep_size: 1)"
-    if adapter:
-        problems.append(
-            f"a LoRA adapter under {layout.describe()}: it is merged into its base before sharding, which the sharded "
-            f"loading cannot do; merge it first (fsdp-recipes export) and evaluate the merged folder, or evaluate with "
-            f"{fsdp_alone}"
-        )
-    if getattr(config, "use_peft", False):
-        problems.append(
-            f"use_peft under {layout.describe()}: peft's LoRA layers do not wrap the tensor- or expert-sharded layers "
-            f"transformers builds (a whole-width update on a sharded output); train LoRA with {fsdp_alone}"
-        )
-    if problems:
-        raise ConfigError(problems)
-
-
-def check_sequence_parallel(accelerator: Accelerator, model_config, attn_implementation: str | None, *, recipe: str):
-    """Under a sequence-parallel launch: the recipe, the model's heads and its attention can be split by position."""
-    problems = sequence_parallel.model_problems(
-        sequence_parallel.size_of(accelerator), model_config, attn_implementation=attn_implementation, recipe=recipe
-    )
-    if problems:
-        raise ConfigError(problems)
-
-
-def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, task: str, name: str) -> dict[str, Any]:
+def _before_loading(
+    accelerator: Accelerator, parallel: ParallelDims, config: TrainingConfig, task: str, name: str
+) -> dict[str, Any]:
+    """What a training run resolves before loading (the checkpoint to resume, output_dir, the Hub token, tokenizer
+    and model config, the wrap classes and attention), then the named checks over them (`checks.TRAINING`)."""
     checkpoint = None
     if config.resume_from_checkpoint:
         checkpoint = checkpoints_lib.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
         checkpoints_lib.read_progress(checkpoint).check_resumable(
-            world_size=tensor_parallel.data_parallel_size(accelerator),
+            world_size=parallel.data_parallel_size,
             per_device_train_batch_size=config.per_device_train_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
         )
@@ -292,61 +253,24 @@ def _checks_before_loading(accelerator: Accelerator, config: TrainingConfig, tas
     hub_token = require_hub_token() if config.push_to_hub else None
     tokenizer, model_config = load_model_files(config, config.model_name_or_path, config.model_config)
     apply_router_aux_loss_coef(model_config, config.router_aux_loss_coef)
-    if problem := expert_bias.rate_problem(model_config, config):
-        raise ConfigError(problem)
-    if checkpoint is not None and checkpoints_lib.saved_model_config_path(checkpoint).is_file():
-        saved = load_model_config(
-            None, str(checkpoints_lib.saved_model_config_path(checkpoint)), trust_remote_code=config.trust_remote_code
-        )
-        check_same_shapes(saved, model_config, task=task, trust_remote_code=config.trust_remote_code)
-    config_changes = {}
+    config_changes, saved_recipe = {}, None
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
         saved_recipe = json.loads(checkpoints_lib.saved_recipe_config_path(checkpoint).read_text())
         config_changes = checkpoints_lib.check_resume_config(config, saved_recipe, checkpoint)
-        if problem := expert_bias.resume_problem(model_config, config, saved_recipe):
-            raise ConfigError(problem)
-    if config.packs_examples():
-        check_packing_is_isolated(model_config)
-    layout = model_layout(accelerator, config, model_config, task)
-    check_one_activation_checkpointing(accelerator, model_gradient_checkpointing=config.gradient_checkpointing)
-    launch = LaunchLayout.from_accelerator(accelerator)
-    if problem := router_balance.checkpointing_problem(
-        model_config,
-        fsdp_checkpointing=launch.activation_checkpointing,
-        wrap_policy=launch.wrap_policy,
-        gradient_checkpointing=config.gradient_checkpointing,
-        kwargs=config.gradient_checkpointing_kwargs,
-    ):
-        raise ConfigError(problem)
-    adapters.check_before_loading(
-        config,
-        model_config,
-        task=task,
-        is_fsdp=accelerator.distributed_type.value == "FSDP",
-        trust_remote_code=config.trust_remote_code,
-    )
-    problem = loss_implementation_problem(config.loss_implementation, accelerator.device.type)
-    if problem:
-        raise ConfigError(problem)
-    check_tensor_parallel(accelerator, config, model_config, task)
-    check_sequence_parallel(accelerator, model_config, layout["attn_implementation"], recipe=name)
-    if sequence_parallel.size_of(accelerator) > 1 and (problem := config.sequence_split_problem()):
-        raise ConfigError(f"under sequence parallelism: {problem}")
-    server = check_generation_backend(accelerator, config, model_config, model_name=config.model_name_or_path)
-    if config.use_liger_kernel and (
-        problem := fused_kernels.liger_problem(
-            model_config,
-            device_type=accelerator.device.type,
-            sharded_layers=tensor_parallel.layout_of(accelerator) is not None,
-        )
-    ):
-        raise ConfigError(problem)
+    layout = model_layout(accelerator, parallel, config, model_config, task)
+    facts = before_loading.BeforeLoading(
+        config=config, parallel=parallel, model_config=model_config, task=task, recipe=name, accelerator=accelerator,
+        attn_implementation=layout["attn_implementation"], launch=LaunchLayout.from_accelerator(accelerator, parallel),
+        checkpoint=checkpoint, saved_recipe=saved_recipe,
+    )  # fmt: skip
+    checks_ran = before_loading.run_checks(before_loading.TRAINING, facts)
     return dict(
-        generation_server=server,
+        generation_server=generation_server(config, model_config, model_name=config.model_name_or_path),
         checkpoint=checkpoint,
         hub_token=hub_token,
         tokenizer=tokenizer,
         model_config=model_config,
         config_changes=config_changes,
+        checks_before_loading=checks_ran,
         **layout,
     )

@@ -99,7 +99,7 @@ class TrainingLoop:
         if torch.isfinite(grad_norm):  # a host sync, on a value global to every rank
             optimizer.step()
             if bias is not None:
-                bias.update(accelerator)
+                bias.update(accelerator, self.run.parallel)
         else:
             if bias is not None:
                 bias.discard()

@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.tools.deepspeed_keys import AUTO, NOT_CARRIED, NOT_CARRIED_SECTIONS, Reader, as_int
 
 
@@ -312,12 +313,14 @@ def translate(config: dict, *, num_processes: int | None = None, num_machines: i
         layout = LaunchLayout.data_parallel(num_processes, num_machines, precision)
     else:
         layout = LaunchLayout(
-            world_size=num_processes,
+            # HSDP (MiCS): `replicate` copies, each sharded over the mics_shard_size processes that divide the world
+            parallel=ParallelDims(dp_replicate=replicate, dp_shard=num_processes // replicate)
+            if replicate
+            else ParallelDims(dp_shard=num_processes),
             num_machines=num_machines,
             distributed_type="FSDP",
             fsdp_version=2,
             reshard_after_forward=sharding != "SHARD_GRAD_OP",
-            shard_size=num_processes // replicate if replicate else num_processes,
             cpu_offload=offload,
             mixed_precision=precision,
             wrap_policy="TRANSFORMER_BASED_WRAP",

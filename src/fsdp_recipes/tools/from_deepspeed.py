@@ -106,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
         load_deepspeed_config(args.ds_config), num_processes=args.num_processes, num_machines=args.num_machines
     )
     layout = translation.layout
-    if layout.world_size % layout.num_machines:
-        raise ConfigError(f"{layout.world_size} processes do not split evenly over {layout.num_machines} machines")
+    if layout.parallel.world_size % layout.num_machines:
+        raise ConfigError(
+            f"{layout.parallel.world_size} processes do not split evenly over {layout.num_machines} machines"
+        )
     text = render(translation, output=args.output, source=args.ds_config)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)

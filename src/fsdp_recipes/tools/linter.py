@@ -24,6 +24,7 @@ from fsdp_recipes.distributed.launch_checks import (
     lint_config_dict,
     lint_launch_environment,
 )
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import expert_routing
 from fsdp_recipes.models.modeling import load_model_config
 
@@ -36,7 +37,7 @@ def _lint_tensor_parallel_model(raw: dict, config, model_class) -> list[Finding]
     tp, ep = int(sizes.get("tp_size", 1) or 1), expert_parallel.size_in_config(raw)
     if tp <= 1 and ep <= 1:
         return []
-    layout = tensor_parallel.NdLayout(
+    layout = ParallelDims(
         dp_replicate=int(sizes.get("dp_replicate_size", 1) or 1),
         dp_shard=int(sizes.get("dp_shard_size", 1) or 1),
         tp=tp,

@@ -41,16 +41,16 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
                 notes.append(f"{config.key}: {error}")
                 rows.append((config.key, str(config.model), config.method, accelerate_config, "?", "? (see below)"))
                 continue
-            layout = estimate.layout
+            layout, parallel = estimate.layout, estimate.layout.parallel
             on_cpu = devices.get(Path(launch.accelerate_config).name) == "cpu"
-            processes = f"{layout.world_size} CPU" if on_cpu else f"{layout.world_size} x {config.gpu_memory}"
+            processes = f"{parallel.world_size} CPU" if on_cpu else f"{parallel.world_size} x {config.gpu_memory}"
             split = [f"{layout.num_machines} nodes"] if layout.num_machines > 1 else []
-            if layout.tp_size > 1:  # the layout, not only the count: each layer split tp ways
-                split.append(f"TP {layout.tp_size} x FSDP {layout.shard_size}")
-            if layout.ep_size > 1:  # a layer's routed experts split ep ways
-                split.append(f"EP {layout.ep_size}")
-            if layout.sp_size > 1:  # each row split sp ways by position
-                split.append(f"SP {layout.sp_size}")
+            if parallel.tp > 1:  # the layout, not only the count: each layer split tp ways
+                split.append(f"TP {parallel.tp} x FSDP {parallel.shard_size}")
+            if parallel.ep > 1:  # a layer's routed experts split ep ways
+                split.append(f"EP {parallel.ep}")
+            if parallel.sp > 1:  # each row split sp ways by position
+                split.append(f"SP {parallel.sp}")
             if split:
                 processes += f" ({', '.join(split)})"
             memory = short_size(estimate.total)

@@ -22,6 +22,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed import expert_parallel
 from fsdp_recipes.distributed.accelerate_config import DEFAULT_MIN_NUM_PARAMS, WRAP_POLICIES, LaunchLayout
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -91,15 +92,17 @@ class TopologyEntry:
         if self.sharding == "NO_SHARD":
             return LaunchLayout.data_parallel(self.world_size, self.nodes, self.mixed_precision)
         data_parallel = self.world_size // self.tp  # FSDP's ranks (a sequence-parallel group's included)
-        shard_size = data_parallel // self.hsdp_replicate if self.sharding == "HYBRID_SHARD" else data_parallel
+        replicate = self.hsdp_replicate if self.sharding == "HYBRID_SHARD" else 1
+        shard_size = data_parallel // replicate  # ranks one parameter is split over: dp_shard x sp
         size_based = self.wrap_policy == "SIZE_BASED_WRAP" and self.min_num_params
         return LaunchLayout(
-            world_size=self.world_size,
+            parallel=ParallelDims(
+                dp_replicate=replicate, dp_shard=shard_size // self.sp, tp=self.tp, ep=self.ep, sp=self.sp
+            ),
             num_machines=self.nodes,
             distributed_type="FSDP",
             fsdp_version=self.fsdp_version,
             reshard_after_forward=self.sharding != "SHARD_GRAD_OP",
-            shard_size=shard_size,
             cpu_offload=self.cpu_offload,
             mixed_precision=self.mixed_precision,
             activation_checkpointing=self.activation_checkpointing,
@@ -107,9 +110,6 @@ class TopologyEntry:
             wrap_classes=tuple(self.wrap_classes) if self.wrap_classes else None,
             min_num_params=self.min_num_params if size_based else DEFAULT_MIN_NUM_PARAMS,
             state_dict_type=self.state_dict_type,
-            tp_size=self.tp,
-            ep_size=self.ep,
-            sp_size=self.sp,
         )
 
     def describe(self) -> str:
@@ -121,7 +121,7 @@ class TopologyEntry:
 
 def describe_hardware(layout: LaunchLayout, device: str = "gpu") -> str:
     """The layout in the words of the generated files' headers and README table: nodes x devices, then sharding."""
-    nodes, per_node = layout.num_machines, layout.gpus_per_node
+    nodes, per_node, parallel = layout.num_machines, layout.gpus_per_node, layout.parallel
     where = f"{nodes} nodes x {per_node}" if nodes > 1 else f"1 node x {per_node}"
     unit = "GPUs" if device == "gpu" else "CPU processes"
     parts = [f"{where} {unit}"]
@@ -129,19 +129,21 @@ def describe_hardware(layout: LaunchLayout, device: str = "gpu") -> str:
         parts = [f"1 {unit[:-1]}, no data parallelism"]
     elif not layout.is_fsdp:
         parts.append("NO_SHARD: plain DDP (distributed_type MULTI_GPU)")
-    elif layout.hsdp_replicate:
-        parts.append(f"FSDP{layout.fsdp_version} HSDP: {layout.hsdp_replicate} replicas x {layout.shard_size} shards")
-    elif layout.tp_size > 1 and layout.shard_size == 1:
-        parts.append(f"TP {layout.tp_size} alone (transformers' DistributedConfig)")
+    elif parallel.hsdp_replicas:
+        parts.append(
+            f"FSDP{layout.fsdp_version} HSDP: {parallel.hsdp_replicas} replicas x {parallel.shard_size} shards"
+        )
+    elif parallel.tp > 1 and parallel.shard_size == 1:
+        parts.append(f"TP {parallel.tp} alone (transformers' DistributedConfig)")
     else:
         parts.append(f"FSDP{layout.fsdp_version} {layout.fsdp1_strategy}")
-    if layout.tp_size > 1 and layout.shard_size > 1:
-        parts[-1] += f" x TP {layout.tp_size}"
-    if layout.ep_size > 1:
-        parts[-1] += f" x EP {layout.ep_size}"
-    if layout.sp_size > 1:
-        parts[-1] += f" over SP {layout.sp_size} (Ulysses)"
-    if layout.is_fsdp and (layout.tp_size > 1 and layout.shard_size > 1 or layout.ep_size > 1):
+    if parallel.tp > 1 and parallel.shard_size > 1:
+        parts[-1] += f" x TP {parallel.tp}"
+    if parallel.ep > 1:
+        parts[-1] += f" x EP {parallel.ep}"
+    if parallel.sp > 1:
+        parts[-1] += f" over SP {parallel.sp} (Ulysses)"
+    if layout.is_fsdp and (parallel.tp > 1 and parallel.shard_size > 1 or parallel.ep > 1):
         parts[-1] += " (transformers' DistributedConfig)"
     parts.append("fp32" if layout.mixed_precision == "no" else layout.mixed_precision)
     if layout.cpu_offload:
@@ -298,28 +300,26 @@ def fsdp_config(layout: LaunchLayout) -> dict:
 
 def cluster_config(layout: LaunchLayout) -> ClusterConfig:
     """The layout as accelerate's own config object (what `accelerate config` would have written)."""
-    multi_node = layout.num_machines > 1
+    multi_node, parallel = layout.num_machines > 1, layout.parallel
     parallelism = {}
-    if (layout.hsdp_replicate or layout.tp_size > 1 or layout.ep_size > 1 or layout.sp_size > 1) and (
-        layout.fsdp_version == 2
-    ):
+    if (parallel.hsdp_replicas or parallel.tp > 1 or parallel.ep > 1 or parallel.sp > 1) and layout.fsdp_version == 2:
         parallelism = {
-            "parallelism_config_dp_replicate_size": layout.hsdp_replicate or 1,
-            "parallelism_config_dp_shard_size": layout.shard_size // layout.sp_size,
-            "parallelism_config_tp_size": layout.tp_size,
+            "parallelism_config_dp_replicate_size": parallel.hsdp_replicas or 1,
+            "parallelism_config_dp_shard_size": parallel.shard_size // parallel.sp,
+            "parallelism_config_tp_size": parallel.tp,
             "parallelism_config_cp_size": 1,
         }
-        if layout.ep_size > 1:  # read by the recipes from this file (fsdp_recipes.distributed.expert_parallel)
-            parallelism[expert_parallel.CONFIG_KEY] = layout.ep_size
-        if layout.sp_size > 1:  # accelerate's own key (its launcher exports it); the recipes attach the mesh
-            parallelism["parallelism_config_sp_size"] = layout.sp_size
+        if parallel.ep > 1:  # read by the recipes from this file (fsdp_recipes.distributed.expert_parallel)
+            parallelism[expert_parallel.CONFIG_KEY] = parallel.ep
+        if parallel.sp > 1:  # accelerate's own key (its launcher exports it); the recipes attach the mesh
+            parallelism["parallelism_config_sp_size"] = parallel.sp
     return ClusterConfig(
         compute_environment="LOCAL_MACHINE",
         distributed_type=layout.distributed_type,
         mixed_precision=layout.mixed_precision,
         use_cpu=False,  # true would make every launch plain CPU DDP; CPU FSDP2 is handled by fsdp_recipes.distributed.accelerator
         debug=False,
-        num_processes=layout.world_size,  # GLOBAL count: the launcher starts num_processes // num_machines per node
+        num_processes=parallel.world_size,  # GLOBAL count: the launcher starts num_processes // num_machines per node
         num_machines=layout.num_machines,
         machine_rank=0,
         gpu_ids="all",

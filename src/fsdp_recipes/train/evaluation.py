@@ -4,7 +4,10 @@ gathered from every rank. `LossEvaluator` and `MetricEvaluator` hold their caden
 
 Metrics load offline: the names in `SHIPPED_METRICS` are `evaluate` modules in `fsdp_recipes/metric_scripts/` (built
 on scikit-learn, rouge-score and sacrebleu), loaded by path; `evaluate.load("accuracy")` itself would fetch the Hub's
-script. A name that cannot be loaded is one ConfigError before any model loads (`load_metrics`)."""
+script. A name that cannot be loaded is one ConfigError before any model loads (`load_metrics`).
+
+The functions take the run's layout (`parallel`: `run.parallel`; the evaluators get it from `run.begin`): the ranks of
+a TP or SP group share one batch, so rows are split over, and values gathered from, the data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError, UserError
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
-from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.collectives import gather_for_metrics, on_every_rank_together, sum_tensor_over_ranks
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import generation_options
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
@@ -40,13 +43,15 @@ SHIPPED_METRICS = tuple(sorted(path.stem for path in METRIC_SCRIPTS.glob("*.py")
 class Evaluation:
     """Held-out figures every `every` optimizer steps (None: only at the end) and at the last step, logged at that
     step. The recipe builds the evaluator (what to measure, on which data); `run.begin` attaches the metrics log, the
-    run's length and the pause that keeps evaluation time out of the throughput figures. This base measures nothing:
-    a run without held-out data."""
+    run's length and layout (`run.parallel`: the data-parallel ranks the held-out data is split over) and the pause
+    that keeps evaluation time out of the throughput figures. This base measures nothing: a run without held-out
+    data."""
 
     def __init__(self, *, every: int | None = None):
         self.every = every
         self.cadence = Cadence(every, total_steps=0)
         self.log: MetricsLog | None = None
+        self.parallel: ParallelDims | None = None
         self.pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.last_step: int | None = None
         self.results: dict[str, Any] = {}
@@ -56,9 +61,11 @@ class Evaluation:
         *,
         log: MetricsLog,
         total_steps: int,
+        parallel: ParallelDims,
         pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
         self.log, self.pause, self.cadence = log, pause, Cadence(self.every, total_steps)
+        self.parallel = parallel
 
     def maybe_evaluate(self, step: int) -> dict[str, Any] | None:
         """Collective when due (every rank calls it every step)."""
@@ -108,6 +115,7 @@ class LossEvaluator(Evaluation):
                 self.accelerator,
                 self.model,
                 self.rows,
+                parallel=self.parallel,
                 loss_sum=self.loss_sum,
                 batch_size=self.batch_size,
                 pad_token_id=self.pad_token_id,
@@ -117,14 +125,21 @@ class LossEvaluator(Evaluation):
 
 @torch.no_grad()
 def evaluate_loss(
-    accelerator: Accelerator, model: torch.nn.Module, rows, *, loss_sum: LossSum, batch_size: int, pad_token_id: int
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    rows,
+    *,
+    parallel: ParallelDims,
+    loss_sum: LossSum,
+    batch_size: int,
+    pad_token_id: int,
 ) -> float:
     """Mean per-token loss over all held-out rows, each counted once, with the recipe's `loss_sum(model, batch)`.
     Every rank runs the same number of forward passes (FSDP needs all ranks in every all-gather); a rank out of rows
     runs a masked copy of a row."""
     model.eval()
-    # the ranks of a tensor-parallel group run the same rows (their forward is one collective computation)
-    rank, world = tensor_parallel.data_parallel_rank(accelerator), tensor_parallel.data_parallel_size(accelerator)
+    # the ranks of a TP or SP group run the same rows (their forward is one collective computation)
+    rank, world = parallel.data_parallel_rank(accelerator.process_index), parallel.data_parallel_size
     mine = list(range(rank, len(rows), world))
     batches = math.ceil(math.ceil(len(rows) / world) / batch_size)
     total = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -137,7 +152,8 @@ def evaluate_loss(
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         total += loss_sum(model, batch).double()
         count += count_targets(batch)
-    total, count = sum_tensor_over_ranks(accelerator, total), sum_tensor_over_ranks(accelerator, count)
+    total = sum_tensor_over_ranks(accelerator, total, parallel=parallel)
+    count = sum_tensor_over_ranks(accelerator, count, parallel=parallel)
     model.train()
     return float(total / count.clamp(min=1))
 
@@ -149,6 +165,7 @@ def exact_match_accuracy(
     tokenizer,
     examples: list[dict[str, Any]],
     *,
+    parallel: ParallelDims,
     max_new_tokens: int,
     batch_size: int,
 ) -> dict[str, Any]:
@@ -157,7 +174,7 @@ def exact_match_accuracy(
     Examples are `{"prompt_ids": [...], "reference": str}`. Ranks split the examples and generate in lockstep
     (`synced_gpus`), since under FSDP every forward pass is a collective."""
     model.eval()
-    rank, world = tensor_parallel.data_parallel_rank(accelerator), tensor_parallel.data_parallel_size(accelerator)
+    rank, world = parallel.data_parallel_rank(accelerator.process_index), parallel.data_parallel_size
     mine = list(range(rank, len(examples), world))
     batches = math.ceil(math.ceil(len(examples) / world) / batch_size)
     correct = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -189,7 +206,7 @@ def exact_match_accuracy(
     finally:
         tokenizer.padding_side = padding_side
         model.train()
-    correct = sum_tensor_over_ranks(accelerator, correct)
+    correct = sum_tensor_over_ranks(accelerator, correct, parallel=parallel)
     return {"exact_match": float(correct) / max(len(examples), 1), "num_examples": len(examples), "samples": samples}
 
 
@@ -274,11 +291,13 @@ def load_metrics(names: list[str], *, known: Sequence[str] = SHIPPED_METRICS) ->
 
 
 @torch.no_grad()
-def gather_predictions(accelerator: Accelerator, model: torch.nn.Module, loader, predict: Predict) -> dict[str, list]:
+def gather_predictions(
+    accelerator: Accelerator, model: torch.nn.Module, loader, predict: Predict, *, parallel: ParallelDims
+) -> dict[str, list]:
     """Every rank runs `predict` over its share of a loader that `accelerator.prepare` split (the same number of
     batches on every rank, as FSDP needs); each batch's values are gathered with `gather_for_metrics`, which drops the
-    copies that pad an uneven last batch, so every example counts exactly once and in dataset order. The same lists
-    are returned on every rank."""
+    copies that pad an uneven last batch (and a TP or SP group's copies of its batch), so every example counts exactly
+    once and in dataset order. The same lists are returned on every rank."""
     was_training = model.training
     model.eval()
     gathered: dict[str, list] = {}
@@ -286,9 +305,9 @@ def gather_predictions(accelerator: Accelerator, model: torch.nn.Module, loader,
         for batch in loader:
             for key, value in predict(model, batch).items():
                 if torch.is_tensor(value):
-                    value = gather_for_metrics(accelerator, value.contiguous()).cpu().tolist()
+                    value = gather_for_metrics(accelerator, value.contiguous(), parallel=parallel).cpu().tolist()
                 else:
-                    value = gather_for_metrics(accelerator, list(value), use_gather_object=True)
+                    value = gather_for_metrics(accelerator, list(value), parallel=parallel, use_gather_object=True)
                 gathered.setdefault(key, []).extend(value)
     finally:
         model.train(was_training)
@@ -351,7 +370,9 @@ class MetricEvaluator(Evaluation):
     def measure(self) -> dict[str, Any]:
         if self.loader is None:
             return {}
-        self.gathered = gather_predictions(self.accelerator, self.model, self.loader, self.predict)
+        self.gathered = gather_predictions(
+            self.accelerator, self.model, self.loader, self.predict, parallel=self.parallel
+        )
         return compute_metrics(self.metrics, self.gathered)
 
 

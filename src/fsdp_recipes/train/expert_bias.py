@@ -33,6 +33,7 @@ import torch
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.collectives import sum_tensor_over_ranks
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import expert_routing
 from fsdp_recipes.train import router_balance
 from fsdp_recipes.train.router_balance import decoder_of, real_token_mask
@@ -135,11 +136,11 @@ class ExpertBias:
         decoder.register_forward_pre_hook(self._on_decoder_input, with_kwargs=True)
         _ATTACHED[decoder] = self
 
-    def update(self, accelerator) -> None:
+    def update(self, accelerator, parallel: ParallelDims) -> None:
         """Collective, after each optimizer step that was applied: the step's loads summed over the data-parallel
-        ranks, every router's bias moved by `bias_update`, the counts reset."""
+        ranks (of `parallel`, the run's layout), every router's bias moved by `bias_update`, the counts reset."""
         loads = self._take_counts(accelerator.device)
-        loads = sum_tensor_over_ranks(accelerator, loads)
+        loads = sum_tensor_over_ranks(accelerator, loads, parallel=parallel)
         with torch.no_grad():
             for module, layer_loads in zip(self.routers, loads):
                 bias = getattr(module, BIAS)

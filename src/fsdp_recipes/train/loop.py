@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.train import expert_bias, router_balance, trainer_arguments
 
 
@@ -72,14 +73,17 @@ def apply_settings_on_resume(scheduler, config) -> None:
         inner._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def micro_batches_in_sync(accelerator: Accelerator, model: torch.nn.Module, micro_batches: list):
+def micro_batches_in_sync(
+    accelerator: Accelerator, model: torch.nn.Module, micro_batches: list, *, parallel: ParallelDims
+):
     """Yields the micro-batches of one optimizer step; gradients are reduced across ranks once, on the last one
     (the others run under `no_sync`). Collective: first, a mixture of experts' router balance, where the recipe
-    attached one (`router_balance.attach`), takes its pass over all of them (the step's global expert shares); a
-    DeepSeek-style router's bias update (`expert_bias.attach`) is told each micro-batch, whose real tokens it counts."""
+    attached one (`router_balance.attach`), takes its pass over all of them (the step's global expert shares, over
+    the data-parallel ranks of `parallel`, the run's layout); a DeepSeek-style router's bias update
+    (`expert_bias.attach`) is told each micro-batch, whose real tokens it counts."""
     balance = router_balance.attached(model)
     if balance is not None:
-        balance.before_step(accelerator, model, micro_batches)
+        balance.before_step(accelerator, model, micro_batches, parallel=parallel)
     bias = expert_bias.attached(model)  # the micro-batch a forward runs on: its real tokens are the loads counted
     try:
         for index, batch in enumerate(micro_batches):

@@ -2,7 +2,9 @@
 factor that turns a rank's sum into its share of the global mean.
 
 Recipes sum per-token losses over a micro-batch and scale by `global_mean_scale`, so the gradient is that of the mean
-over every target token of the global batch, whatever its split into ranks and micro-batches.
+over every target token of the global batch, whatever its split into ranks and micro-batches. Under sequence
+parallelism the forwards here run on this rank's slice of every row: they are given the run's group
+(`run.parallel.sequence_shards`; None without sequence parallelism).
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
-from fsdp_recipes.distributed import sequence_parallel, tensor_parallel
+from fsdp_recipes.distributed import tensor_parallel
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
+from fsdp_recipes.distributed.sequence_parallel import SequenceShards
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -44,14 +47,18 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
 
 
 def sequence_classification_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    sequence_shards: SequenceShards | None = None,
 ) -> torch.Tensor:
-    """A sequence classifier's logits [rows, labels], fp32, for right-padded rows. Under sequence parallelism each rank
-    runs its slice of every row: the head's per-token scores come back whole and each row's is taken where
-    transformers' own pooling takes it (the rightmost token that is not the pad token); with positions 0..width-1 and
-    no mask every real token sees what it sees in the padded pass (causal: never the padding after it)."""
-    shards = sequence_parallel.active()
-    if shards is None:
+    """A sequence classifier's logits [rows, labels], fp32, for right-padded rows. Under sequence parallelism
+    (`sequence_shards`, the run's group) each rank runs its slice of every row: the head's per-token scores come back
+    whole and each row's is taken where transformers' own pooling takes it (the rightmost token that is not the pad
+    token); with positions 0..width-1 and no mask every real token sees what it sees in the padded pass (causal: never
+    the padding after it)."""
+    if sequence_shards is None:
         return model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     head = next(module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in ("score", "classifier"))
 
@@ -66,7 +73,7 @@ def sequence_classification_logits(
 
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     inputs = {"input_ids": input_ids, "position_ids": positions, "use_cache": False}
-    per_token = shards.per_token(forward, inputs, torch.zeros_like(input_ids), IGNORE_INDEX)
+    per_token = sequence_shards.per_token(forward, inputs, torch.zeros_like(input_ids), IGNORE_INDEX)
     pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     index = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (
@@ -77,14 +84,15 @@ def sequence_classification_logits(
     return per_token[torch.arange(input_ids.shape[0], device=last.device), last]
 
 
-def global_mean_scale(accelerator: Accelerator, global_total: torch.Tensor) -> torch.Tensor:
+def global_mean_scale(parallel: ParallelDims, global_total: torch.Tensor) -> torch.Tensor:
     """Factor turning a rank's summed loss into its share of the global mean: FSDP/DDP average gradients over
-    ranks, so each rank scales by the data-parallel size / (what the mean divides by in the whole optimizer step, all ranks and
-    micro-batches: targets, pairs, examples, or a sum of class weights, which may be under 1). The result is the same
-    gradient whatever the split of the global batch into ranks and micro-batches. A step with nothing to average
-    (all prompt, every class weighted 0) has a zero loss sum: its scale is 0. `global_total` is a tensor on the
-    device (`Run.sum_over_ranks`) and so is the scale, in float32: no step waits for the count to reach the host."""
-    ranks = tensor_parallel.data_parallel_size(accelerator)  # the ranks of a TP group share one batch
+    ranks, so each rank scales by the data-parallel size (`parallel.data_parallel_size`, the run's) / (what the mean
+    divides by in the whole optimizer step, all ranks and micro-batches: targets, pairs, examples, or a sum of class
+    weights, which may be under 1). The result is the same gradient whatever the split of the global batch into ranks
+    and micro-batches. A step with nothing to average (all prompt, every class weighted 0) has a zero loss sum: its
+    scale is 0. `global_total` is a tensor on the device (`Run.sum_over_ranks`) and so is the scale, in float32: no
+    step waits for the count to reach the host."""
+    ranks = parallel.data_parallel_size  # the ranks of a TP or SP group share one batch
     total = torch.as_tensor(global_total, dtype=torch.float64)
     counted = total > 0
     return torch.where(counted, ranks / torch.where(counted, total, 1.0), 0.0).float()
@@ -226,14 +234,24 @@ class TokenLoss:
       same place; its losses come in the compute dtype (docs/chunked-loss.md: why "chunked" stays the default).
 
     Build it on the unprepared model, before `accelerator.prepare`. Models that transform their logits after the
-    output layer (soft-capping, scaling) fall back to whole logits; `description` says what runs, for the run summary."""
+    output layer (soft-capping, scaling) fall back to whole logits; `description` says what runs, for the run summary.
+    `sequence_shards`: the run's sequence-parallel group (`run.parallel.sequence_shards`), whose ranks each run their
+    slice of every row; None (the default) runs whole rows."""
 
-    def __init__(self, model: torch.nn.Module, implementation: str = "chunked", *, chunk_size: int = 1024):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        implementation: str = "chunked",
+        *,
+        chunk_size: int = 1024,
+        sequence_shards: SequenceShards | None = None,
+    ):
         if implementation not in LOSS_IMPLEMENTATIONS:
             raise ValueError(f"loss_implementation {implementation!r} is not one of {LOSS_IMPLEMENTATIONS}")
         self.head = model.get_output_embeddings()
         self.model_type = type(model).__name__
         self.chunk_size = chunk_size
+        self.sequence_shards = sequence_shards
         self._targets = self._returned = None
         self.router_logits = None  # a mixture of experts with output_router_logits: the last forward's, per layer
         reason = _logits_transform(model.config) if implementation != "full_logits" else None
@@ -254,11 +272,11 @@ class TokenLoss:
 
     def token_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token NLL, shaped like the batch's targets (0 where there is no target), in fp32. Under sequence
-        parallelism each rank runs its slice of every row and the losses come back whole on every rank of the group
-        (distributed/sequence_parallel.py)."""
+        parallelism (`sequence_shards`) each rank runs its slice of every row and the losses come back whole on every
+        rank of the group (distributed/sequence_parallel.py)."""
         inputs = model_inputs(model, batch)
         targets = batch["targets"].reshape(inputs["input_ids"].shape)
-        shards = sequence_parallel.active()
+        shards = self.sequence_shards
         if shards is None:
             return self._losses_of(model, inputs, targets).reshape(batch["targets"].shape)
         forward = functools.partial(self._losses_of, model)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fsdp_recipes.common.tables import format_value
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import is_routed_expert_parameter
 from fsdp_recipes.train.cadence import Cadence
 
@@ -205,14 +206,21 @@ def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Pat
 
 
 def throughput_record(
-    accelerator, window: ThroughputWindow, *, model_config, non_embedding_parameters: int, peak_flops: float | None
+    accelerator,
+    window: ThroughputWindow,
+    *,
+    parallel: ParallelDims,
+    model_config,
+    non_embedding_parameters: int,
+    peak_flops: float | None,
 ) -> dict[str, Any]:
-    """Collective: speed, padding, FLOPs and memory over the window, for all ranks together."""
+    """Collective: speed, padding, FLOPs and memory over the window, for all ranks together (the tokens counted once
+    per data-parallel rank of `parallel`, the run's layout)."""
     from fsdp_recipes.distributed.collectives import sum_over_ranks, values_of_all_ranks
 
     elapsed = window.elapsed
-    real_tokens = sum_over_ranks(accelerator, window.real_tokens)
-    slots = sum_over_ranks(accelerator, window.slots)
+    real_tokens = sum_over_ranks(accelerator, window.real_tokens, parallel=parallel)
+    slots = sum_over_ranks(accelerator, window.slots, parallel=parallel)
     tokens_per_second = real_tokens / elapsed
     per_device = tokens_per_second / accelerator.num_processes
     per_token = flops_per_token(
@@ -248,6 +256,7 @@ class StepLogger:
         accelerator,
         log: MetricsLog,
         *,
+        parallel: ParallelDims,
         every: int,
         total_steps: int,
         model_config,
@@ -256,10 +265,12 @@ class StepLogger:
         position: Callable[[], dict[str, Any]] = dict,
         step_figures: Callable[[], dict[str, Any]] = dict,
     ):
-        """`position()`: what every record carries besides the step's figures (the run gives the epoch and the
-        scheduler's learning rate). `step_figures()`: figures of the step that its loop does not pass (a mixture of
-        experts' `aux_loss`, from the router balance the loop never sees)."""
-        self.accelerator, self.log, self.cadence = accelerator, log, Cadence(every, total_steps)
+        """`parallel`: the run's layout, whose data-parallel ranks the sums are taken over. `position()`: what every
+        record carries besides the step's figures (the run gives the epoch and the scheduler's learning rate).
+        `step_figures()`: figures of the step that its loop does not pass (a mixture of experts' `aux_loss`, from the
+        router balance the loop never sees)."""
+        self.accelerator, self.parallel, self.log = accelerator, parallel, log
+        self.cadence = Cadence(every, total_steps)
         self.position, self.step_figures = position, step_figures
         self.model_config, self.non_embedding_parameters, self.peak_flops = (
             model_config,
@@ -298,7 +309,7 @@ class StepLogger:
         fields = {name: float(value) if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
         if sums:
             names = sorted(sums)
-            totals = [sum_over_ranks(self.accelerator, sums[name]) for name in names]  # a few scalars: cheap
+            totals = [sum_over_ranks(self.accelerator, sums[name], parallel=self.parallel) for name in names]  # cheap
             means = {name: total / divisor for name, total in zip(names, totals)}
         for name, (kind, value) in sorted((extremes or {}).items()):
             means[name] = float(extreme_over_ranks(self.accelerator, value, kind))
@@ -307,11 +318,12 @@ class StepLogger:
             **self.position(),
             **fields,
             **means,
-            "loss": sum_over_ranks(self.accelerator, loss_sum) / divisor,
+            "loss": sum_over_ranks(self.accelerator, loss_sum, parallel=self.parallel) / divisor,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             **throughput_record(
                 self.accelerator,
                 self.window,
+                parallel=self.parallel,
                 model_config=self.model_config,
                 non_embedding_parameters=self.non_embedding_parameters,
                 peak_flops=self.peak_flops,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.collectives import sum_tensor_over_ranks
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import expert_routing, router_aux_loss_coefficient
 
 
@@ -92,15 +92,16 @@ class RouterBalanceLoss:
         decoder.register_forward_hook(self._on_decoder_output, with_kwargs=True)
         _ATTACHED[decoder] = self
 
-    def before_step(self, accelerator, model, micro_batches) -> None:
-        """Collective: the step's global expert shares, from the recipe's forward on every micro-batch."""
+    def before_step(self, accelerator, model, micro_batches, *, parallel: ParallelDims) -> None:
+        """Collective: the step's global expert shares, from the recipe's forward on every micro-batch (summed over
+        the data-parallel ranks of the run's layout, `parallel`)."""
         if self._pending:
             raise RuntimeError(
                 f"the last step ran {len(self._pending)} forward(s) with gradients fewer than its micro-batches: "
                 "the router's load-balancing loss expects one per micro-batch"
             )
         # FSDP averages gradients over the data-parallel ranks; the shares sum to the global loss (undo the average)
-        self._gradient_weight = float(tensor_parallel.data_parallel_size(accelerator))
+        self._gradient_weight = float(parallel.data_parallel_size)
         self._scaler = accelerator.scaler  # fp16: the loss scale applies to this loss too
         reals: list[torch.Tensor] = []
 
@@ -122,7 +123,7 @@ class RouterBalanceLoss:
                 reals.append(torch.ones(router_logits[0].shape[0], dtype=torch.bool, device=router_logits[0].device))
             return router_logits
 
-        self.step = for_step(accelerator, model, micro_batches, forward, real_of=lambda: reals[-1])
+        self.step = for_step(accelerator, model, micro_batches, forward, real_of=lambda: reals[-1], parallel=parallel)
         self._pending = collections.deque(reals)
 
     def figures(self) -> dict[str, float]:
@@ -251,11 +252,14 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     raise RuntimeError(f"no decoder stack (a *Model module with layers) found in {type(model).__name__}")
 
 
-def for_step(accelerator, model, micro_batches, forward, real_of=None) -> RouterBalance | None:
+def for_step(
+    accelerator, model, micro_batches, forward, real_of=None, *, parallel: ParallelDims
+) -> RouterBalance | None:
     """Collective (every rank, every step): the step's RouterBalance, or None when the model does not ask for the
     loss. `forward(model, batch)` runs the recipe's own forward and returns the router logits (one tensor [tokens,
     experts] per layer); it runs here without gradients. `real_of()`: the real-token mask of that forward (default:
-    `real_token_mask(batch)`; `RouterBalanceLoss` gives the mask its pass found)."""
+    `real_token_mask(batch)`; `RouterBalanceLoss` gives the mask its pass found). `parallel`: the run's layout, whose
+    data-parallel ranks the counts are summed over."""
     config = accelerator.unwrap_model(model).config
     coefficient = router_aux_loss_coefficient(config)
     if not coefficient:
@@ -269,7 +273,7 @@ def for_step(accelerator, model, micro_batches, forward, real_of=None) -> Router
             totals[: routing.num_experts] += router_assignment_counts(router_logits, real, routing.experts_per_token)
             totals[routing.num_experts : -1] += router_probability_sums(router_logits, real).double()
             totals[-1] += float(real.sum()) * len(router_logits)
-    totals = sum_tensor_over_ranks(accelerator, totals)
+    totals = sum_tensor_over_ranks(accelerator, totals, parallel=parallel)
     assignments = max(float(totals[-1]), 1.0)
     shares = (totals[: routing.num_experts] / assignments).float()
     probabilities = totals[routing.num_experts : -1] / assignments

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_recipes.common.errors import ConfigError, DataError
+from fsdp_recipes.distributed.sequence_parallel import SequenceShards
 from fsdp_recipes.train import losses
 from fsdp_recipes.train.checkpoint import saved_model_config_path
 
@@ -57,10 +58,17 @@ def head_module_names(model: torch.nn.Module) -> list[str]:
 
 
 def loss_sum(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], weights: torch.Tensor | None = None
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    weights: torch.Tensor | None = None,
+    *,
+    sequence_shards: SequenceShards | None = None,
 ) -> torch.Tensor:
-    """Sum over the batch of weight[label] x cross-entropy (weight 1 without class weights)."""
-    logits = losses.sequence_classification_logits(model, batch["input_ids"], batch["attention_mask"])
+    """Sum over the batch of weight[label] x cross-entropy (weight 1 without class weights); the rows split by position
+    over `sequence_shards` (the run's sequence-parallel group) when given."""
+    logits = losses.sequence_classification_logits(
+        model, batch["input_ids"], batch["attention_mask"], sequence_shards=sequence_shards
+    )
     weights = weights.to(logits.device) if weights is not None else None
     return F.cross_entropy(logits, batch["labels"], weight=weights, reduction="sum")
 

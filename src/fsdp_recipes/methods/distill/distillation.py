@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX
 from fsdp_recipes.distributed import sequence_parallel, tensor_parallel
+from fsdp_recipes.distributed.sequence_parallel import SequenceShards
 from fsdp_recipes.train.losses import _logits_transform, chunked_token_losses, model_inputs
 
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
@@ -190,11 +191,13 @@ class DistillationLoss:
         temperature: float,
         kd_loss: str,
         chunk_size: int = 1024,
+        sequence_shards: SequenceShards | None = None,
     ):
         if kd_loss not in KD_LOSSES:
             raise ValueError(f"kd_loss {kd_loss!r} is not one of {KD_LOSSES}")
         self.teacher, self.kd_ratio, self.temperature, self.kd_loss = teacher, kd_ratio, temperature, kd_loss
         self.chunk_size = chunk_size
+        self.sequence_shards = sequence_shards  # the run's sequence-parallel group (None: whole rows)
         self.head = student.get_output_embeddings()
         self._active: dict | None = None
         self._returned = None
@@ -216,12 +219,12 @@ class DistillationLoss:
         """Per-token loss shaped like the batch's targets (0 where there is no target), fp32. A collective under FSDP
         (the teacher's forward, then the student's). `kd_ratio`: this batch's, instead of the configured one (the
         student's own samples train on KD alone: cross-entropy on them would teach it what it already says). Under
-        sequence parallelism each rank runs both models on its slice of every row, and the loss and its parts come
-        back whole on every rank of the group (distributed/sequence_parallel.py)."""
+        sequence parallelism (`sequence_shards`) each rank runs both models on its slice of every row, and the loss and
+        its parts come back whole on every rank of the group (distributed/sequence_parallel.py)."""
         inputs = model_inputs(model, batch)
         targets = batch["targets"].reshape(inputs["input_ids"].shape)
         ratio = self.kd_ratio if kd_ratio is None else kd_ratio
-        shards = sequence_parallel.active()
+        shards = self.sequence_shards
         if shards is None:
             return self._losses_of(model, inputs, targets, ratio).reshape(batch["targets"].shape)
 
@@ -339,11 +342,9 @@ def check_no_logits_transform(model_config, *, which: str) -> None:
         )
 
 
-def check_teacher_splits(teacher_config) -> None:
-    """Before loading, under sequence parallelism: the teacher's heads split as the student's (its forward runs on
-    the same slices of every row). ConfigError."""
-    problems = sequence_parallel.model_problems(
-        sequence_parallel.active_size(), teacher_config, attn_implementation=None, recipe="distill"
-    )
+def check_teacher_splits(teacher_config, sp: int) -> None:
+    """Before loading, under sequence parallelism (`sp`: the run's `parallel.sp`): the teacher's heads split as the
+    student's (its forward runs on the same slices of every row). ConfigError."""
+    problems = sequence_parallel.model_problems(sp, teacher_config, attn_implementation=None, recipe="distill")
     if problems:
         raise ConfigError([f"the teacher: {problem}" for problem in problems])

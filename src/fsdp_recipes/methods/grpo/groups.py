@@ -11,10 +11,12 @@ batch keeps its size. Selection works on the gathered list, so it does not depen
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from fsdp_recipes.distributed.collectives import gather_lists, gather_tensors
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.methods.grpo.policy_gradient import ZERO_STD
 
 
@@ -73,10 +75,12 @@ def gather_scored(
     policy_masks: list[list[int]] | None = None,
     tool_calls: list[tuple[int, int]] | None = None,
     sampling_log_probs: list[list[float]] | None = None,
+    *,
+    parallel: ParallelDims,
 ) -> ScoredSlots:
     """Collective: this rank's scored slots (`per_function` [functions, slots], as `rewards.score` gives it) joined
-    with every other rank's, in rank order (the slot order of the round), on every rank. Token ids travel as Python
-    lists (a few kilobytes), rewards as tensors."""
+    with every other data-parallel rank's (of `parallel`, the run's layout), in rank order (the slot order of the
+    round), on every rank. Token ids travel as Python lists (a few kilobytes), rewards as tensors."""
     per_slot = per_function.T.contiguous()
     if accelerator.num_processes == 1:
         return ScoredSlots(
@@ -84,15 +88,17 @@ def gather_scored(
             policy_masks, tool_calls, sampling_log_probs,
         )  # fmt: skip
     device = accelerator.device
+    lists = functools.partial(gather_lists, accelerator, parallel=parallel)
+    tensors = functools.partial(gather_tensors, accelerator, parallel=parallel)
     return ScoredSlots(
-        gather_lists(accelerator, list(prompt_indices)),
-        gather_lists(accelerator, list(completion_ids)),
-        gather_lists(accelerator, list(truncated)),
-        gather_tensors(accelerator, rewards.to(device)).cpu(),
-        gather_tensors(accelerator, per_slot.to(device)).cpu(),
-        None if policy_masks is None else gather_lists(accelerator, list(policy_masks)),
-        None if tool_calls is None else [tuple(c) for c in gather_lists(accelerator, list(tool_calls))],
-        None if sampling_log_probs is None else gather_lists(accelerator, list(sampling_log_probs)),
+        lists(list(prompt_indices)),
+        lists(list(completion_ids)),
+        lists(list(truncated)),
+        tensors(rewards.to(device)).cpu(),
+        tensors(per_slot.to(device)).cpu(),
+        None if policy_masks is None else lists(list(policy_masks)),
+        None if tool_calls is None else [tuple(c) for c in lists(list(tool_calls))],
+        None if sampling_log_probs is None else lists(list(sampling_log_probs)),
     )
 
 

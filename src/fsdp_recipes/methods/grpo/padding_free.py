@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from fsdp_recipes.data.rows import IGNORE_INDEX
-from fsdp_recipes.distributed import sequence_parallel
+from fsdp_recipes.distributed.sequence_parallel import SequenceShards
 from fsdp_recipes.methods.grpo.policy_gradient import token_log_probs
 
 
@@ -87,12 +87,16 @@ def output_layer_on(model: torch.nn.Module, flat_positions: torch.Tensor):
 
 
 def completion_log_probs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    *,
+    sequence_shards: SequenceShards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rollouts.completion_log_probs` from the packed layout: the same [rows, completion width] tensors (0 where
-    there is no completion token)."""
-    if (shards := sequence_parallel.active()) is not None:
-        return _split_completion_log_probs(model, batch, temperature, shards)
+    there is no completion token); split by position over `sequence_shards` (the run's sequence-parallel group)."""
+    if sequence_shards is not None:
+        return _split_completion_log_probs(model, batch, temperature, sequence_shards)
     input_ids, position_ids = batch["packed_input_ids"], batch["packed_position_ids"]
     config = getattr(model, "module", model).config
     if str(getattr(config, "_attn_implementation", "")).startswith("flash"):  # varlen reads one row's restarts

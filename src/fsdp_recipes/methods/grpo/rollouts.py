@@ -18,6 +18,8 @@ import time
 import torch
 
 from fsdp_recipes.distributed.collectives import gather_tensors
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
+from fsdp_recipes.distributed.sequence_parallel import SequenceShards
 from fsdp_recipes.methods.grpo import padding_free as packing
 from fsdp_recipes.methods.grpo.groups import ScoredSlots
 from fsdp_recipes.methods.grpo.policy_gradient import (
@@ -142,13 +144,18 @@ def rows_run(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def completion_log_probs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    *,
+    sequence_shards: SequenceShards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability under `model` (at the sampling temperature) and the entropy there,
     [rows, completion width] (fp32; values at padding are meaningless: weight them by the mask). From the packed
-    layout when the batch has one (`padding_free`)."""
+    layout when the batch has one (`padding_free`), split by position over `sequence_shards` (the run's
+    sequence-parallel group) when given."""
     if "packed_input_ids" in batch:
-        return packing.completion_log_probs(model, batch, temperature)
+        return packing.completion_log_probs(model, batch, temperature, sequence_shards=sequence_shards)
     completion_width = batch["completion_ids"].shape[1]
     logits = model(
         input_ids=batch["input_ids"],
@@ -167,6 +174,7 @@ def values_before_step(
     model: torch.nn.Module,
     micro_batches: list[dict[str, torch.Tensor]],
     *,
+    parallel: ParallelDims,
     first_of_round: bool,
     keep_old_log_probs: bool,
     reference_log_probs,
@@ -178,11 +186,12 @@ def values_before_step(
     round serves several steps) and the reference's (`reference_log_probs(batch)`, when there is a KL term); at every
     step, when `top_entropy_quantile` < 1, `entropy_mask`: the completion tokens whose entropy under the current
     policy is in that top share of the step's GLOBAL batch (every rank and micro-batch: one threshold, whatever the
-    split; it costs this forward pass without gradients)."""
+    split; it costs this forward pass without gradients). `parallel`: the run's layout (its data-parallel ranks, and
+    its sequence-parallel group for the policy passes)."""
     entropies = []
     for part in micro_batches:
         if (first_of_round and keep_old_log_probs) or top_entropy_quantile < 1:
-            values, entropy = completion_log_probs(model, part, temperature)
+            values, entropy = completion_log_probs(model, part, temperature, sequence_shards=parallel.sequence_shards)
             if first_of_round and keep_old_log_probs:
                 part["old_log_probs"] = values
             entropies.append(entropy)
@@ -191,7 +200,9 @@ def values_before_step(
     if top_entropy_quantile < 1:
         masks = torch.cat([part["completion_mask"] for part in micro_batches])
         threshold = entropy_threshold(
-            gather_tensors(accelerator, torch.cat(entropies)), gather_tensors(accelerator, masks), top_entropy_quantile
+            gather_tensors(accelerator, torch.cat(entropies), parallel=parallel),
+            gather_tensors(accelerator, masks, parallel=parallel),
+            top_entropy_quantile,
         )
         for part, entropy in zip(micro_batches, entropies):
             part["entropy_mask"] = ((entropy >= threshold) & part["completion_mask"].bool()).float()

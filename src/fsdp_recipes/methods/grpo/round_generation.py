@@ -23,7 +23,7 @@ class RoundGeneration:
     def __init__(self, run, config, task, model, settings: generation.GenerationSettings, *, schedule, total_rounds):
         self.run, self.config, self.task, self.settings = run, config, task, settings
         self.schedule, self.total_rounds = schedule, total_rounds
-        self.world, self.rank = run.data_parallel_size, run.data_parallel_rank
+        self.world, self.rank = run.parallel.data_parallel_size, run.data_parallel_rank
         self.server = run.generation_server
         self.weights = weight_sync.ServerWeights.for_run(run, config)  # None: the policy generates itself
         self.pending: dict | None = None  # the next round, asked for ahead: {"round", "slots", "future"}

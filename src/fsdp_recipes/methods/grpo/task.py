@@ -10,6 +10,7 @@ import functools
 
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.data import files
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.methods.grpo import groups, prompts, rewards
 from fsdp_recipes.methods.grpo import tools as tools_lib
 from fsdp_recipes.methods.grpo.rollouts import sampling_key
@@ -44,9 +45,11 @@ class Task:
         rolled.environments = environments
         return rolled
 
-    def score(self, accelerator, tokenizer, slots, rolled: tools_lib.Rollout, on_every_rank) -> groups.ScoredSlots:
+    def score(
+        self, accelerator, tokenizer, slots, rolled: tools_lib.Rollout, on_every_rank, *, parallel: ParallelDims
+    ) -> groups.ScoredSlots:
         """Collective: `rolled` scored by every reward function (on every rank together: one failing stops all), then
-        every rank's scored completions gathered, in slot order."""
+        every data-parallel rank's scored completions gathered (`parallel`: the run's layout), in slot order."""
         texts = tokenizer.batch_decode(rolled.completion_ids, skip_special_tokens=True)
         indices = [p for p, _ in slots]
         scores = on_every_rank(
@@ -57,7 +60,7 @@ class Task:
         )  # fmt: skip
         return groups.gather_scored(
             accelerator, indices, rolled.completion_ids, rolled.truncated, *scores, rolled.policy_masks,
-            rolled.tool_calls, rolled.sampling_log_probs,
+            rolled.tool_calls, rolled.sampling_log_probs, parallel=parallel,
         )  # fmt: skip
 
 

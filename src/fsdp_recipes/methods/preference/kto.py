@@ -153,7 +153,7 @@ class KTOEvaluator(Evaluation):
                 values = torch.stack(
                     [policy[:count], policy[count:], reference[:count], reference[count:], batch["label"].float()], 1
                 )
-                parts.append(gather_for_metrics(self.accelerator, values))
+                parts.append(gather_for_metrics(self.accelerator, values, parallel=self.parallel))
         finally:
             self.model.train(was_training)
         policy, policy_kl, reference, reference_kl, labels = torch.cat(parts).double().unbind(1)

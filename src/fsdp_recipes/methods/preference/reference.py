@@ -27,6 +27,7 @@ from accelerate import Accelerator
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.distributed.collectives import gather_for_metrics
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.train import frozen_copy
 from fsdp_recipes.train.losses import TokenLoss, sequence_log_probs
 
@@ -101,6 +102,7 @@ def for_splits(
     accelerator: Accelerator,
     loaders: dict[str, Any],
     *,
+    parallel: ParallelDims,
     policy: torch.nn.Module,
     token_loss: TokenLoss,
     copy: torch.nn.Module | None = None,
@@ -110,17 +112,25 @@ def for_splits(
     """Collective, after `accelerator.prepare`: ({split: its reference values}, the precomputed tables or None) for
     prepared in-order `loaders` of pairs. `mode` None (the loss needs no reference): None for every split. "model":
     `copy` (the starting weights, loaded unprepared) is sharded here, its loss computed as `token_loss` computes the
-    policy's. "precomputed": `stored` (a resume's, from its checkpoint) or one pass of the untrained policy, written
-    to `write_to` (main process) when given."""
+    policy's (split by position as the policy's, under sequence parallelism). "precomputed": `stored` (a resume's,
+    from its checkpoint) or one pass of the untrained policy over the data-parallel ranks of `parallel` (the run's
+    layout), written to `write_to` (main process) when given."""
     if mode is None:
         return dict.fromkeys(loaders), None
     if mode == "model":
-        copy_loss = TokenLoss(copy, token_loss.implementation, chunk_size=token_loss.chunk_size)
+        copy_loss = TokenLoss(
+            copy,
+            token_loss.implementation,
+            chunk_size=token_loss.chunk_size,
+            sequence_shards=token_loss.sequence_shards,
+        )
         shared = ReferenceLogProbs("model", copy=frozen_copy.shard_frozen_copy(accelerator, copy), copy_loss=copy_loss)
         return dict.fromkeys(loaders, shared), None
     if mode == "adapters":
         return dict.fromkeys(loaders, ReferenceLogProbs("adapters", policy=policy, token_loss=token_loss)), None
-    tables = stored or {name: precompute(accelerator, policy, token_loss, loader) for name, loader in loaders.items()}
+    tables = stored or {
+        name: precompute(accelerator, policy, token_loss, loader, parallel=parallel) for name, loader in loaders.items()
+    }
     if accelerator.is_main_process and write_to is not None:
         write_tables(write_to, tables)
     return {name: ReferenceLogProbs("precomputed", table=table) for name, table in tables.items()}, tables
@@ -172,18 +182,21 @@ class ReferenceLogProbs:
 
 
 @torch.no_grad()
-def precompute(accelerator: Accelerator, policy: torch.nn.Module, token_loss: TokenLoss, loader) -> Table:
+def precompute(
+    accelerator: Accelerator, policy: torch.nn.Module, token_loss: TokenLoss, loader, *, parallel: ParallelDims
+) -> Table:
     """Collective: the untrained policy's summed log-probabilities of each pair's answers over a prepared loader of
-    pairs (accelerate splits it; `gather_for_metrics` drops the copies padding an uneven last batch), on every rank:
-    {pair content key: (chosen, rejected)}."""
+    pairs (accelerate splits it; `gather_for_metrics` drops the copies padding an uneven last batch, and those of a
+    TP or SP group of `parallel`, the run's layout), on every rank: {pair content key: (chosen, rejected)}."""
     was_training = policy.training
     policy.eval()
     table: Table = {}
     try:
         for batch in loader:
             chosen, rejected = sequence_log_probs(token_loss.token_losses(policy, batch)).chunk(2)
-            keys = gather_for_metrics(accelerator, batch["pair_key"])
-            values = gather_for_metrics(accelerator, torch.stack([chosen.double(), rejected.double()], dim=1))
+            keys = gather_for_metrics(accelerator, batch["pair_key"], parallel=parallel)
+            values = torch.stack([chosen.double(), rejected.double()], dim=1)
+            values = gather_for_metrics(accelerator, values, parallel=parallel)
             for key, (chosen_value, rejected_value) in zip(keys.cpu().tolist(), values.cpu().tolist()):
                 table[int(key)] = (chosen_value, rejected_value)
     finally:

@@ -23,6 +23,7 @@ from datasets import Dataset
 
 from fsdp_recipes.common.errors import ConfigError, DataError
 from fsdp_recipes.data import files
+from fsdp_recipes.distributed.sequence_parallel import SequenceShards
 from fsdp_recipes.methods.preference.paired import PairCollator
 from fsdp_recipes.train import losses
 
@@ -88,10 +89,14 @@ class RewardCollator:
         return batch
 
 
-def rewards(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def rewards(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], *, sequence_shards: SequenceShards | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) scores in fp32, one per pair, from one forward over the batch's 2B rows (split by position
-    under sequence parallelism: `losses.sequence_classification_logits`)."""
-    scores = losses.sequence_classification_logits(model, batch["input_ids"], batch["attention_mask"])
+    over `sequence_shards`, the run's sequence-parallel group, when given: `losses.sequence_classification_logits`)."""
+    scores = losses.sequence_classification_logits(
+        model, batch["input_ids"], batch["attention_mask"], sequence_shards=sequence_shards
+    )
     return scores.squeeze(-1).chunk(2)
 
 
@@ -124,13 +129,13 @@ def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch
     }
 
 
-def make_predict(center_rewards_coefficient: float):
+def make_predict(center_rewards_coefficient: float, *, sequence_shards: SequenceShards | None = None):
     """`predict` for `evaluation.MetricEvaluator`: per held-out pair its loss (with its margin), whether the chosen
-    answer scores higher (eval_accuracy), by how much (eval_margin) and both scores."""
+    answer scores higher (eval_accuracy), by how much (eval_margin) and both scores (`sequence_shards`: as `rewards`)."""
 
     @torch.no_grad()
     def predict(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        chosen, rejected = rewards(model, batch)
+        chosen, rejected = rewards(model, batch, sequence_shards=sequence_shards)
         losses = bradley_terry_losses(
             chosen, rejected, margin=batch["margin"], center_rewards_coefficient=center_rewards_coefficient
         )

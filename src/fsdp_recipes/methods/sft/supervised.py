@@ -10,6 +10,7 @@ from typing import Any
 from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.data import chat, files, rows
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.train import evaluation
 
 
@@ -94,14 +95,17 @@ def exact_match_wanted(config: SupervisedFields, data: SupervisedData) -> bool:
     return bool(config.exact_match_eval_samples) and data.eval_raw is not None
 
 
-def exact_match(accelerator, model, tokenizer, data: SupervisedData, config: SupervisedFields) -> dict:
+def exact_match(
+    accelerator, model, tokenizer, data: SupervisedData, config: SupervisedFields, *, parallel: ParallelDims
+) -> dict:
     """Collective. The held-out exact match of greedy completions (`evaluation.exact_match_accuracy`) of the first
-    `exact_match_eval_samples` held-out examples."""
+    `exact_match_eval_samples` held-out examples, split over the data-parallel ranks of `parallel` (the run's)."""
     return evaluation.exact_match_accuracy(
         accelerator,
         model,
         tokenizer,
         chat.generation_examples(data.eval_raw, tokenizer, config.exact_match_eval_samples),
+        parallel=parallel,
         max_new_tokens=config.max_new_tokens,
         batch_size=config.per_device_eval_batch_size,
     )

@@ -39,8 +39,9 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
                 }
             )
 
-    tp = layout.tp_size
-    sharded_by_transformers = tp > 1 or layout.ep_size > 1  # the DistributedConfig route: no offload, no LoRA
+    parallel = layout.parallel
+    tp, world = parallel.tp, parallel.world_size
+    sharded_by_transformers = tp > 1 or parallel.ep > 1  # the DistributedConfig route: no offload, no LoRA
     if layout.is_fsdp and not layout.activation_checkpointing:
         add(
             "activation checkpointing",
@@ -53,23 +54,25 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
         )
     if (
         tp == 1
-        and layout.world_size > 1
-        and (not layout.is_fsdp or layout.shard_size < layout.world_size or not layout.reshard_after_forward)
+        and world > 1
+        and (not layout.is_fsdp or parallel.shard_size < world or not layout.reshard_after_forward)
     ):
         full = dataclasses.replace(
             layout,
             distributed_type="FSDP",
             fsdp_version=layout.fsdp_version if layout.is_fsdp else 2,
-            shard_size=layout.world_size,
+            # one copy sharded over every rank (a sequence-parallel group's included)
+            parallel=dataclasses.replace(parallel, dp_replicate=1, dp_shard=world // parallel.sp),
             reshard_after_forward=True,
             wrap_policy=layout.wrap_policy if layout.is_fsdp else "TRANSFORMER_BASED_WRAP",
         )
         add(
             "FSDP FULL_SHARD over all GPUs",
-            f"shard over all {layout.world_size} GPUs (accelerate_configs/fsdp_8gpu.yaml is the one-node example)",
+            f"shard over all {world} GPUs (accelerate_configs/fsdp_8gpu.yaml is the one-node example)",
             full,
         )
-    if layout.is_fsdp and tp == 1 and layout.gpus_per_node > 1 and not recipe.use_peft:
+    # (not under sequence parallelism, which refuses tensor parallelism: fsdp_recipes.distributed.sequence_parallel)
+    if layout.is_fsdp and tp == 1 and parallel.sp == 1 and layout.gpus_per_node > 1 and not recipe.use_peft:
         within = layout.gpus_per_node
         add(
             f"tensor parallelism (TP {within} within each node)",
@@ -77,25 +80,26 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
             "is a 2-node example): each layer split over a node's GPUs, FSDP over the nodes; activations of the heads "
             "and the MLP shrink as 1/TP",
             dataclasses.replace(
-                layout, tp_size=within, shard_size=layout.world_size // within, activation_checkpointing=False
+                layout,
+                # each layer split over a node's ranks, one copy sharded over the rest
+                parallel=dataclasses.replace(parallel, dp_replicate=1, dp_shard=world // within, tp=within),
+                activation_checkpointing=False,
             ),
         )
     if layout.is_fsdp:
         per_node = layout.gpus_per_node
-        base = (
-            layout
-            if layout.shard_size * tp == layout.world_size
-            else dataclasses.replace(layout, shard_size=layout.world_size // tp)
-        )
         for machines in (2, 4, 8, 16, 32, 64, 128):
-            world = per_node * layout.num_machines * machines
+            more_world = per_node * layout.num_machines * machines
             more = dataclasses.replace(
-                base, world_size=world, num_machines=layout.num_machines * machines, shard_size=world // tp
+                layout,
+                # one copy sharded over every rank outside the tensor-parallel groups, tp and the rest as they are
+                parallel=dataclasses.replace(parallel, dp_replicate=1, dp_shard=more_world // tp // parallel.sp),
+                num_machines=layout.num_machines * machines,
             )
             if changed(more).fits or machines == 128:
                 add(
-                    f"more GPUs ({world})",
-                    f"FSDP over {world} GPUs ({layout.num_machines * machines} nodes of "
+                    f"more GPUs ({more_world})",
+                    f"FSDP over {more_world} GPUs ({layout.num_machines * machines} nodes of "
                     f"{per_node}): state shrinks as 1/GPUs, activations and buffers do not",
                     more,
                 )
@@ -149,11 +153,11 @@ def longest_row(info: ModelInfo, current: Estimate, *, most: int = 1 << 22) -> i
     """The longest row (tokens) that fits beside everything else `current` holds, at its rows per micro-batch, layout
     and activation checkpointing (only the activations grow with the row); a multiple of the sequence-parallel size;
     0 when not even that fits."""
-    layout, step = current.layout, current.layout.sp_size
+    layout, step = current.layout, current.layout.parallel.sp
 
     def fits(length: int) -> bool:
         workload = dataclasses.replace(current.workload, row_length=length)
-        activations = activation_bytes(info, workload, layout.compute_bytes, tp=layout.tp_size, sp=layout.sp_size)
+        activations = activation_bytes(info, workload, layout.compute_bytes, tp=layout.parallel.tp, sp=step)
         return dataclasses.replace(current, workload=workload, activations=activations).fits
 
     low, high = 0, step  # fits(low) (or low is 0); find the first length that does not fit

@@ -46,13 +46,24 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.num_processes is not None:
         if args.num_processes < 1:
             raise ConfigError("--num-processes must be >= 1")
-        hsdp = 1 < layout.shard_size < layout.world_size
-        if hsdp and args.num_processes % layout.shard_size:
+        parallel = layout.parallel
+        hsdp = 1 < parallel.shard_size < parallel.world_size
+        if hsdp and args.num_processes % parallel.shard_size:
             raise ConfigError(
-                f"--num-processes {args.num_processes} is not a multiple of the HSDP shard size {layout.shard_size}"
+                f"--num-processes {args.num_processes} is not a multiple of the HSDP shard size {parallel.shard_size}"
             )
-        shard = layout.shard_size if hsdp or layout.shard_size == 1 else args.num_processes
-        layout = dataclasses.replace(layout, world_size=args.num_processes, shard_size=shard)
+        # HSDP keeps its shards (more replicas), unsharded stays unsharded, a sharded copy spans every process; the
+        # tensor- and sequence-parallel groups stay as they are
+        shard = parallel.shard_size if hsdp or parallel.shard_size == 1 else args.num_processes
+        fixed = (shard if shard < args.num_processes else parallel.sp) * parallel.tp
+        if args.num_processes % fixed:
+            raise ConfigError(
+                f"--num-processes {args.num_processes} is not a multiple of {fixed}: the layout keeps its tensor-"
+                f"parallel, sequence-parallel and FSDP shard groups as they are ({layout.describe()})"
+            )
+        replicate = args.num_processes // (shard * parallel.tp)
+        parallel = dataclasses.replace(parallel, dp_replicate=replicate, dp_shard=shard // parallel.sp)
+        layout = dataclasses.replace(layout, parallel=parallel)
     info = load_model_info(str(model), trust_remote_code=args.trust_remote_code)
     est = estimate_for_recipe(info, layout, recipe, gpu_memory=gpu_memory, reserve=reserve, model_name=str(model))
     report = estimate_report(est, info, recipe)

@@ -36,7 +36,7 @@ def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
     """The FSDP units accelerate's preparation creates (accelerate 1.15): one per wrapped module (bottom-up); for FSDP2
     also the input embedding (own unit unless tied) and a tail unit [final norm, output embedding] that is not resharded
     after forward; and the root with whatever is left (not resharded after forward either). In execution order."""
-    info = tensor_parallel_local(info, layout.tp_size, layout.ep_size)
+    info = tensor_parallel_local(info, layout.parallel.tp, layout.parallel.ep)
     reshard = layout.reshard_after_forward
     assigned: set[str] = set()
     units: list[Unit] = []
@@ -100,10 +100,11 @@ def state_bytes_on_rank(
     state are fp32 (the recipe loads fp32 weights; under mixed precision they are the master weights), plus AdamW's
     4-byte `step` per parameter tensor. Under expert parallelism the routed experts are sharded over their own mesh
     (dp_replicate, efsdp, ep): over efsdp = shard x tp / ep ranks, at index (rank // ep) % efsdp."""
-    shards = layout.shard_size if layout.is_fsdp else 1
-    shard_rank = (rank // layout.tp_size) % shards  # ranks in mesh order (replicate, shard, tp)
-    expert_shards = max(1, shards * layout.tp_size // layout.ep_size) if layout.ep_size > 1 else shards
-    expert_rank = (rank // layout.ep_size) % expert_shards if layout.ep_size > 1 else shard_rank
+    parallel = layout.parallel
+    shards = parallel.shard_size if layout.is_fsdp else 1
+    shard_rank = (rank // parallel.tp) % shards  # ranks in mesh order (replicate, shard, tp)
+    expert_shards = max(1, shards * parallel.tp // parallel.ep) if parallel.ep > 1 else shards
+    expert_rank = (rank // parallel.ep) % expert_shards if parallel.ep > 1 else shard_rank
 
     def sharding(param: Param) -> tuple[int, int]:
         return (expert_shards, expert_rank) if is_routed_expert_parameter(param.name) else (shards, shard_rank)
@@ -212,8 +213,8 @@ def buffer_bytes(
 ) -> dict[str, int]:
     """Unsharded copies: all-gathered parameters in the compute dtype and unsharded gradients before reduce-scatter
     (FSDP); gradient buckets and autocast weight copies (DDP / single process)."""
-    c = layout.compute_bytes
-    if not layout.is_fsdp or (layout.shard_size == 1 and layout.world_size > 1):  # DDP, one process, NO_SHARD
+    c, parallel = layout.compute_bytes, layout.parallel
+    if not layout.is_fsdp or (parallel.shard_size == 1 and parallel.world_size > 1):  # DDP, one process, NO_SHARD
         total = sum(u.numel for u in units) if units else info.num_params
         matrices = sum(p.numel for p in info.params if len(p.shape) >= 2 and not p.name.endswith("embed_tokens.weight"))
         # autocast keeps a compute-dtype copy of each trainable fp32 matrix; a frozen LoRA base is loaded in that dtype
@@ -328,7 +329,7 @@ def resolved_attention(workload: Workload, layout: LaunchLayout) -> Workload:
     the model by tensor parallelism or the recipe generates as it trains, else sdpa."""
     if workload.attn_implementation != "auto":
         return workload
-    flex = workload.packs_examples and layout.tp_size == 1 and workload.generation_sequences == 0
+    flex = workload.packs_examples and layout.parallel.tp == 1 and workload.generation_sequences == 0
     return replace(workload, attn_implementation="flex_attention" if flex else "sdpa")
 
 
@@ -365,7 +366,7 @@ def estimate(
         state["reference_model"] = frozen_copies * copy  # its gathered units are in flight when the policy's are not
     if frozen_models:
         state["teacher_model"] = sum(frozen_model_bytes(other, layout) for other in frozen_models)
-    activations = activation_bytes(info, workload, compute, tp=layout.tp_size, sp=layout.sp_size)
+    activations = activation_bytes(info, workload, compute, tp=layout.parallel.tp, sp=layout.parallel.sp)
     host = dict(state) if layout.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
     return Estimate(
@@ -383,7 +384,7 @@ def estimate(
         host,
         adapters,
         frozen_copies,
-        generation_bytes(info, workload, compute, tp=layout.tp_size),
+        generation_bytes(info, workload, compute, tp=layout.parallel.tp),
     )
 
 

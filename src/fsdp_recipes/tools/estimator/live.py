@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import is_routed_expert_parameter
 from fsdp_recipes.tools.estimator.formulas import (
     Unit,
@@ -20,13 +21,14 @@ from fsdp_recipes.train.config import TrainingConfig
 
 
 def estimate_for_run(
-    accelerator, model_config, recipe_config: TrainingConfig, *, gpu_memory: int | None = None
+    accelerator, model_config, recipe_config: TrainingConfig, *, parallel: ParallelDims, gpu_memory: int | None = None
 ) -> dict[str, Any]:
-    """The estimate for the launch in progress, for the run summary beside the measured peak memory. Cheap (a meta
-    model, no weights) and no collectives: call it on any rank. Bytes are for the most loaded rank; `rank_state_bytes`
-    is the state this very rank should hold (parameters, gradients, AdamW state)."""
+    """The estimate for the launch in progress (`parallel`: its sizes, `Run.parallel`), for the run summary beside the
+    measured peak memory. Cheap (a meta model, no weights) and no collectives: call it on any rank. Bytes are for the
+    most loaded rank; `rank_state_bytes` is the state this very rank should hold (parameters, gradients, AdamW
+    state)."""
     info = model_info_from_config(model_config, trust_remote_code=bool(recipe_config.trust_remote_code))
-    layout = layout_for_recipe(LaunchLayout.from_accelerator(accelerator), recipe_config)
+    layout = layout_for_recipe(LaunchLayout.from_accelerator(accelerator, parallel), recipe_config)
     est = estimate_for_recipe(info, layout, recipe_config, gpu_memory=gpu_memory or 80 * 10**9)
     units = plan_units(info, layout)
 

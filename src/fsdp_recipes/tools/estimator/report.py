@@ -7,10 +7,25 @@ import dataclasses
 from typing import Any
 
 from fsdp_recipes.common.sizes import gib
+from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.tools.estimator.advice import longest_row, suggestions
 from fsdp_recipes.tools.estimator.formulas import Estimate
 from fsdp_recipes.tools.estimator.shapes import ModelInfo
 from fsdp_recipes.train.config import TrainingConfig
+
+
+def topology_record(layout: LaunchLayout) -> dict[str, Any]:
+    """The launch as the report's `topology` holds it: the layout's settings, with its sizes under the names and in
+    the places the report has always given them (world_size, shard_size, tp_size, ep_size, sp_size)."""
+    parallel, record = layout.parallel, {}
+    for field in dataclasses.fields(layout):
+        if field.name == "parallel":
+            record["world_size"] = parallel.world_size
+        else:
+            record[field.name] = getattr(layout, field.name)
+        if field.name == "reshard_after_forward":
+            record["shard_size"] = parallel.shard_size
+    return {**record, "tp_size": parallel.tp, "ep_size": parallel.ep, "sp_size": parallel.sp}
 
 
 def estimate_report(est: Estimate, info: ModelInfo, recipe: TrainingConfig) -> dict[str, Any]:
@@ -25,7 +40,7 @@ def estimate_report(est: Estimate, info: ModelInfo, recipe: TrainingConfig) -> d
         "parameters_active": info.active_params,
         "experts": dataclasses.asdict(info.routing) if info.routing else None,
         "trainable_parameters": est.trainable_params,  # LoRA: the adapters; null: every parameter
-        "topology": {**dataclasses.asdict(layout), "sharding": layout.sharding, "description": layout.describe()},
+        "topology": {**topology_record(layout), "sharding": layout.sharding, "description": layout.describe()},
         "workload": {**dataclasses.asdict(est.workload), "tokens_per_micro_batch": est.workload.tokens},
         "units": {
             "count": len(est.units),

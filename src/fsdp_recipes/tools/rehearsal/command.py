@@ -96,12 +96,13 @@ def _last_loss(output_dir: Path) -> tuple[int, float] | None:
 def real_size_checks(real_config, mesh: layout.Mesh, *, recipe: str, attn_implementation: str | None) -> list[str]:
     """What the real run would refuse before loading for the real model under the real mesh (its TP/EP/SP split)."""
     from fsdp_recipes.distributed import sequence_parallel, tensor_parallel
+    from fsdp_recipes.distributed.parallel_dims import ParallelDims
     from fsdp_recipes.models.experts import expert_routing
     from fsdp_recipes.models.modeling import model_class_for
 
     problems = []
     if mesh.tp > 1 or mesh.ep > 1:
-        real = tensor_parallel.NdLayout(mesh.dp_replicate, mesh.dp_shard, mesh.tp, mesh.ep)
+        real = ParallelDims(dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=mesh.tp, ep=mesh.ep)
         routing = expert_routing(real_config)
         problems += tensor_parallel.model_problems(
             real, real_config, model_class_for(real_config, "causal-lm"), routing and routing.num_experts
