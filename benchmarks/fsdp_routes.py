@@ -65,7 +65,7 @@ def run_launched(folder: str) -> None:
 
     from fsdp_recipes.distributed.accelerator import build_accelerator
 
-    accelerator = build_accelerator()  # accelerate's FSDP2 over gloo (fsdp_recipes.distributed.accelerator)
+    accelerator, _parallel = build_accelerator()  # accelerate's FSDP2 over gloo (fsdp_recipes.distributed.accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     rows = batch().chunk(world)[rank]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

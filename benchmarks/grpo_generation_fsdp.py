@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=12)
     args = parser.parse_args()
-    accelerator = build_accelerator()  # FSDP2 over gloo on CPU, as the recipes
+    accelerator, _parallel = build_accelerator()  # FSDP2 over gloo on CPU, as the recipes
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
     optimizer = torch.optim.AdamW(model.parameters())
