@@ -405,8 +405,8 @@ def _lint_fsdp_environment(environ: Mapping[str, str]) -> list[Finding]:
 
 def check_launch_environment(environ: Mapping[str, str], *, parallel: ParallelDims | None = None) -> list[Finding]:
     """For recipes, at start-up: the launch-environment checks on this process's real environment and the layout read
-    from it (fsdp_recipes.distributed.accelerator.launched_layout). Raises ConfigError listing every error; returns the
-    warnings (for the recipe to print)."""
+    from it once (`ParallelDims.from_environment`, in run.starting). Raises ConfigError listing every error; returns
+    the warnings (for the recipe to print)."""
     import torch
 
     device_count = torch.accelerator.device_count() if torch.accelerator.is_available() else None
