@@ -51,10 +51,6 @@ class BeforeLoading:
     saved_recipe: dict | None = None  # that checkpoint's recipe config
     adapter: bool = False  # evaluating a LoRA adapter folder (merged into its base before sharding)
 
-    @property
-    def training(self) -> bool:
-        return hasattr(self.config, "packs_examples")
-
 
 @dataclasses.dataclass(frozen=True)
 class Check:
