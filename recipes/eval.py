@@ -23,8 +23,8 @@ from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.models.positions import check_example_fits_positions
 from fsdp_recipes.publish import evaluation_results, hub, model_source
+from fsdp_recipes.train import benchmark_lm, evaluation, generation, losses, vllm_settings, weight_sync
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, generation, losses, vllm_settings, weight_sync
 
 
 @dataclasses.dataclass
@@ -85,9 +85,18 @@ class EvalConfig(vllm_settings.VLLMFields, config_lib.RunConfig):
         None, "the repo to update; null: model_name_or_path when that is a Hub id"
     )
     hub_create_pr: bool = arguments.setting(False, "push the results as a pull request (a repo you do not own)")
+    benchmark_bootstrap_iters: int = arguments.setting(
+        100000,
+        "lm-eval's bootstrap_iters: resamples for the standard error of benchmark metrics that are not means (lm-eval's "
+        "default; 0: no such standard errors, faster)",
+        check=checks.at_least(0),
+    )
     report_to: str = arguments.setting(
         "none", "tracker that also gets the results: none, tensorboard, wandb or trackio (written to output_dir)"
     )
+
+    def scores_without_data(self) -> bool:  # lm-eval's tasks bring their own data
+        return bool(self.benchmark_tasks)
 
     def longest_request(self) -> int:  # the prompts' lengths are known once loaded: vLLM refuses a longer one itself
         return self.max_new_tokens + 1
@@ -101,7 +110,9 @@ class EvalConfig(vllm_settings.VLLMFields, config_lib.RunConfig):
         return problems
 
 
-def prepare_measures(run: run_lib.EvaluationRun, config: EvalConfig) -> evaluation.Measures:
+def prepare_measures(run: run_lib.EvaluationRun, config: EvalConfig) -> evaluation.Measures | None:
+    if not (config.dataset_name or config.dataset_mixture):  # benchmark_tasks only
+        return None
     model_config = run.model_config
     if run.task == "sequence-classification" and model_config.get_text_config().pad_token_id is None:
         labels = [model_config.id2label[i] for i in range(model_config.num_labels)]
@@ -121,11 +132,13 @@ def main(argv: list[str] | None = None) -> None:
         base_model_name_or_path=config.base_model_name_or_path,
     )
     accelerator, tokenizer, task, model_config = run.accelerator, run.tokenizer, run.task, run.model_config
-    measures = run.on_every_rank(lambda: prepare_measures(run, config))
-    metrics = measures.metrics
+    measures = run.on_every_rank(lambda: prepare_measures(run, config))  # None: lm-eval's tasks only
+    metrics = measures.metrics if measures else {}
 
     # --- data ----------------------------------------------------------------------------------------------------------
-    def prepare_data() -> tuple[str, dict]:
+    def prepare_data() -> tuple[str | None, dict]:
+        if measures is None:
+            return None, {}
         data, split = files.evaluation_split(
             files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture),
             config.dataset_split,
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         return split, parts
 
     split, data = run.on_every_rank(prepare_data, main_process_first=True)
-    if split != config.dataset_split:
+    if split is not None and split != config.dataset_split:
         accelerator.print(f"the dataset has one split, {split!r}, and no {config.dataset_split!r}: evaluating on it")
     batch_size = config.per_device_eval_batch_size
     loader = None
@@ -177,7 +190,16 @@ def main(argv: list[str] | None = None) -> None:
         model, *loaders = evaluation.prepare_for_evaluation(accelerator, model, *([loader] if loader else []))
 
     # --- the measurements -----------------------------------------------------------------------------------------------
-    results = {}
+    results, benchmark_results = {}, None
+    if server_weights := weight_sync.ServerWeights.for_run(run, config, run.output_dir):
+        server_weights.push(model, version=0)  # vLLM generates: it gets the evaluated weights (adapter merged)
+        server_weights.close()
+    if run.benchmarks:  # lm-eval's tasks on the sharded model, the documents split over the ranks
+        scores, benchmark_results = benchmark_lm.score(
+            run.benchmarks, model, tokenizer, accelerator=accelerator, parallel=run.parallel, batch_size=batch_size,
+            settings=run.benchmark_generation(), bootstrap_iters=config.benchmark_bootstrap_iters, log_samples=True,
+        )  # fmt: skip
+        results.update(scores)
     if "loss" in data:
         loss = evaluation.evaluate_loss(
             accelerator,
@@ -194,9 +216,6 @@ def main(argv: list[str] | None = None) -> None:
             config.max_new_tokens, temperature=config.temperature, top_p=config.top_p, batch_size=batch_size,
             seed=config.seed, **generation.backend_options(config), server=run.generation_server,
         )  # fmt: skip
-        if server_weights := weight_sync.ServerWeights.for_run(run, config, run.output_dir):
-            server_weights.push(model, version=0)  # vLLM generates: it gets the evaluated weights (adapter merged)
-            server_weights.close()
         predict = (
             classifier.predict
             if task == "sequence-classification"
@@ -229,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             base_model=source.name if source.kind == "hub" else None,
             predictions=(gathered["predictions"], gathered["references"]) if loaders else None,
             label_name=model_config.id2label.get if task == "sequence-classification" else str,
+            benchmarks=(run.benchmarks, benchmark_results),
         )
         print("results:\n" + format_table(list(results.items())))
         if config.push_to_hub:

@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             **rollout, **timing, **speed,
         )  # fmt: skip
         watch = rollouts.Stopwatch()
+        training.evaluation.maybe_evaluate(step)  # benchmark_tasks every benchmark_steps (GRPO has no held-out loss)
         training.checkpoints.maybe_save(step)
 
     # --- finish: summary, export, card, Hub ---------------------------------------------------------------------------

@@ -87,7 +87,18 @@ def test_the_preempted_run_started_again_resumes_by_itself_with_identical_losses
     assert not (out / "checkpoints" / "PREEMPTED").exists()  # finished: a later start is a new run
     # The exact match before training was measured by the interrupted run; the resumed one reads it from the log.
     reference_results = json.loads((reference_run / "eval_results.json").read_text())
-    assert json.loads((out / "eval_results.json").read_text()) == reference_results
+    assert json.loads((out / "eval_results.json").read_text()) == reference_results  # lm-eval's last scores too
+    # lm-eval's scores: step 3's kept from the interrupted run's log, the later ones those of the uninterrupted run
+    resumed_scores, reference_scores = benchmark_scores(out), benchmark_scores(reference_run)
+    assert sorted(resumed_scores) == [3, 6, 9, 12] and resumed_scores == reference_scores
+
+
+def benchmark_scores(output_dir: Path) -> dict[int, dict]:
+    return {
+        r["step"]: {k: v for k, v in r.items() if k.startswith("benchmark/")}
+        for r in read_metrics(output_dir)
+        if "benchmark_time_s" in r
+    }
 
 
 def test_the_preempted_run_resumes_on_another_world_size_as_a_requeued_job(reference_run, resumed):
@@ -97,6 +108,11 @@ def test_the_preempted_run_resumes_on_another_world_size_as_a_requeued_job(refer
     assert summary["world_size"] == num_processes and summary["distributed_type"] == "FSDP"
     assert summary["state_bytes_per_rank"] == summary["memory_estimate"]["rank_state_bytes_per_rank"]
     resumed_losses, expected = losses_by_step(out), losses_by_step(reference_run)
+    # lm-eval on 1 process scores the whole task where 2 ranks split it: the same figures, up to the weights' rounding
+    rolling = "benchmark/reverse_rolling/word_perplexity"
+    assert benchmark_scores(out)[STEPS][rolling] == pytest.approx(
+        benchmark_scores(reference_run)[STEPS][rolling], rel=1e-4
+    )
     steps = list(range(PREEMPTED_AT + 1, STEPS + 1))
     torch.testing.assert_close(
         torch.tensor([resumed_losses[s] for s in steps]),

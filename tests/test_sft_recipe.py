@@ -83,7 +83,7 @@ def test_metrics_log_has_train_and_eval_records(reference_run, one_process_run, 
 
 def test_exact_match_is_measured_before_and_after(reference_run):
     results = json.loads((reference_run / "eval_results.json").read_text())
-    assert set(results) == {"exact_match_before", "exact_match_after"}
+    assert {key for key in results if not key.startswith("benchmark/")} == {"exact_match_before", "exact_match_after"}
     assert [r["step"] for r in read_metrics(reference_run) if "exact_match" in r] == [0, STEPS]
 
 
@@ -138,3 +138,53 @@ def test_export_reloads_and_reproduces_the_trained_model(request, state_dict_typ
     card = (folder / "README.md").read_text()
     assert "FSDP_STATE_DICT_TYPE" in card and "learning_rate" in card and "eval_loss" in card
     assert "pipeline_tag: text-generation" in card and "AutoModelForCausalLM.from_pretrained" in card
+
+
+def test_benchmarks_scored_on_the_sharded_model_equal_lm_eval_on_the_exported_folder(
+    reference_run, reference_benchmarks, tmp_path
+):
+    """lm-eval every 3 steps on the 2-rank FSDP2 model (the documents split over the ranks, lockstep forwards), in
+    the log, eval_results.json and the card; the last scores are those of `lm_eval --model hf` on the exported folder,
+    run as a user runs it: its CLI, one process, the same options."""
+    import subprocess
+    import sys
+
+    from helpers.paths import REPO
+
+    scored = [r for r in read_metrics(reference_run) if "benchmark_time_s" in r]
+    assert [r["step"] for r in scored] == [3, 6, 9, 12]
+    last = scored[-1]
+    names = ("demo_reverse/exact_match", "demo_first_letter/acc", "demo_first_letter/acc_norm")
+    assert all(f"benchmark/{name}" in last for name in names)
+    perplexities = [r["benchmark/reverse_rolling/word_perplexity"] for r in scored]
+    assert perplexities == sorted(perplexities, reverse=True)  # training on these strings makes them likelier
+    results = json.loads((reference_run / "eval_results.json").read_text())
+    assert {k: v for k, v in last.items() if k.startswith("benchmark/")} == {
+        k: v for k, v in results.items() if k.startswith("benchmark/")
+    }
+    card = (reference_run / "README.md").read_text()
+    assert "demo_first_letter" in card and "lm-evaluation-harness" in card
+    from matplotlib.image import imread
+
+    figure = imread(reference_run / "training_curves.png")  # loss, speed, scores in [0, 1], perplexities: 4 panels
+    assert figure.shape[1] == 4 * 550
+
+    tasks = ",".join(reference_benchmarks["benchmark_tasks"])
+    command = [
+        sys.executable, "-m", "lm_eval", "run", "--model", "hf",
+        "--model_args", f"pretrained={reference_run},dtype=float32", "--tasks", tasks,
+        "--include_path", str(REPO / "src" / "fsdp_recipes" / "train" / "benchmark_tasks"),
+        "--limit", str(reference_benchmarks["benchmark_limit"]), "--apply_chat_template", "--batch_size", "8",
+        "--device", "cpu", "--output_path", str(tmp_path / "lm_eval"),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (written,) = (tmp_path / "lm_eval").rglob("results_*.json")
+    theirs = json.loads(written.read_text())["results"]
+    assert last["benchmark/demo_reverse/exact_match"] == theirs["demo_reverse"]["exact_match,none"]
+    assert last["benchmark/demo_first_letter/acc"] == theirs["demo_first_letter"]["acc,none"]
+    assert last["benchmark/demo_first_letter/acc_norm"] == theirs["demo_first_letter"]["acc_norm,none"]
+    for metric in ("word_perplexity", "bits_per_byte"):
+        assert last[f"benchmark/reverse_rolling/{metric}"] == pytest.approx(
+            theirs["reverse_rolling"][f"{metric},none"], rel=1e-5
+        )

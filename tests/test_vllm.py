@@ -224,16 +224,21 @@ def test_a_hung_server_is_an_error_once_vllm_request_timeout_has_passed(vllm_ser
 
 def test_eval_generates_through_the_server_what_generate_writes(vllm_server, chat_data, tmp_path):
     """eval.py with use_vllm: the evaluated model's weights pushed, then the same greedy predictions and exact
-    match as transformers' generate."""
+    match as transformers' generate; lm-eval's generation task too (its answers, document by document)."""
     values = dict(
         model_name_or_path=str(vllm_server.model), dataset_name=str(chat_data), metrics=["exact_match"],
         max_eval_samples=8, max_new_tokens=8, per_device_eval_batch_size=4, report_to="none",
+        benchmark_tasks=["demo_reverse"], benchmark_limit=8,
     )  # fmt: skip
-    predictions = {}
+    predictions, answers = {}, {}
     for name, backend in (("generate", {}), ("vllm", {"use_vllm": True, "vllm_server_base_url": vllm_server.url})):
         run_recipe_in_process("eval", tmp_path, name, {**values, "output_dir": str(tmp_path / name), **backend})
         predictions[name] = (tmp_path / name / "eval_predictions.jsonl").read_text()
+        samples = (tmp_path / name / "lm_eval_samples.jsonl").read_text().splitlines()
+        answers[name] = [json.loads(line)["resps"] for line in samples]
     assert predictions["vllm"] == predictions["generate"] and predictions["vllm"].count("\n") == 8
+    assert answers["vllm"] == answers["generate"] and len(answers["vllm"]) == 8
+    assert any(answer[0][0] for answer in answers["vllm"])  # answers, not empty strings
     assert not (tmp_path / "vllm" / ".vllm_weights").exists()
 
 

@@ -23,7 +23,9 @@ from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.run import components
 from fsdp_recipes.run.training_loop import TrainingLoop
-from fsdp_recipes.train import expert_bias, trainer_arguments
+from fsdp_recipes.train import expert_bias, generation, trainer_arguments
+from fsdp_recipes.train.benchmark_lm import BenchmarkEvaluation
+from fsdp_recipes.train.benchmarks import BenchmarkPlan
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
 
@@ -52,6 +54,24 @@ class StartedRun:
         waiting in a collective). `main_process_first`: e.g. to fill the datasets cache once. `what`: names the step,
         for a library's exception caused by the input (`fsdp_recipes.common.steps`)."""
         return on_every_rank_together(self.accelerator, step, main_process_first=main_process_first, what=what)
+
+    def benchmark_generation(self) -> generation.GenerationSettings:
+        """How lm-eval's generation tasks generate (`train.benchmark_lm`): through the run's generation_backend (and
+        its vLLM server), per_device_eval_batch_size prompts at a time; each task sets its own budget and sampling.
+        A training run's vLLM server holds the weights of its last push, not necessarily the step's: there the tasks
+        generate with transformers' `generate` on the training model."""
+        config = self.config
+        backend = getattr(config, "generation_backend", "generate")
+        training = isinstance(self, Run)
+        return generation.GenerationSettings(
+            max_completion_length=1,
+            batch_size=config.per_device_eval_batch_size,
+            seed=getattr(config, "seed", 42),
+            backend="generate" if training and backend == "vllm" else backend,
+            compile_backend=getattr(config, "torch_compile_backend", "inductor"),
+            compile_mode=getattr(config, "torch_compile_mode", None),
+            server=None if training else getattr(self, "generation_server", None),
+        )
 
     def sum_over_ranks(self, value: torch.Tensor | float) -> torch.Tensor:
         """Collective: the sum of `value` (a tensor or a number) over the data-parallel ranks, e.g. the target tokens
@@ -127,6 +147,7 @@ class EvaluationRun(StartedRun):
     hub_model_id: str | None
     generation_server: Any = None  # generation_backend vllm: the server (train.vllm_client.VLLMServer), checked
     checks_before_loading: list[str] = dataclasses.field(default_factory=list)  # the named checks that ran (run.checks)
+    benchmarks: BenchmarkPlan | None = None  # benchmark_tasks, resolved and their data loaded before loading
 
 
 @dataclasses.dataclass
@@ -144,6 +165,7 @@ class Run(StartedRun):
     fused_kernels: str | None = None  # use_liger_kernel: what liger patched into the model
     uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
     generation_server: Any = None  # generation_backend vllm: the server (train.vllm_client.VLLMServer), checked
+    benchmarks: BenchmarkPlan | None = None  # benchmark_tasks, resolved and their data loaded before loading
 
     @property
     def resumed(self) -> bool:
@@ -219,6 +241,12 @@ class Run(StartedRun):
             component.cadence = trainer_arguments.cadence(
                 self.config, kind, total_steps=total_steps, steps_per_epoch=per_epoch
             )
+        if self.benchmarks is not None:  # lm-eval tasks every benchmark_steps, beside the recipe's own evaluation
+            evaluation = BenchmarkEvaluation(
+                evaluation, self.benchmarks, model=model, tokenizer=self.tokenizer, accelerator=self.accelerator,
+                every=self.config.benchmark_steps, settings=self.benchmark_generation(),
+            )  # fmt: skip
+            evaluation.attach(log=log, total_steps=total_steps, parallel=self.parallel, pause=metrics.window.paused)
         return TrainingLoop(
             self,
             batches=batches,

@@ -33,8 +33,8 @@ from fsdp_recipes.publish.model_source import resolve as resolve_model_source
 from fsdp_recipes.publish.model_source import task_of as model_source_task
 from fsdp_recipes.run import checks as before_loading
 from fsdp_recipes.run.runs import EvaluationRun, Run
+from fsdp_recipes.train import benchmarks, preemption, trainer_arguments, vllm_settings
 from fsdp_recipes.train import checkpoint as checkpoints_lib
-from fsdp_recipes.train import preemption, trainer_arguments, vllm_settings
 from fsdp_recipes.train.compilation import compile_choice
 from fsdp_recipes.train.config import RunConfig, TrainingConfig
 
@@ -103,9 +103,11 @@ def start_evaluation(
             accelerator=accelerator, attn_implementation=config.attn_implementation, adapter=source.kind == "adapter",
         )  # fmt: skip
         checks_ran = before_loading.run_checks(before_loading.EVALUATION, facts)
+        planned = benchmarks.plan(config, parallel=parallel, language_model=model_task == "causal-lm")
         server = generation_server(config, model_config, model_name=source.config_files)
         return dict(
             checks_before_loading=checks_ran,
+            benchmarks=planned,
             generation_server=server,
             source=source,
             output_dir=Path(output_dir),
@@ -264,7 +266,9 @@ def _before_loading(
         checkpoint=checkpoint, saved_recipe=saved_recipe,
     )  # fmt: skip
     checks_ran = before_loading.run_checks(before_loading.TRAINING, facts)
+    planned = benchmarks.plan(config, parallel=parallel, language_model=task == "causal-lm")
     return dict(
+        benchmarks=planned,
         generation_server=generation_server(config, model_config, model_name=config.model_name_or_path),
         checkpoint=checkpoint,
         hub_token=hub_token,

@@ -23,8 +23,10 @@ from fsdp_recipes.common.faults import inject_fault
 from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.common.yaml_json import write_json
 from fsdp_recipes.distributed import logs
+from fsdp_recipes.publish.evaluation_results import benchmark_card_results
 from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.train import expert_bias, preemption
+from fsdp_recipes.train.benchmark_lm import PREFIX
 from fsdp_recipes.train.checkpoint import Checkpointer, latest_checkpoint
 from fsdp_recipes.train.evaluation import Evaluation
 from fsdp_recipes.train.loop import BatchStream
@@ -159,6 +161,10 @@ class TrainingLoop:
             if accelerator.is_main_process:
                 write_json(Path(config.output_dir) / "run_summary.json", run.summary)
         self.evaluation.maybe_evaluate(self.total_steps)
+        if run.benchmarks is not None:  # the last lm-eval scores: in eval_results.json and the card's model-index
+            scores = {key: value for key, value in self.evaluation.results.items() if key.startswith(PREFIX)}
+            results = {**(results or {}), **scores}
+            eval_results = [*(eval_results or []), *benchmark_card_results(scores, run.benchmarks)]
         results = {key: value for key, value in (results or {}).items() if value is not None}
         final_metrics = {
             "train_loss": self.log.last("loss"),

@@ -19,6 +19,7 @@ from transformers import SchedulerType
 from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.models.adapters import adapter_config_problems
+from fsdp_recipes.train.benchmarks import BenchmarkFields
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
 from fsdp_recipes.train.compilation import COMPILE_REPAID_AFTER_STEPS, compile_setting_problem
 from fsdp_recipes.train.export_settings import PublishingFields
@@ -29,7 +30,7 @@ from fsdp_recipes.train.trainer_arguments import RunCompatFields, TrainingCompat
 
 
 @dataclasses.dataclass
-class RunConfig(RunCompatFields):
+class RunConfig(BenchmarkFields, RunCompatFields):
     """The settings every recipe has, training or not (plus those named as in TrainingArguments/TRL: trainer_arguments)."""
 
     # --- model --------------------------------------------------------------------------------------------------------
@@ -90,6 +91,10 @@ class RunConfig(RunCompatFields):
         (a recipe whose format needs more overrides this)."""
         return 2, "a causal LM example needs one token to read and one to predict"
 
+    def scores_without_data(self) -> bool:
+        """Whether the recipe has work without `dataset_name` (eval.py with lm-eval tasks only): training needs data."""
+        return False
+
     def validate(self) -> list[str]:
         """Every problem with the values (`common.checks.config_problems`): each field's declared check, then each
         settings group's `cross_field_problems`. Not overridden: a group states its rules in its own
@@ -98,7 +103,7 @@ class RunConfig(RunCompatFields):
 
     def cross_field_problems(self) -> list[str]:
         problems = []
-        if not self.dataset_name and self.dataset_mixture is None:
+        if not self.dataset_name and self.dataset_mixture is None and not self.scores_without_data():
             problems.append(
                 "dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet path (or a dataset_mixture)"
             )
@@ -299,6 +304,13 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         resume="free",
         check=checks.at_least(1, or_null=True),
     )
+    benchmark_steps: int | None = setting(
+        None,
+        "score benchmark_tasks every N optimizer steps, and at the end (null: at the end only); each pass costs "
+        "its tasks' documents in forwards, split over the data-parallel ranks",
+        resume="free",
+        check=checks.at_least(1, or_null=True, note=" (a positive number of optimizer steps)"),
+    )
     # --- speed and measurement -----------------------------------------------------------------------------------
     loss_implementation: str = setting(
         "chunked",
@@ -411,6 +423,8 @@ class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTr
         problems.extend(allow_config_change_problems(self))
         if self.push_to_hub and not self.hub_model_id:
             problems.append("push_to_hub needs hub_model_id, e.g. --hub_model_id your-name/your-model")
+        if self.benchmark_steps is not None and not self.benchmark_tasks:
+            problems.append("benchmark_steps is set but benchmark_tasks is not: name the lm-eval tasks to score")
         return problems
 
 

@@ -180,17 +180,27 @@ class ThroughputWindow:
 
 
 def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Path | None:
-    """Train/eval loss and tokens/s against step, as a PNG. A bare `Figure` with fixed margins: pyplot's machinery
-    and an automatic layout would cost the end of every run ~2 s on a small CPU, for nothing a PNG needs."""
+    """Train/eval loss and tokens/s against step, as a PNG, and beside them the lm-eval benchmarks' scores
+    (`benchmark/<task>/<metric>`: those in [0, 1] on one panel, perplexities and the like on a log-scale one). A bare
+    `Figure` with fixed margins: pyplot's machinery and an automatic layout would cost the end of every run ~2 s on a
+    small CPU, for nothing a PNG needs."""
     from matplotlib.figure import Figure
 
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     if not train:
         return None
-    figure = Figure(figsize=(11, 4))
-    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.13, top=0.95, wspace=0.22)
-    loss_axis, speed_axis = figure.subplots(1, 2)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        for key, value in record.items():
+            if key.startswith("benchmark/") and isinstance(value, (int, float)):
+                series.setdefault(key.removeprefix("benchmark/"), []).append((record["step"], value))
+    scores = {name: points for name, points in series.items() if all(0 <= v <= 1 for _, v in points)}
+    others = {name: points for name, points in series.items() if name not in scores}
+    panels = 2 + bool(scores) + bool(others)
+    figure = Figure(figsize=(5.5 * panels, 4))
+    figure.subplots_adjust(left=0.08 / panels * 2, right=0.98, bottom=0.13, top=0.95, wspace=0.22)
+    loss_axis, speed_axis, *benchmark_axes = figure.subplots(1, panels)
     loss_axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if evals:
         loss_axis.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
@@ -201,6 +211,14 @@ def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Pat
     speed_axis.plot([r["step"] for r in train], [r["tokens_per_second"] for r in train])
     speed_axis.set_xlabel("step")
     speed_axis.set_ylabel("real tokens / s (all ranks)")
+    for axis, group, label in zip(benchmark_axes, [g for g in (scores, others) if g], ("score", "value (log)")):
+        for name, points in group.items():
+            axis.plot([step for step, _ in points], [value for _, value in points], "o-", label=name)
+        axis.set_xlabel("step")
+        axis.set_ylabel(f"lm-eval benchmark {label}")
+        if group is others:
+            axis.set_yscale("log")
+        axis.legend(fontsize="small")
     figure.savefig(path, dpi=100)
     return Path(path)
 
