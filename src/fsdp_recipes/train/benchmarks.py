@@ -263,7 +263,8 @@ def plan(config, *, parallel: ParallelDims, language_model: bool) -> BenchmarkPl
             message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ConfigError(
                 f"benchmark_tasks {config.benchmark_tasks}: a task could not be loaded: {message} (a task's data "
-                "files are read relative to the folder the run starts in; Hub tasks need internet or the cache)"
+                "files are read relative to the folder the run starts in; Hub tasks download theirs: they need "
+                "internet, or the data already in the cache, which HF_HUB_OFFLINE=1 reads without waiting)"
             ) from None
     infos = []
     for name, task in loaded.items():
