@@ -6,6 +6,7 @@ tests/test_checkpoint_resume.py and tests/test_sft_recipe.py, on the shared SFT 
 
 from __future__ import annotations
 
+import json
 import math
 import types
 
@@ -210,3 +211,28 @@ def test_a_training_schedule_that_is_not_a_positive_number_of_steps_is_refused(
     assert "benchmark_steps is set but benchmark_tasks is not" in line
     line = refusal(tmp_path, capsys, values | dict(benchmark_tasks=["demo_reverse", "demo_reverse"]), recipe="sft")
     assert "benchmark_tasks must name each task once" in line
+
+
+def test_eval_py_scores_benchmarks_alone_into_its_results_the_card_and_lm_evals_own_files(
+    tmp_path, pretrained_tiny_model, monkeypatch
+):
+    """No dataset_name: lm-eval's tasks only, scored by eval.py in this process (its documented demo config's
+    fields), with lm-eval's output and every document's answers written beside eval_results.json."""
+    from helpers.recipes import run_recipe_in_process
+
+    monkeypatch.chdir(REPO)  # the shipped tasks read demo/assets/ from the repository root
+    out = tmp_path / "out"
+    values = dict(
+        model_name_or_path=str(pretrained_tiny_model), output_dir=str(out), benchmark_limit=6,
+        benchmark_tasks=["demo_reverse", "demo_first_letter"], benchmark_apply_chat_template=True,
+    )  # fmt: skip
+    run_recipe_in_process("eval", tmp_path, "benchmarks", values)
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["dataset"] is None and results["benchmark/demo_first_letter/acc"] in [i / 6 for i in range(7)]
+    lm_eval_output = json.loads((out / "lm_eval_results.json").read_text())
+    assert lm_eval_output["results"]["demo_first_letter"]["acc,none"] == results["benchmark/demo_first_letter/acc"]
+    samples = [json.loads(line) for line in (out / "lm_eval_samples.jsonl").read_text().splitlines()]
+    assert sorted(s["task"] for s in samples) == ["demo_first_letter"] * 6 + ["demo_reverse"] * 6
+    assert all(s["doc_id"] in range(6) for s in samples)
+    card = (out / "README.md").read_text()
+    assert "demo_reverse" in card and "exact_match" in card
