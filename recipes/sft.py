@@ -43,11 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     accelerator, tokenizer = run.accelerator, run.tokenizer
 
     # --- data: tokens with loss masks, then rows (packed or not) ------------------------------------------------------
-    data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer), main_process_first=True)
+    # (a vision-language model's processor, run.pictures, turns image parts into tokens and pictures into pixels)
+    data = run.on_every_rank(lambda: supervised.prepare(config, tokenizer, run.pictures), main_process_first=True)
     train_rows, eval_rows = data.train_rows, data.eval_rows
     train_loader = rows.train_dataloader(
-        train_rows, config, num_processes=run.parallel.data_parallel_size, pad_token_id=tokenizer.pad_token_id
-    )
+        train_rows, config, num_processes=run.parallel.data_parallel_size, pad_token_id=tokenizer.pad_token_id,
+        pictures=run.pictures,
+    )  # fmt: skip
 
     # --- model, optimizer, schedule -----------------------------------------------------------------------------------
     model = run.load_model(**adapters.loading_options(config, accelerator))

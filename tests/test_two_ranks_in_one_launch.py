@@ -22,6 +22,7 @@ from helpers.paths import REPO
 from helpers.recipes import base_recipe_values, read_metrics, recipe_config, run_recipe_in_process
 from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, scripted_generation
 from helpers.tiny_moe import COMMON, FAMILIES, tiny_moe
+from helpers.vision import llava_folder, shapes_subset, vision_values
 
 SEQUENCE = REPO / "tests" / "scripts" / "recipes_in_sequence.py"
 DEEPSEEK_BIAS = [0.02, -0.01, 0.0, -0.03]
@@ -31,6 +32,7 @@ DEEPSEEK_BIAS = [0.02, -0.01, 0.0, -0.03]
 def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use_equal_one_process(
     tmp_path, small_chat_data, pretrained_tiny_model, prompt_data
 ):
+    pictures = shapes_subset(tmp_path / "pictures", count=16)  # a vision-language model, whole and with LoRA
     config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
     (tmp_path / "moe.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.1}))
     tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")
@@ -61,6 +63,12 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
         "tools": ("grpo+scripted_tools_mixed", tool_run_values(
             tmp_path, pretrained_tiny_model, prompt_data, tmp_path / "tools_two", per_device_train_batch_size=4,
         ), 8),
+        "vision": ("sft", vision_values(pictures, tmp_path / "vision_two", per_device_train_batch_size=2), 4),
+        "vision_lora": ("sft", vision_values(
+            pictures, tmp_path / "vision_lora_two", model_config=None, tokenizer_name_or_path=None,
+            model_name_or_path=str(llava_folder(tmp_path / "llava")), use_peft=True, lora_r=2, lora_dropout=0.0,
+            freeze_vision_tower=True, per_device_train_batch_size=2,
+        ), 4),
     }  # fmt: skip
     arguments = []
     for name, (recipe, values, _) in runs.items():
@@ -73,7 +81,7 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
             run_recipe_in_process(script, tmp_path, f"{name}_one", one)
         twos, ones = ([r for r in read_metrics(tmp_path / f"{name}_{side}") if "loss" in r] for side in ("two", "one"))
         assert [r["step"] for r in twos] == [r["step"] for r in ones] and twos, name
-        keys = {"lora": ("loss",), "tools": ("loss", "tools/call_frequency")}.get(
+        keys = {"lora": ("loss",), "tools": ("loss", "tools/call_frequency"), "vision": ("loss", "grad_norm")}.get(
             name, ("loss", "aux_loss", "moe/load_imbalance")
         )
         for two, single in zip(twos, ones):
@@ -89,5 +97,13 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
     assert rounds and all(r["tools/call_frequency"] == 0.5 for r in rounds)
     adapters = [load_file(tmp_path / f"lora_{side}" / "adapter_model.safetensors") for side in ("two", "one")]
     assert [key for key in adapters[1] if ".experts." in key] and adapters[0].keys() == adapters[1].keys()
+    for key in adapters[1]:
+        torch.testing.assert_close(adapters[0][key], adapters[1][key], rtol=1e-4, atol=1e-5, msg=key)
+    # the vision-language model: its vision blocks wrapped beside its decoder layers (Llava's _no_split_modules names
+    # CLIP's text embeddings, which it lacks); LoRA adapts its language model only, the tower frozen
+    summary = json.loads((tmp_path / "vision_two" / "run_summary.json").read_text())
+    assert set(summary["fsdp"]["wrap_classes"]) == {"LlamaDecoderLayer", "CLIPEncoderLayer", "CLIPVisionEmbeddings"}
+    adapters = [load_file(tmp_path / f"vision_lora_{side}" / "adapter_model.safetensors") for side in ("two", "one")]
+    assert adapters[0].keys() == adapters[1].keys() and all("language_model" in key for key in adapters[0])
     for key in adapters[1]:
         torch.testing.assert_close(adapters[0][key], adapters[1][key], rtol=1e-4, atol=1e-5, msg=key)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
 from fsdp_recipes.data import files
+from fsdp_recipes.data import images as images_lib
 from fsdp_recipes.data.chat_masks import TemplatePrefixError, conversation_tokens, prepared_turns
 
 
@@ -183,9 +184,11 @@ def tokenize_example(
     completion_only_loss: bool,
     max_length: int,
     rewriting_templates: bool = False,
+    keep_whole: bool = False,
 ) -> dict[str, Any]:
     """`rewriting_templates`: also locate the assistant's tokens with templates that mark them or that rewrite
-    earlier turns (see chat_masks.conversation_tokens); off, such templates are refused (TemplatePrefixError)."""
+    earlier turns (see chat_masks.conversation_tokens); off, such templates are refused (TemplatePrefixError).
+    `keep_whole`: also the tokens before truncation (`full_ids`, `full_mask`), for images to be expanded into."""
     tools = example_tools(example)
     if data_format == "conversational":
         loss_roles = {"assistant"} if assistant_only_loss else None
@@ -211,7 +214,38 @@ def tokenize_example(
         ids = prompt + completion
         mask = ([0] * len(prompt) if completion_only_loss else [1] * len(prompt)) + [1] * len(completion)
     truncated = len(ids) > max_length
-    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "truncated": truncated}
+    whole = {"full_ids": ids, "full_mask": mask} if keep_whole else {}
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "truncated": truncated, **whole}
+
+
+def _with_images(
+    example: dict[str, Any], tokenized: dict[str, Any], pictures: images_lib.ImageInputs, column: str, roots, max_length
+) -> dict[str, Any]:
+    """A conversation's tokens with each image placeholder replaced by its picture's tokens (never trained), and
+    the pictures' bytes for the collator. ValueError says what is wrong with the row's images."""
+    given = images_lib.images_of(example, column)
+    messages = example.get("messages") or list(example.get("prompt") or []) + list(example.get("completion") or [])
+    parts = images_lib.image_parts(messages)
+    if parts != len(given):
+        raise ValueError(f"it has {parts} image part(s) in its turns but {len(given)} image(s) in {column!r}")
+    data = [images_lib.image_bytes(value, roots) for value in given]
+    ids, mask = pictures.expand(
+        tokenized["full_ids"], tokenized["full_mask"], [images_lib.open_image(one) for one in data]
+    )
+    last_image = max((i for i, token in enumerate(ids) if token == pictures.image_token_id), default=-1)
+    if last_image >= max_length:
+        raise ValueError(
+            f"its text and images take {len(ids)} tokens and its last image ends at token {last_image + 1}, past "
+            f"max_length={max_length} (each image is {len(pictures.expansion(images_lib.open_image(data[0])))} "
+            "tokens after the processor's resize): raise max_length, or shrink the images' resolution in the "
+            "processor"
+        )
+    return {
+        "input_ids": ids[:max_length],
+        "loss_mask": mask[:max_length],
+        "truncated": len(ids) > max_length,
+        "images": data,
+    }
 
 
 def _checked_tokenize_example(
@@ -222,13 +256,22 @@ def _checked_tokenize_example(
     *,
     name: str,
     carving: files.Carving | None = None,
+    pictures: images_lib.ImageInputs | None = None,
+    image_column: str | None = None,
+    image_roots: tuple = (),
     **options,
 ) -> dict[str, Any]:
     problem = example_problem(example, data_format)
     fix = "Fix or remove that example"
     if problem is None:
         try:
-            return tokenize_example(example, tokenizer, data_format, **options)
+            if image_column is None:
+                return tokenize_example(example, tokenizer, data_format, **options)
+            tokenized = tokenize_example(example, tokenizer, data_format, keep_whole=True, **options)
+            try:
+                return _with_images(example, tokenized, pictures, image_column, image_roots, options["max_length"])
+            except ValueError as error:  # what is wrong with the row's images
+                problem = str(error)
         except TemplateError as error:
             problem = f"the chat template refused it: {error}"
             fix += ", or set chat_template to a template that accepts it"
@@ -246,11 +289,22 @@ def tokenize_dataset(
     max_length: int,
     num_proc: int | None = None,
     name: str = "train",
+    pictures: images_lib.ImageInputs | None = None,
+    image_roots: tuple = (),
 ) -> tuple[Dataset, dict[str, int]]:
-    """Tokenised examples that carry at least one loss token, and counts of what was truncated or dropped."""
+    """Tokenised examples that carry at least one loss token, and counts of what was truncated or dropped. With an
+    `images` (or `image`) column, `pictures` (the model's processor) expands each image part into its tokens and the
+    rows keep the pictures' bytes (`images`); image paths are looked up in `image_roots`, then the working
+    directory."""
     if len(dataset) == 0:
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
     data_format = detect_format(dataset.column_names)
+    image_column = images_lib.image_column(dataset.column_names)
+    if image_column is not None and pictures is None:
+        raise DataError(
+            f"the {name} data has an {image_column!r} column, but the model is text-only (it has no vision tower): "
+            "train a vision-language model (Qwen2.5-VL, Gemma 3, Llava...) on it, or drop the column"
+        )
     uses_chat_template = data_format == "conversational" or isinstance(dataset[0]["prompt"], list)
     if uses_chat_template and not tokenizer.chat_template:
         raise DataError(
@@ -270,6 +324,9 @@ def tokenize_dataset(
             completion_only_loss=completion_only_loss,
             max_length=max_length,
             rewriting_templates=True,
+            pictures=pictures,
+            image_column=image_column,
+            image_roots=tuple(image_roots),
         ),
         remove_columns=dataset.column_names,
         num_proc=num_proc,
@@ -289,8 +346,13 @@ def tokenize_dataset(
     return with_loss.remove_columns("truncated"), stats
 
 
-def generation_examples(dataset, tokenizer, limit: int) -> list[dict[str, Any]]:
-    """Prompts (everything before the last assistant turn, or the prompt) and references from held-out raw data."""
+def generation_examples(
+    dataset, tokenizer, limit: int, *, pictures=None, image_roots: tuple = ()
+) -> list[dict[str, Any]]:
+    """Prompts (everything before the last assistant turn, or the prompt) and references from held-out raw data;
+    with `pictures` (a vision-language model's processor) and an images column, the prompt's image placeholders
+    expanded and its pictures' bytes (`images`)."""
+    column = images_lib.image_column(dataset.column_names) if pictures is not None else None
     examples = []
     for record in dataset.select(range(min(limit, len(dataset)))):
         if "messages" in record:
@@ -299,14 +361,31 @@ def generation_examples(dataset, tokenizer, limit: int) -> list[dict[str, Any]]:
             prompt_ids = tokenizer.apply_chat_template(prepared_turns(messages[:last]), add_generation_prompt=True)[
                 "input_ids"
             ]
-            reference = messages[last]["content"]
+            reference = _text_of(messages[last]["content"])
         elif isinstance(record["prompt"], list):
             prompt_ids = tokenizer.apply_chat_template(prepared_turns(record["prompt"]), add_generation_prompt=True)[
                 "input_ids"
             ]
-            reference = record["completion"][-1]["content"]
+            reference = _text_of(record["completion"][-1]["content"])
         else:
             prompt_ids = tokenizer(record["prompt"])["input_ids"]
             reference = record["completion"]
-        examples.append({"prompt_ids": prompt_ids, "reference": reference})
+        example = {"prompt_ids": prompt_ids, "reference": reference}
+        if column is not None:  # the prompt's own pictures, in order
+            shown = sum(1 for token in prompt_ids if token == pictures.placeholder_id)
+            data = [images_lib.image_bytes(v, image_roots) for v in images_lib.images_of(record, column)[:shown]]
+            prompt_ids, _ = pictures.expand(
+                prompt_ids, [0] * len(prompt_ids), [images_lib.open_image(one) for one in data]
+            )
+            example.update(prompt_ids=prompt_ids, images=data)
+        examples.append(example)
     return examples
+
+
+def _text_of(content: Any) -> str:
+    """A turn's text: its content, or its text parts joined (a turn with images)."""
+    if isinstance(content, list):
+        return "".join(
+            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return content

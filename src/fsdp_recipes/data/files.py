@@ -156,6 +156,15 @@ def _load_raw_dataset(
     return _load_from_hub(dataset_name, dataset_config, streaming)
 
 
+def data_folders(dataset_name: str | None) -> tuple[Path, ...]:
+    """Where relative paths in a local dataset's rows (images) are looked up: the dataset's folder, or its file's
+    folder; none for a Hub dataset."""
+    path = Path(dataset_name).expanduser() if dataset_name else None
+    if path is None or not path.exists():
+        return ()
+    return (path if path.is_dir() else path.parent,)
+
+
 def _looks_local(name: str) -> bool:
     return Path(name).suffix.lower() in _LOCAL_FORMATS or not steps.looks_like_hub_id(name)
 

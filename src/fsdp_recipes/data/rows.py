@@ -47,12 +47,21 @@ def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def build_rows(tokenized: Dataset, *, max_length: int, packing: bool) -> Dataset:
-    """Training rows: `input_ids`, `targets` (shifted, IGNORE_INDEX where no loss) and `position_ids`."""
+    """Training rows: `input_ids`, `targets` (shifted, IGNORE_INDEX where no loss) and `position_ids`; examples with
+    pictures (data.images) keep them (`images`), one example per row."""
     input_ids, loss_masks = tokenized["input_ids"], tokenized["loss_mask"]
+    pictures = tokenized["images"] if "images" in tokenized.column_names else None
+    if pictures is not None and packing:
+        raise DataError(
+            "packing rows of examples with images is not supported yet: the vision-language models' positions and "
+            "image features are per example. Set packing: false"
+        )
     groups = (
         pack_lengths([len(ids) for ids in input_ids], max_length) if packing else [[i] for i in range(len(input_ids))]
     )
     rows: dict[str, list[list[int]]] = {"input_ids": [], "targets": [], "position_ids": []}
+    if pictures is not None:
+        rows["images"] = [pictures[group[0]] for group in groups]
     for group in groups:
         row_ids, row_targets, row_positions = [], [], []
         for index in group:
@@ -65,9 +74,10 @@ def build_rows(tokenized: Dataset, *, max_length: int, packing: bool) -> Dataset
     return Dataset.from_dict(rows)
 
 
-def collate_rows(rows: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_rows(rows: list[dict[str, list[int]]], pad_token_id: int, pictures=None) -> dict[str, torch.Tensor]:
     """Right-pads rows to the longest. Padding gets its own positions (restarting at 0), so it forms a separate
-    sequence that no real token attends to, and IGNORE_INDEX targets."""
+    sequence that no real token attends to, and IGNORE_INDEX targets. Rows with pictures get their pixel values
+    from `pictures` (data.images.ImageInputs, the model's processor)."""
     width = max(len(row["input_ids"]) for row in rows)
     input_ids, targets, positions = [], [], []
     for row in rows:
@@ -75,12 +85,15 @@ def collate_rows(rows: list[dict[str, list[int]]], pad_token_id: int) -> dict[st
         input_ids.append(list(row["input_ids"]) + [pad_token_id] * pad)
         targets.append(list(row["targets"]) + [IGNORE_INDEX] * pad)
         positions.append(list(row["position_ids"]) + list(range(pad)))
-    return {
+    batch = {
         "input_ids": torch.tensor(input_ids, dtype=torch.long),
         "targets": torch.tensor(targets, dtype=torch.long),
         "position_ids": torch.tensor(positions, dtype=torch.long),
         "real_tokens": torch.tensor([len(row["input_ids"]) for row in rows], dtype=torch.long),
     }
+    if pictures is not None:
+        batch.update(pictures.pixel_inputs(batch["input_ids"], [row.get("images") or [] for row in rows]))
+    return batch
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
@@ -121,11 +134,11 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
 class RowCollator:
     """Picklable collate_fn for DataLoader workers."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id: int, pictures=None):
+        self.pad_token_id, self.pictures = pad_token_id, pictures
 
     def __call__(self, rows):
-        return collate_rows(rows, self.pad_token_id)
+        return collate_rows(rows, self.pad_token_id, self.pictures)
 
 
 def check_one_step_of_data(count: int, *, per_step: int, unit: str, batch: str, allowed: bool) -> None:
@@ -141,14 +154,15 @@ def check_one_step_of_data(count: int, *, per_step: int, unit: str, batch: str, 
 
 
 def train_dataloader(
-    rows: Dataset, config, *, num_processes: int, pad_token_id: int, collate_fn=None, unit: str = "rows"
+    rows: Dataset, config, *, num_processes: int, pad_token_id: int, collate_fn=None, unit: str = "rows", pictures=None
 ) -> torch.utils.data.DataLoader:
     """Batches of `config.per_device_train_batch_size` rows, ordered by `config.train_sampling_strategy`: grouped by
     length (less padding) or shuffled (accelerate then makes the order depend only on seed and epoch). Pass it to
     `accelerator.prepare`, which splits it across ranks. `collate_fn`: for rows of another kind than token rows
     (e.g. classification rows or preference pairs); it must be picklable when dataloader_num_workers > 0. Rows are
     grouped by their `length` column if they have one, else by the length of `input_ids`. Fewer rows than one optimizer
-    step takes are refused unless `config.repeat_small_dataset` (`unit`: what a row is, for the message)."""
+    step takes are refused unless `config.repeat_small_dataset` (`unit`: what a row is, for the message). `pictures`:
+    the model's processor (data.images.ImageInputs), for rows with images."""
     check_one_step_of_data(
         len(rows),
         per_step=config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps,
@@ -168,7 +182,7 @@ def train_dataloader(
         batch_size=config.per_device_train_batch_size,
         shuffle=sampler is None,
         sampler=sampler,
-        collate_fn=collate_fn or RowCollator(pad_token_id),
+        collate_fn=collate_fn or RowCollator(pad_token_id, pictures),
         drop_last=False,
         num_workers=config.dataloader_num_workers,
     )

@@ -99,7 +99,15 @@ def load_base(
         )
     else:
         options["dtype"] = torch.float32
-    return auto_model_class(task).from_pretrained(
+    if model_config is None:  # the folder's own config says which Auto class builds it (a vision-language model)
+        from transformers import AutoConfig
+
+        model_config_of_folder = AutoConfig.from_pretrained(
+            model_name_or_path, revision=revision, trust_remote_code=trust_remote_code
+        )
+    else:
+        model_config_of_folder = model_config
+    return auto_model_class(task, model_config_of_folder).from_pretrained(
         model_name_or_path, revision=revision, trust_remote_code=trust_remote_code, **options
     )
 
@@ -146,7 +154,7 @@ def export_adapter_folder(
     output_dir = Path(output_dir)
     unwrapped = accelerator.unwrap_model(model)
     state = gathered_trainable_state(model)
-    inputs = verification_inputs(unwrapped.config.vocab_size)
+    inputs = verification_inputs(unwrapped.config.get_text_config().vocab_size)
     trained_logits = logits_of(model, inputs)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)

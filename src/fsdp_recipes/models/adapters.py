@@ -151,7 +151,8 @@ def _peft_model(model: torch.nn.Module, config, task: str):
     from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 
     try:
-        return get_peft_model(model, lora_config(config, task))
+        vision_language = getattr(model.config, "vision_config", None) is not None
+        return get_peft_model(model, lora_config(config, task, vision_language=vision_language))
     except (NoMatchingPeftModuleError, ValueError) as error:
         names = sorted(
             {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
@@ -171,7 +172,11 @@ def _peft_model(model: torch.nn.Module, config, task: str):
         ) from None
 
 
-def lora_config(config, task: str):
+# module paths of a vision-language model's image side (models.vision's names), which all-linear LoRA leaves alone
+NOT_LANGUAGE_MODEL = r".*\b(vision_tower|visual|vision_model|multi_modal_projector|merger|connector)\b.*"
+
+
+def lora_config(config, task: str, *, vision_language: bool = False):
     from peft import LoraConfig
 
     return LoraConfig(
@@ -180,6 +185,8 @@ def lora_config(config, task: str):
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules=config.lora_target_modules or "all-linear",
+        # all-linear on a vision-language model: its language model's layers only, not the image encoder's
+        exclude_modules=NOT_LANGUAGE_MODEL if vision_language and not config.lora_target_modules else None,
         modules_to_save=config.lora_modules_to_save,
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,

@@ -12,6 +12,7 @@ from accelerate.utils import DistributedType
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -21,6 +22,7 @@ from transformers import (
 from fsdp_recipes.common import steps
 from fsdp_recipes.common.errors import ConfigError, InputError
 from fsdp_recipes.models import experts
+from fsdp_recipes.models.vision import vision_block_classes
 
 # What a recipe trains: the transformers Auto class that builds it, and the Hub's pipeline tag for its card.
 TASKS = {
@@ -29,17 +31,28 @@ TASKS = {
 }
 
 
-def auto_model_class(task: str):
+def auto_model_class(task: str, config: PretrainedConfig | None = None):
+    """The transformers Auto class that builds `task`'s model; for a causal LM whose `config` is a vision-language
+    model's that AutoModelForCausalLM does not build (Llava, Qwen2.5-VL, Idefics3...), AutoModelForImageTextToText:
+    the whole model, both towers, which generates text."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; one of {sorted(TASKS)}")
+    if task == "causal-lm" and config is not None and is_vision_language(config):
+        if type(config) not in AutoModelForCausalLM._model_mapping:
+            return AutoModelForImageTextToText
     return TASKS[task][0]
+
+
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """Whether the model sees images: its config has a vision tower's (`vision_config`)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 def model_class_for(config: PretrainedConfig, task: str):
     """The transformers class `task`'s auto class builds for `config`; None for a type it does not map (remote
     code)."""
     try:
-        return auto_model_class(task)._model_mapping[type(config)]
+        return auto_model_class(task, config)._model_mapping[type(config)]
     except KeyError:
         return None
 
@@ -65,7 +78,7 @@ def meta_model(
     """A weightless copy of the model (on the meta device): its structure, for checks before any weights load. The
     config is copied: from_config writes the attention implementation it settles on into the config it is given."""
     with torch.device("meta"):
-        return auto_model_class(task).from_config(
+        return auto_model_class(task, config).from_config(
             copy.deepcopy(config), attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
 
@@ -176,18 +189,22 @@ def _model_files_problem(error: BaseException, step: steps.Step) -> steps.Proble
 
 def module_class_names(
     config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
-) -> tuple[set[str], list[str]]:
-    """(class names of every submodule, the model's `_no_split_modules`) from a weightless copy on the meta device."""
+) -> tuple[set[str], list[str], list[str]]:
+    """(class names of every submodule, the model's `_no_split_modules`, its vision tower's block class if it has
+    one) from a weightless copy on the meta device."""
     model = meta_model(config, task=task, trust_remote_code=trust_remote_code)
     names = {type(module).__name__ for module in model.modules()}
-    return names, list(getattr(model, "_no_split_modules", None) or [])
+    return names, list(getattr(model, "_no_split_modules", None) or []), vision_block_classes(model)
 
 
 def resolve_wrap_classes(
     accelerator: Accelerator, config: PretrainedConfig, *, task: str = "causal-lm", trust_remote_code: bool = False
 ):
     """The transformer-layer classes FSDP will wrap, checked against the model. Raises ConfigError before any weights
-    load if the Accelerate config names a class the model does not contain. None when not wrapping by class."""
+    load if the Accelerate config names a class the model does not contain, or leaves out a vision-language model's
+    vision blocks (its whole image encoder would sit in the root unit). Without classes named there: the model's
+    `_no_split_modules` that it contains (a vision-language model's list can name classes of a tower it lacks, as
+    Llava's names CLIP's text embeddings) and its vision tower's blocks. None when not wrapping by class."""
     if accelerator.distributed_type != DistributedType.FSDP:
         return None
     plugin = accelerator.state.fsdp_plugin
@@ -195,8 +212,10 @@ def resolve_wrap_classes(
     policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", str(policy))
     if "transformer" not in str(policy_name).lower():
         return None
-    present, no_split = module_class_names(config, task=task, trust_remote_code=trust_remote_code)
-    requested = plugin.transformer_cls_names_to_wrap or no_split
+    present, no_split, vision_blocks = module_class_names(config, task=task, trust_remote_code=trust_remote_code)
+    # sorted: a model's _no_split_modules may be a set, whose order changes from one process to the next
+    own = sorted(name for name in no_split if name in present) + [n for n in vision_blocks if n not in no_split]
+    requested = plugin.transformer_cls_names_to_wrap or own
     if not requested:
         raise ConfigError(
             f"the Accelerate config wraps by transformer layer class but names none, and {config.model_type} models "
@@ -204,11 +223,18 @@ def resolve_wrap_classes(
         )
     missing = [name for name in requested if name not in present]
     if missing:
-        suggestion = ", ".join(no_split) if no_split else "its decoder layer class"
+        suggestion = ", ".join(own) if own else "its decoder layer class"
         raise ConfigError(
             f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which this {config.model_type} model "
             f"does not contain. Set it to {suggestion} in the Accelerate config (or omit it to use the model's "
-            "_no_split_modules)."
+            "_no_split_modules and vision blocks)."
+        )
+    left_out = [name for name in vision_blocks if name not in requested]
+    if left_out:
+        raise ConfigError(
+            f"fsdp_transformer_layer_cls_to_wrap names {', '.join(requested)} but not the vision tower's blocks "
+            f"({', '.join(left_out)}): the whole image encoder would stay in the root FSDP unit, gathered at every "
+            f"forward. Add {', '.join(left_out)} to it in the Accelerate config (or omit it to wrap {', '.join(own)})."
         )
     return list(requested)
 
@@ -299,7 +325,7 @@ def load_model(
     quantises while loading, on `device`. `ignore_mismatched_sizes`: weights of another shape than `config` gives them
     (a classifier's head for other classes) are initialised anew instead of refused. `distributed_config`
     (tensor parallelism: fsdp_recipes.distributed.tensor_parallel) has transformers shard the model while loading."""
-    model_class = auto_model_class(task)
+    model_class = auto_model_class(task, config)
     if model_name_or_path is None and distributed_config is not None:
         raise ValueError("a model sharded while loading needs weights to load: save the initialised model first")
     if model_name_or_path is None:
@@ -385,7 +411,7 @@ def count_non_embedding_parameters(model: torch.nn.Module) -> int:
 
 
 def check_tokenizer_fits_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
-    vocab_size = getattr(config, "vocab_size", None)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise ConfigError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab_size} rows: token ids "

@@ -136,7 +136,10 @@ def _export_adapter_checkpoint(
     loaded = {name: tensors.load(name).contiguous() for name in names}
     save_file(loaded, output_dir / "adapter_model.safetensors", metadata={"format": "pt"})
     _check_file(output_dir / "adapter_model.safetensors", loaded)
-    adapter_config = lora_config(settings, task)
+    base_config = AutoConfig.from_pretrained(checkpoint / MODEL_FILES)  # the model config the checkpoint keeps
+    adapter_config = lora_config(
+        settings, task, vision_language=getattr(base_config, "vision_config", None) is not None
+    )
     adapter_config.base_model_name_or_path = settings.model_name_or_path
     adapter_config.inference_mode = True
     adapter_config.save_pretrained(output_dir)

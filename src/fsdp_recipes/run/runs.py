@@ -15,7 +15,7 @@ from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.accelerator import launch_environment
 from fsdp_recipes.distributed.collectives import on_every_rank_together, sum_tensor_over_ranks, values_of_all_ranks
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
-from fsdp_recipes.models import adapter_export, adapters, fused_kernels
+from fsdp_recipes.models import adapter_export, adapters, fused_kernels, vision
 from fsdp_recipes.models.export_dtype import recipe_dtype_override, resolve_export_dtype
 from fsdp_recipes.models.modeling import checkpoint_lacks_task_weights, load_model
 from fsdp_recipes.publish.export import export_model_folder, write_model_card
@@ -166,6 +166,7 @@ class Run(StartedRun):
     uploads: list = dataclasses.field(default_factory=list)  # hub_strategy every_save: background commits
     generation_server: Any = None  # generation_backend vllm: the server (train.vllm_client.VLLMServer), checked
     benchmarks: BenchmarkPlan | None = None  # benchmark_tasks, resolved and their data loaded before loading
+    pictures: Any = None  # a vision-language model's processor (data.images.ImageInputs); None for a text model
 
     @property
     def resumed(self) -> bool:
@@ -181,6 +182,8 @@ class Run(StartedRun):
         )
         if config.use_liger_kernel:  # checked before loading: a CUDA device and a model type liger patches
             self.fused_kernels = fused_kernels.apply_liger_kernels(model)
+        if config.freeze_vision_tower or config.freeze_multi_modal_projector:  # checked: the model has them
+            vision.freeze(model, tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector)
         return model
 
     def loss_evaluator(self, model, rows, loss_sum: LossSum) -> LossEvaluator:
@@ -193,6 +196,7 @@ class Run(StartedRun):
             every=self.config.eval_steps,
             batch_size=self.config.per_device_eval_batch_size,
             pad_token_id=self.tokenizer.pad_token_id,
+            pictures=self.pictures,
         )
 
     def begin(
@@ -303,11 +307,13 @@ class Run(StartedRun):
             eval_results=eval_results,
             task=self.task,
         )
+        # a vision-language model's folder gets its processor (image processor, tokenizer, chat template)
+        files = self.pictures.processor if self.pictures is not None else self.tokenizer
         if adapters.is_adapter_model(accelerator.unwrap_model(model)):
             return adapter_export.export_adapter_folder(
                 accelerator,
                 model,
-                self.tokenizer,
+                files,
                 config.output_dir,
                 task=self.task,
                 config=config,
@@ -315,5 +321,5 @@ class Run(StartedRun):
                 dtype=self.export_dtype,
             )
         return export_model_folder(
-            accelerator, model, self.tokenizer, config.output_dir, task=self.task, card=card, dtype=self.export_dtype
+            accelerator, model, files, config.output_dir, task=self.task, card=card, dtype=self.export_dtype
         )

@@ -14,16 +14,19 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, To
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.common.outputs import output_dir_problem
+from fsdp_recipes.data.images import ImageInputs
 from fsdp_recipes.distributed import expert_parallel, float8, logs
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.accelerator import build_accelerator
 from fsdp_recipes.distributed.collectives import on_every_rank_together
 from fsdp_recipes.distributed.launch_checks import check_launch_environment
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
+from fsdp_recipes.models import vision
 from fsdp_recipes.models.attention import resolve_attn_implementation
 from fsdp_recipes.models.experts import apply_router_aux_loss_coef
 from fsdp_recipes.models.modeling import (
     check_tokenizer_fits_model,
+    is_vision_language,
     load_model_config,
     load_tokenizer,
     resolve_wrap_classes,
@@ -208,6 +211,10 @@ def model_layout(
     wrap_classes = resolve_wrap_classes(
         accelerator, model_config, task=task, trust_remote_code=config.trust_remote_code
     )
+    if (
+        wrap_classes
+    ):  # what accelerate wraps: the checked list (a vision-language model's _no_split_modules alone fails)
+        accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = wrap_classes
     training = hasattr(config, "packs_examples")  # a training recipe's config (RecipeTraits); eval's is not
     attn_implementation, attention_note = resolve_attn_implementation(
         model_config,
@@ -254,6 +261,15 @@ def _before_loading(
         raise ConfigError(problem)
     hub_token = require_hub_token() if config.push_to_hub else None
     tokenizer, model_config = load_model_files(config, config.model_name_or_path, config.model_config)
+    if problem := vision.freezing_problem(config, model_config):
+        raise ConfigError(problem)
+    pictures = None
+    if is_vision_language(model_config):  # its processor: image parts become tokens, pictures pixel values
+        processor = vision.load_processor(
+            config.tokenizer_name_or_path or config.model_name_or_path, tokenizer,
+            revision=config.model_revision, trust_remote_code=config.trust_remote_code,
+        )  # fmt: skip
+        pictures = ImageInputs(processor)
     apply_router_aux_loss_coef(model_config, config.router_aux_loss_coef)
     config_changes, saved_recipe = {}, None
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():
@@ -269,6 +285,7 @@ def _before_loading(
     planned = benchmarks.plan(config, parallel=parallel, language_model=task == "causal-lm")
     return dict(
         benchmarks=planned,
+        pictures=pictures,
         generation_server=generation_server(config, model_config, model_name=config.model_name_or_path),
         checkpoint=checkpoint,
         hub_token=hub_token,

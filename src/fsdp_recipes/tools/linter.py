@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from fsdp_recipes.distributed import expert_parallel, float8, sequence_parallel, tensor_parallel
 from fsdp_recipes.distributed.accelerate_config import (
@@ -26,7 +25,8 @@ from fsdp_recipes.distributed.launch_checks import (
 )
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import expert_routing
-from fsdp_recipes.models.modeling import load_model_config
+from fsdp_recipes.models.modeling import auto_model_class, load_model_config
+from fsdp_recipes.models.vision import vision_block_classes
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -63,8 +63,8 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
     config = load_model_config(
         None if is_config_file else model, model if is_config_file else None, trust_remote_code=trust_remote_code
     )
-    with torch.device("meta"):
-        instance = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):  # a vision-language model whole (AutoModelForImageTextToText where it has no causal LM)
+        instance = auto_model_class("causal-lm", config).from_config(config, trust_remote_code=trust_remote_code)
     present = {type(module).__name__ for module in instance.modules()}
     no_split = list(getattr(instance, "_no_split_modules", None) or [])
     findings = _lint_tensor_parallel_model(raw, config, type(instance))
@@ -87,15 +87,16 @@ def lint_model(raw: dict, model: str, *, trust_remote_code: bool = False) -> lis
                     "model's _no_split_modules",
                 )
             )
-        absent = sorted(name for name in no_split if name not in present) if not requested else []
-        if absent:  # accelerate wraps every class _no_split_modules names, and raises for one the model lacks
+        # unnamed: the recipes wrap the _no_split_modules the model has (a vision-language model's list can name classes
+        # of a tower it lacks, on which accelerate alone would raise) and the vision blocks (models.modeling)
+        left_out = [name for name in vision_block_classes(instance) if requested and name not in requested]
+        if left_out:
             findings.append(
                 Finding(
                     ERROR,
                     "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                    f"not set, so accelerate wraps the model's _no_split_modules, which name {', '.join(absent)}: not in "
-                    f"this {config.model_type} model (accelerate raises); set it to "
-                    f"{','.join(sorted(name for name in no_split if name in present))}",
+                    f"names {', '.join(requested)} but not the vision tower's blocks ({', '.join(left_out)}): the "
+                    "whole image encoder would stay in the root FSDP unit; add them, or remove the key",
                 )
             )
         if not requested and not no_split:

@@ -19,6 +19,7 @@ from transformers import SchedulerType
 from fsdp_recipes.common import checks
 from fsdp_recipes.common.arguments import setting
 from fsdp_recipes.models.adapters import adapter_config_problems
+from fsdp_recipes.models.vision import VisionFields
 from fsdp_recipes.train.benchmarks import BenchmarkFields
 from fsdp_recipes.train.checkpoint import allow_config_change_problems
 from fsdp_recipes.train.compilation import COMPILE_REPAID_AFTER_STEPS, compile_setting_problem
@@ -114,7 +115,7 @@ class RunConfig(BenchmarkFields, RunCompatFields):
 
 
 @dataclasses.dataclass
-class TrainingConfig(PublishingFields, RunConfig, TrainingCompatFields, RecipeTraits):
+class TrainingConfig(PublishingFields, VisionFields, RunConfig, TrainingCompatFields, RecipeTraits):
     """The settings every training recipe has; each recipe subclasses it with the fields only it needs (its data
     format, its loss), states the rules between its fields in `cross_field_problems`, and overrides the methods below that describe it to the shared layer."""
 

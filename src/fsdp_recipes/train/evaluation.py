@@ -27,6 +27,7 @@ from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
 from fsdp_recipes.distributed.collectives import gather_for_metrics, on_every_rank_together, sum_tensor_over_ranks
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import generation_options
+from fsdp_recipes.train import generation
 from fsdp_recipes.train.cadence import Cadence
 from fsdp_recipes.train.losses import count_targets
 from fsdp_recipes.train.metrics import MetricsLog
@@ -102,10 +103,12 @@ class LossEvaluator(Evaluation):
         batch_size: int,
         pad_token_id: int,
         every: int | None,
+        pictures=None,
     ):
         super().__init__(every=every)
         self.accelerator, self.model, self.rows = accelerator, model, rows
         self.loss_sum, self.batch_size, self.pad_token_id = loss_sum, batch_size, pad_token_id
+        self.pictures = pictures
 
     def measure(self) -> dict[str, Any]:
         if self.rows is None:
@@ -119,6 +122,7 @@ class LossEvaluator(Evaluation):
                 loss_sum=self.loss_sum,
                 batch_size=self.batch_size,
                 pad_token_id=self.pad_token_id,
+                pictures=self.pictures,
             )
         }
 
@@ -133,10 +137,11 @@ def evaluate_loss(
     loss_sum: LossSum,
     batch_size: int,
     pad_token_id: int,
+    pictures=None,
 ) -> float:
     """Mean per-token loss over all held-out rows, each counted once, with the recipe's `loss_sum(model, batch)`.
     Every rank runs the same number of forward passes (FSDP needs all ranks in every all-gather); a rank out of rows
-    runs a masked copy of a row."""
+    runs a masked copy of a row. `pictures`: the processor that gives rows with images their pixel values."""
     model.eval()
     # the ranks of a TP or SP group run the same rows (their forward is one collective computation)
     rank, world = parallel.data_parallel_rank(accelerator.process_index), parallel.data_parallel_size
@@ -146,7 +151,7 @@ def evaluate_loss(
     count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for index in range(batches):
         chosen = mine[index * batch_size : (index + 1) * batch_size]
-        batch = collate_rows([rows[i] for i in (chosen or [0])], pad_token_id)
+        batch = collate_rows([rows[i] for i in (chosen or [0])], pad_token_id, pictures)
         if not chosen:
             batch["targets"].fill_(IGNORE_INDEX)
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
@@ -168,10 +173,12 @@ def exact_match_accuracy(
     parallel: ParallelDims,
     max_new_tokens: int,
     batch_size: int,
+    pictures=None,
 ) -> dict[str, Any]:
     """Share of held-out examples whose greedy completion equals the reference exactly (after stripping spaces).
 
-    Examples are `{"prompt_ids": [...], "reference": str}`. Ranks split the examples and generate in lockstep
+    Examples are `{"prompt_ids": [...], "reference": str}` (and `images`, their pictures' bytes, which `pictures`, a
+    vision-language model's processor, turns into pixel values). Ranks split the examples and generate in lockstep
     (`synced_gpus`), since under FSDP every forward pass is a collective."""
     model.eval()
     rank, world = parallel.data_parallel_rank(accelerator.process_index), parallel.data_parallel_size
@@ -181,20 +188,28 @@ def exact_match_accuracy(
     samples = []
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
+    with_pictures = pictures is not None and any("images" in example for example in examples)
+    if with_pictures:  # FSDP2 sets itself up at the first forward through the whole model, which must come first
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[tokenizer.pad_token_id]], device=accelerator.device), use_cache=False)
     try:
         for index in range(batches):
             chosen = mine[index * batch_size : (index + 1) * batch_size]
             batch_examples = [examples[i] for i in (chosen or [0])]
-            inputs = tokenizer.pad({"input_ids": [e["prompt_ids"] for e in batch_examples]}, return_tensors="pt")
+            inputs = dict(tokenizer.pad({"input_ids": [e["prompt_ids"] for e in batch_examples]}, return_tensors="pt"))
+            if pictures is not None and "images" in batch_examples[0]:
+                inputs.update(pictures.pixel_inputs(inputs["input_ids"], [e["images"] for e in batch_examples]))
             inputs = {key: value.to(accelerator.device) for key, value in inputs.items()}
-            output = model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=accelerator.num_processes > 1,
-                **generation_options(model),
-            )
+            # transformers encodes pictures outside the model's forward, where FSDP2 gathers nothing: gathered here
+            with generation.weights_gathered(model, enabled=with_pictures):
+                output = model.generate(
+                    **inputs,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    synced_gpus=accelerator.num_processes > 1,
+                    **generation_options(model),
+                )
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             if not chosen:
                 continue

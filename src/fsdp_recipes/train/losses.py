@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_recipes.common.errors import ConfigError
+from fsdp_recipes.data.images import VISION_INPUTS
 from fsdp_recipes.data.rows import IGNORE_INDEX
 from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
@@ -43,7 +44,8 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     config = getattr(model, "module", model).config  # DDP (NO_SHARD) wraps the model; FSDP2 does not
     if str(getattr(config, "_attn_implementation", "")).startswith("flash"):
         input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
-    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+    vision = {key: batch[key] for key in VISION_INPUTS if key in batch}  # rows with pictures (data.images)
+    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False, **vision}
 
 
 def sequence_classification_logits(

@@ -109,7 +109,9 @@ def device_name(device) -> str:
 
 def flops_per_token(config, *, non_embedding_parameters: int, sequence_length: float) -> float:
     """Training FLOPs per token: 6 x non-embedding parameters (forward + backward matmuls) plus the attention
-    scores and values, 12 x layers x heads x head_dim x sequence length (the PaLM / torchtitan accounting)."""
+    scores and values, 12 x layers x heads x head_dim x sequence length (the PaLM / torchtitan accounting); a
+    vision-language model's attention counted over its language model's layers."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

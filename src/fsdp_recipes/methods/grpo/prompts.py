@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data import images
 from fsdp_recipes.data.chat_masks import prepared_turns
 
 
@@ -54,6 +55,7 @@ def load_prompts(
     (counted in `truncated`). DataError when there is no prompt `column`, the data is empty, or a prompt is neither
     text nor chat turns."""
     names = list(dataset.column_names)
+    images.refuse_images(names, "online RL (GRPO)")
     if column not in names:
         raise DataError(
             f"the {split} split has no {column!r} column (it has: {', '.join(names)}): online RL reads prompts as "

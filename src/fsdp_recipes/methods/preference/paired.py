@@ -25,7 +25,7 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import files
+from fsdp_recipes.data import files, images
 from fsdp_recipes.data.chat import conversation_problem, tokenize_example
 from fsdp_recipes.data.chat_masks import TemplatePrefixError
 from fsdp_recipes.data.rows import collate_rows, shifted_targets
@@ -34,6 +34,7 @@ FORMATS = {"explicit": ("prompt", "chosen", "rejected"), "implicit": ("chosen", 
 
 
 def detect_format(column_names: list[str]) -> str:
+    images.refuse_images(column_names, "preference tuning (and reward modelling)")
     if all(column in column_names for column in FORMATS["explicit"]):
         return "explicit"
     if all(column in column_names for column in FORMATS["implicit"]):

@@ -20,7 +20,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from fsdp_recipes.common.errors import DataError
-from fsdp_recipes.data import chat, files
+from fsdp_recipes.data import chat, files, images
 from fsdp_recipes.data.rows import shifted_targets
 from fsdp_recipes.methods.preference import paired
 
@@ -31,6 +31,7 @@ SIDES = ("completion", "kl")
 def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
     """(the dataset in KTO's format, a note for the run summary when it was preference pairs)."""
     columns = dataset.column_names
+    images.refuse_images(columns, "KTO")
     if all(column in columns for column in COLUMNS):
         return dataset, None
     try:

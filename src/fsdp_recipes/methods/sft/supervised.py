@@ -65,11 +65,14 @@ class SupervisedData:
     eval_rows: list | None
     eval_raw: Any  # the held-out examples as read (the exact-match check generates from their prompts)
     train_stats: dict
+    pictures: Any = None  # a vision-language model's processor (data.images.ImageInputs), for the exact-match check
+    image_roots: tuple = ()  # where the data's relative image paths are looked up
 
 
-def prepare(config: SupervisedFields, tokenizer) -> SupervisedData:
+def prepare(config: SupervisedFields, tokenizer, pictures=None) -> SupervisedData:
     """The config's data read, split (held-out rows carved only when something evaluates), tokenized with loss masks
-    and made into rows: training rows packed as asked, held-out rows one example each."""
+    and made into rows: training rows packed as asked, held-out rows one example each. `pictures`: a vision-language
+    model's processor (data.images.ImageInputs), for data with images (paths relative to the data's folder)."""
     raw = files.load_raw_dataset(config.dataset_name, config.dataset_config, mixture=config.dataset_mixture)
     train_raw, eval_raw = files.split_train_eval(
         raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
@@ -79,6 +82,8 @@ def prepare(config: SupervisedFields, tokenizer) -> SupervisedData:
         completion_only_loss=config.completion_only_loss,
         max_length=config.max_length,
         num_proc=config.dataset_num_proc,
+        pictures=pictures,
+        image_roots=files.data_folders(config.dataset_name),
     )
     train_tokens, train_stats = chat.tokenize_dataset(train_raw, tokenizer, name="train", **options)
     train_rows = rows.build_rows(
@@ -88,7 +93,7 @@ def prepare(config: SupervisedFields, tokenizer) -> SupervisedData:
     if eval_raw is not None:
         eval_tokens = chat.tokenize_dataset(eval_raw, tokenizer, name="eval", **options)[0]
         eval_rows = rows.build_rows(eval_tokens, max_length=config.max_length, packing=False)
-    return SupervisedData(train_rows, eval_rows, eval_raw, train_stats)
+    return SupervisedData(train_rows, eval_rows, eval_raw, train_stats, pictures, options["image_roots"])
 
 
 def exact_match_wanted(config: SupervisedFields, data: SupervisedData) -> bool:
@@ -104,8 +109,12 @@ def exact_match(
         accelerator,
         model,
         tokenizer,
-        chat.generation_examples(data.eval_raw, tokenizer, config.exact_match_eval_samples),
+        chat.generation_examples(
+            data.eval_raw, tokenizer, config.exact_match_eval_samples, pictures=data.pictures,
+            image_roots=data.image_roots,
+        ),
         parallel=parallel,
         max_new_tokens=config.max_new_tokens,
         batch_size=config.per_device_eval_batch_size,
-    )
+        pictures=data.pictures,
+    )  # fmt: skip

@@ -56,7 +56,7 @@ def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
             units.append(Unit(name, kind, params, reshard_after_forward))
 
     if layout.is_fsdp and layout.wrap_policy == "TRANSFORMER_BASED_WRAP":
-        classes = set(layout.wrap_classes or info.no_split_modules)
+        classes = set(layout.wrap_classes or info.wrap_classes)
         missing = classes - set(info.module_class.values())
         if missing:
             raise ConfigError(

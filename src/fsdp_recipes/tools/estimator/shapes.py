@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.models.experts import (
@@ -20,7 +19,8 @@ from fsdp_recipes.models.experts import (
     expert_routing,
     is_routed_expert_parameter,
 )
-from fsdp_recipes.models.modeling import load_model_config
+from fsdp_recipes.models.modeling import auto_model_class, load_model_config
+from fsdp_recipes.models.vision import vision_block_classes
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,15 @@ class ModelInfo:
     linear_names_in_layers: list[str] = field(default_factory=list)  # their module names (q_proj, ...), same order
     routing: ExpertRouting | None = None  # mixture of experts: experts per layer, experts per token
     config: Any = None  # the model config it was read from
+    vision_blocks: list[str] = field(default_factory=list)  # a vision-language model's vision block class (wrapped too)
+
+    @property
+    def wrap_classes(self) -> list[str]:
+        """What the recipes wrap when the Accelerate config names no class (models.modeling.resolve_wrap_classes):
+        the _no_split_modules the model has, sorted, and its vision blocks."""
+        present = set(self.module_class.values())
+        own = sorted(name for name in self.no_split_modules if name in present)
+        return own + [name for name in self.vision_blocks if name not in own]
 
     @property
     def num_params(self) -> int:
@@ -146,7 +155,8 @@ def _load_config(model: str, *, trust_remote_code: bool = False):
 def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelInfo:
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            # a vision-language model whole (both towers): AutoModelForImageTextToText where AutoModelForCausalLM has none
+            model = auto_model_class("causal-lm", config).from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as error:
         raise ConfigError(
             f"{config.model_type} is not a causal language model transformers can build: {error}"
@@ -205,6 +215,7 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
         vocab_size=int(text.vocab_size),
         tied_embeddings=tied,
         no_split_modules=no_split,
+        vision_blocks=vision_block_classes(model),
         params=params,
         module_params=module_params,
         module_class=module_class,

@@ -1,0 +1,154 @@
+"""Images in conversations, TRL's vision format: an `images` column (or `image`, one per row) beside messages whose
+content is a list of parts, `{"type": "image"}` and `{"type": "text", "text": ...}`. The chat template renders each
+image part as the processor's placeholder token; the conversation's tokens and loss mask come from the same code as
+text (`chat_masks.conversation_tokens`), then each placeholder is replaced by the processor's own expansion of that
+picture (Llava: its patches' tokens; Gemma 3: the begin/end markers around its soft tokens), which never carries
+loss. The pictures themselves are kept as their file bytes and become pixel values in the collator
+(`ImageInputs.pixel_inputs`), where the same image processor that counted the tokens resizes them.
+
+An image is a path (absolute, or relative to the data files' folder, then to the working directory), `datasets`'
+Image value ({"bytes", "path"}) or a PIL image."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_recipes.common.errors import DataError
+
+IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list per row, or one image per row
+# what a collated batch of rows with pictures adds to the forward's inputs (those the processor returns)
+VISION_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids")
+
+
+def image_column(column_names: list[str]) -> str | None:
+    return next((name for name in IMAGE_COLUMNS if name in column_names), None)
+
+
+def refuse_images(column_names: list[str], what: str) -> None:
+    """DataError for data with images given to a recipe that does not train on them yet (which would drop them)."""
+    if (column := image_column(column_names)) is not None:
+        raise DataError(
+            f"the data has an {column!r} column: {what} with images is not built yet (docs/vision.md, Not yet), and "
+            "training on the text alone would ignore the pictures silently. SFT trains on images; drop the column "
+            "to train on the text"
+        )
+
+
+def images_of(example: dict[str, Any], column: str) -> list:
+    value = example.get(column)
+    if value is None:
+        return []
+    return list(value) if column == "images" else [value]
+
+
+def image_parts(messages: Any) -> int:
+    """The `{"type": "image"}` parts of a conversation, in every turn."""
+    count = 0
+    for turn in messages or []:
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if isinstance(content, list):
+            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+    return count
+
+
+def image_bytes(value: Any, roots: list[Path]) -> bytes:
+    """The picture's encoded bytes (PNG, JPEG...), checked to be an image. ValueError says what is wrong."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return buffer.getvalue()
+    if isinstance(value, dict) and (value.get("bytes") or value.get("path")):
+        value = value.get("bytes") or value["path"]
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        candidates = [path] if path.is_absolute() else [root / path for root in roots] + [path]
+        found = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if found is None:
+            raise ValueError(
+                f"the image {value!r} does not exist (looked in {', '.join(str(c.parent.resolve()) for c in candidates)})"
+            )
+        value = found.read_bytes()
+        where = f"the file {found}"
+    elif isinstance(value, bytes):
+        where = "its bytes"
+    else:
+        raise ValueError(f"an image must be a path, datasets' Image value or a PIL image, got {type(value).__name__}")
+    try:
+        with Image.open(io.BytesIO(value)) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as error:
+        raise ValueError(f"{where} is not an image PIL can read ({type(error).__name__})") from None
+    return value
+
+
+def open_image(data: bytes):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+class ImageInputs:
+    """The processor's view of images for training: which token the chat template writes for an image part, what
+    each picture becomes in tokens, and its pixel values for a batch."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], tokenize=False
+        )
+        candidates = [getattr(processor, "image_token", None), getattr(processor, "boi_token", None)]
+        found = [token for token in candidates if token and token in rendered]
+        if not found:
+            raise DataError(
+                f"the chat template never renders an image part as the processor's image token "
+                f"({' or '.join(repr(t) for t in candidates if t)}): the model would never see the pictures. Set "
+                "chat_template to a template that renders {'type': 'image'} parts (the model's own does)"
+            )
+        self.placeholder = found[0]
+        self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder)
+        # the token that carries image features: the one a picture's expansion repeats (Llava's <image>; Gemma 3's
+        # soft token between the begin and end markers its template writes)
+        from PIL import Image
+
+        expanded = self.expansion(Image.new("RGB", (64, 64), "white"))
+        self.image_token_id = max(set(expanded), key=expanded.count)
+        self.needs_token_types = "token_type_ids" in getattr(processor, "model_input_names", ())
+
+    def expansion(self, image) -> list[int]:
+        """The tokens the processor writes for this picture in place of its placeholder."""
+        encoded = self.processor(text=[self.placeholder], images=[image], add_special_tokens=False)
+        return list(encoded["input_ids"][0])
+
+    def expand(self, ids: list[int], mask: list[int], images: list) -> tuple[list[int], list[int]]:
+        """Each placeholder replaced by its picture's tokens (in order), none of them a target."""
+        places = [index for index, token in enumerate(ids) if token == self.placeholder_id]
+        if len(places) != len(images):
+            raise ValueError(
+                f"the chat template wrote {len(places)} image placeholder(s) for {len(images)} image part(s)"
+            )
+        out_ids, out_mask, at = [], [], 0
+        for place, image in zip(places, images):
+            tokens = self.expansion(image)
+            out_ids += ids[at:place] + tokens
+            out_mask += mask[at:place] + [0] * len(tokens)
+            at = place + 1
+        return out_ids + ids[at:], out_mask + mask[at:]
+
+    def pixel_inputs(self, input_ids: torch.Tensor, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
+        """The model's vision inputs for a batch: every row's pictures in row order, and (Gemma 3) which tokens are
+        image tokens."""
+        flat = [open_image(data) for row in images for data in row]
+        inputs = {}
+        if flat:
+            processed = self.processor.image_processor(images=flat, return_tensors="pt")
+            inputs = {key: value for key, value in processed.items() if key in VISION_INPUTS}
+        if self.needs_token_types:
+            inputs["token_type_ids"] = (input_ids == self.image_token_id).long()
+        return inputs

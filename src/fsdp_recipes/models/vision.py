@@ -1,0 +1,113 @@
+"""Vision-language models (Llava, Gemma 3, Qwen2.5-VL, Idefics3...): their processor, and their parts by role: the
+vision tower (the image encoder), the multi-modal projector (image features into the language model's width) and the
+language model. transformers names them differently per family; `vision_parts` finds them by those names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import AutoProcessor, PretrainedConfig, PreTrainedTokenizerBase
+
+from fsdp_recipes.common import steps
+from fsdp_recipes.common.arguments import setting
+from fsdp_recipes.common.errors import ConfigError
+
+# attribute names under the model (or its `.model`), per role, across transformers' vision-language families
+_TOWERS = ("vision_tower", "visual", "vision_model")
+_PROJECTORS = ("multi_modal_projector", "connector", "merger")
+
+
+@dataclasses.dataclass
+class VisionFields:
+    """What of a vision-language model trains (text models refuse them before loading)."""
+
+    freeze_vision_tower: bool = setting(
+        False,
+        "vision-language models: keep the image encoder's weights as they are (no gradients or optimizer state for "
+        "them: less memory; the model's reading of images does not adapt)",
+        resume="sensitive",
+    )
+    freeze_multi_modal_projector: bool = setting(
+        False,
+        "vision-language models: keep the projector from image features to the language model as it is",
+        resume="sensitive",
+    )
+
+
+def load_processor(name_or_path: str, tokenizer: PreTrainedTokenizerBase, *, revision: str, trust_remote_code: bool):
+    """The model's processor (image processor, tokenizer, chat template) from `name_or_path`, with the run's own
+    tokenizer in it (its chat template and pad token as the config set them)."""
+    with steps.step(
+        f"loading the processor (image processor and tokenizer) of a vision-language model from {name_or_path!r}",
+        name=name_or_path,
+        setting="tokenizer_name_or_path",
+    ):
+        processor = AutoProcessor.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    if not hasattr(processor, "image_processor"):
+        raise ConfigError(
+            f"{name_or_path!r} holds a tokenizer but no image processor, and the model is a vision-language model: "
+            "point tokenizer_name_or_path at the model's processor folder (preprocessor_config.json or "
+            "processor_config.json beside the tokenizer)"
+        )
+    processor.tokenizer = tokenizer
+    if tokenizer.chat_template:
+        processor.chat_template = tokenizer.chat_template
+    return processor
+
+
+def vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """(vision tower, multi-modal projector) of a vision-language model; (None, None) for a text model."""
+    holders = [model, getattr(model, "model", None)]
+
+    def find(names):
+        for holder in holders:
+            for name in names:
+                part = getattr(holder, name, None) if holder is not None else None
+                if isinstance(part, torch.nn.Module):
+                    return part
+        return None
+
+    return find(_TOWERS), find(_PROJECTORS)
+
+
+def freezing_problem(config, model_config: PretrainedConfig) -> str | None:
+    """freeze_vision_tower / freeze_multi_modal_projector on a model without a vision tower."""
+    asked = [name for name in ("freeze_vision_tower", "freeze_multi_modal_projector") if getattr(config, name, False)]
+    if asked and getattr(model_config, "vision_config", None) is None:
+        return (
+            f"{' and '.join(asked)}: the model ({model_config.model_type}) is text-only, it has no vision tower or "
+            "projector to freeze. Remove the setting, or train a vision-language model"
+        )
+    return None
+
+
+def freeze(model: torch.nn.Module, *, tower: bool, projector: bool) -> dict[str, int]:
+    """Parameters of the asked parts set not to train (their gradients are then never computed or stored). Returns
+    the parameters frozen per part."""
+    vision_tower, multi_modal_projector = vision_parts(model)
+    frozen = {}
+    for name, part, wanted in (
+        ("vision_tower", vision_tower, tower),
+        ("multi_modal_projector", multi_modal_projector, projector),
+    ):
+        if wanted and part is not None:
+            for parameter in part.parameters():
+                parameter.requires_grad_(False)
+            frozen[name] = sum(parameter.numel() for parameter in part.parameters())
+    return frozen
+
+
+def vision_block_classes(model: torch.nn.Module) -> list[str]:
+    """The class of the vision tower's repeated blocks (the largest stack of one class under it): what FSDP must wrap
+    beside the decoder layers, or the whole tower stays in the root unit, gathered at every forward."""
+    tower, _ = vision_parts(model)
+    if tower is None:
+        return []
+    stacks = []
+    for module in tower.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
+            kinds = {type(child).__name__ for child in module}
+            if len(kinds) == 1:
+                stacks.append((sum(p.numel() for p in module.parameters()), kinds.pop()))
+    return [max(stacks)[1]] if stacks else []

@@ -1,0 +1,286 @@
+"""Vision-language models in this process: conversations with images become tokens whose loss masks are those of
+the same conversation without them (images in the first and a later turn, and in a reply), image tokens never
+targets; collated rows feed the model; a one-process SFT run exports a folder that reloads with the Auto classes;
+bad input is refused with one line. The 2-rank FSDP2 runs against one process: tests/test_two_ranks_in_one_launch.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers.paths import REPO
+from helpers.recipes import recipe_error_in_process, run_recipe_in_process
+from helpers.vision import LLAVA, PROCESSOR, SHAPES, llava_folder, shapes_subset, vision_values
+
+
+@pytest.fixture(scope="module")
+def pictures():
+    from transformers import AutoProcessor
+
+    from fsdp_recipes.data.images import ImageInputs
+
+    return ImageInputs(AutoProcessor.from_pretrained(PROCESSOR))
+
+
+def picture(index: int) -> str:
+    return str(REPO / "demo" / "assets" / "shapes_images" / f"test-{index:04d}.png")
+
+
+def two_turns(image_in_reply: bool = False) -> dict:
+    """A picture in the first user turn, another in the second (after its text), and a third in a reply if asked."""
+    reply = [{"type": "text", "text": "blue square"}] + ([{"type": "image"}] if image_in_reply else [])
+    return {
+        "images": [picture(0), picture(1)] + ([picture(2)] if image_in_reply else []),
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "red circle"}]},
+            {"role": "user", "content": [{"type": "text", "text": "and this?"}, {"type": "image"}]},
+            {"role": "assistant", "content": reply},
+        ],
+    }
+
+
+def tokenized(rows, tokenizer, pictures, max_length=200):
+    from datasets import Dataset
+
+    from fsdp_recipes.data import chat
+
+    options = dict(assistant_only_loss=True, completion_only_loss=True, max_length=max_length)
+    return chat.tokenize_dataset(Dataset.from_list(rows), tokenizer, pictures=pictures, **options)[0]
+
+
+def trained_text(tokenizer, row) -> str:
+    return tokenizer.decode([t for t, keep in zip(row["input_ids"], row["loss_mask"]) if keep])
+
+
+def test_masks_with_images_in_the_first_and_a_later_turn_are_those_of_the_text(pictures):
+    tokenizer = pictures.tokenizer
+    with_images = tokenized([two_turns()], tokenizer, pictures)[0]
+    text_only = two_turns()
+    for turn in text_only["messages"]:
+        turn["content"] = "".join(part.get("text", "") for part in turn["content"])
+    del text_only["images"]
+    plain = tokenized([text_only], tokenizer, None)[0]
+    assert (
+        trained_text(tokenizer, with_images) == trained_text(tokenizer, plain) == "red circle<|end|>blue square<|end|>"
+    )
+    image_tokens = [i for i, token in enumerate(with_images["input_ids"]) if token == pictures.image_token_id]
+    assert len(image_tokens) == 2 * 16  # 32x32 pictures in 8x8 patches, the class token dropped
+    assert not any(with_images["loss_mask"][i] for i in image_tokens)
+    assert len(with_images["images"]) == 2 and with_images["images"][0] == Path(picture(0)).read_bytes()
+
+
+def test_an_image_in_a_reply_is_never_a_target(pictures):
+    row = tokenized([two_turns(image_in_reply=True)], pictures.tokenizer, pictures)[0]
+    image_tokens = [i for i, token in enumerate(row["input_ids"]) if token == pictures.image_token_id]
+    assert len(image_tokens) == 48 and not any(row["loss_mask"][i] for i in image_tokens)
+    assert trained_text(pictures.tokenizer, row) == "red circle<|end|>blue square<|end|>"
+
+
+def test_collated_rows_give_the_model_its_pixels_and_a_loss(pictures):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fsdp_recipes.data import rows
+
+    built = rows.build_rows(
+        tokenized([two_turns(), two_turns(True)], pictures.tokenizer, pictures), max_length=200, packing=False
+    )
+    batch = rows.collate_rows([built[0], built[1]], pictures.tokenizer.pad_token_id, pictures)
+    assert tuple(batch["pixel_values"].shape) == (5, 3, 32, 32)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
+    from fsdp_recipes.train.losses import TokenLoss
+
+    assert torch.isfinite(TokenLoss(model).loss_sum(model, batch))
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """A tiny Gemma 3 (SigLIP tower, 4 soft tokens per picture between begin/end markers) and its own processor,
+    built from the demo tokenizer with Gemma 3's image tokens: (ImageInputs, model)."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+    )
+
+    from fsdp_recipes.data.images import ImageInputs
+
+    names = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "demo" / "assets" / "tokenizer", extra_special_tokens=names)
+    template = (PROCESSOR / "chat_template.jinja").read_text().replace("<image>", "<start_of_image>")
+    tokenizer.chat_template = template
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
+        image_seq_length=4, chat_template=template,
+    )  # fmt: skip
+    config = Gemma3Config(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16, max_position_embeddings=256,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            patch_size=16,
+        ),
+        mm_tokens_per_image=4, boi_token_index=tokenizer.boi_token_id, image_token_index=tokenizer.image_token_id,
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return ImageInputs(processor), AutoModelForImageTextToText.from_config(config)
+
+
+def test_gemma3_masks_are_exact_and_its_image_tokens_attend_as_its_processor_marks_them(gemma3):
+    import torch
+
+    from fsdp_recipes.data import rows
+    from fsdp_recipes.models.vision import vision_block_classes
+    from fsdp_recipes.train.losses import TokenLoss
+
+    pictures, model = gemma3
+    row = tokenized([two_turns(image_in_reply=True)], pictures.tokenizer, pictures)[0]
+    assert pictures.placeholder == "<start_of_image>"  # the template writes the begin marker; the processor expands it
+    assert trained_text(pictures.tokenizer, row) == "red circle<|end|>blue square<|end|>"
+    soft = [i for i, token in enumerate(row["input_ids"]) if token == pictures.image_token_id]
+    assert len(soft) == 12 and not any(row["loss_mask"][i] for i in soft)
+    built = rows.build_rows(tokenized([two_turns()], pictures.tokenizer, pictures), max_length=200, packing=False)
+    batch = rows.collate_rows([built[0]], pictures.tokenizer.pad_token_id, pictures)
+    assert batch["token_type_ids"].sum() == 8 and tuple(batch["pixel_values"].shape) == (2, 3, 32, 32)
+    assert torch.isfinite(TokenLoss(model).loss_sum(model.train(), batch))
+    assert vision_block_classes(model) == ["SiglipEncoderLayer"]
+
+
+def test_a_one_process_run_exports_a_folder_the_auto_classes_reload_with_its_processor(tmp_path):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    data = shapes_subset(tmp_path / "data")
+    values = vision_values(
+        data, tmp_path / "out", freeze_vision_tower=True, exact_match_eval_samples=4, max_new_tokens=4
+    )
+    run_recipe_in_process("sft", tmp_path, "vision", values)
+    out = tmp_path / "out"
+    processor, model = AutoProcessor.from_pretrained(out), AutoModelForImageTextToText.from_pretrained(out)
+    assert type(processor).__name__ == "LlavaProcessor" and type(model).__name__ == "LlavaForConditionalGeneration"
+    from fsdp_recipes.models.vision import vision_parts
+
+    tower = sum(parameter.numel() for parameter in vision_parts(model)[0].parameters())
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["trainable_parameters"] == summary["total_parameters"] - tower and tower > 0
+    from PIL import Image
+
+    prompt = processor.apply_chat_template(two_turns()["messages"][:1], add_generation_prompt=True)
+    inputs = processor(text=[prompt], images=[Image.open(picture(0)).convert("RGB")], return_tensors="pt")
+    assert (inputs["input_ids"] == model.config.image_token_index).sum() == 16
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+    results = json.loads((out / "eval_results.json").read_text())
+    assert set(results) == {"exact_match_before", "exact_match_after"}
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    return llava_folder(tmp_path_factory.mktemp("llava"))
+
+
+def test_lora_on_a_vision_language_model_adapts_its_language_model_only(tmp_path, llava):
+    from safetensors.torch import load_file
+
+    data = shapes_subset(tmp_path / "data")
+    values = vision_values(
+        data, tmp_path / "out", model_config=None, tokenizer_name_or_path=None, model_name_or_path=str(llava),
+        use_peft=True, lora_r=2,
+    )  # fmt: skip
+    run_recipe_in_process("sft", tmp_path, "lora", values)
+    keys = list(load_file(tmp_path / "out" / "adapter_model.safetensors"))
+    assert keys and all("language_model" in key for key in keys), keys[:3]
+    assert (tmp_path / "out" / "processor_config.json").is_file()
+
+
+# --- bad input: one error line before any weights load --------------------------------------------------------------
+def refusal(tmp_path, capsys, values) -> str:
+    return recipe_error_in_process("sft", tmp_path, values, capsys)
+
+
+def with_rows(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def test_bad_images_are_refused_naming_the_row(tmp_path, capsys):
+    good = two_turns()
+    cases = {
+        "missing": ({**good, "images": [picture(0), "nowhere.png"]}, "the image 'nowhere.png' does not exist"),
+        "not an image": ({**good, "images": [picture(0), str(LLAVA)]}, "is not an image PIL can read"),
+        "more parts": ({**good, "images": [picture(0)]}, "it has 2 image part(s) in its turns but 1 image(s)"),
+    }
+    for name, (row, expected) in cases.items():
+        data = with_rows(tmp_path / name.replace(" ", "_"), [good] * 8 + [row])
+        line = refusal(tmp_path, capsys, vision_values(data, tmp_path / "out"))
+        assert "example 8 of the train split" in line and expected in line, (name, line)
+    data = with_rows(tmp_path / "long", [good] * 9)
+    line = refusal(tmp_path, capsys, vision_values(data, tmp_path / "out", max_length=30))
+    assert "past max_length=30" in line and "each image is 16 tokens" in line
+
+
+def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_lacks_are_refused(
+    tmp_path, capsys, tiny_model_config, small_chat_data
+):
+    data = with_rows(tmp_path / "data", [two_turns()] * 9)
+    text_model = vision_values(
+        data,
+        tmp_path / "out",
+        model_config=str(tiny_model_config),
+        tokenizer_name_or_path=str(REPO / "demo" / "assets" / "tokenizer"),
+    )
+    assert "the model is text-only (it has no vision tower)" in refusal(tmp_path, capsys, text_model)
+    blind = vision_values(data, tmp_path / "out", chat_template="{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    assert "the chat template never renders an image part" in refusal(tmp_path, capsys, blind)
+    frozen = dict(text_model, dataset_name=str(small_chat_data), freeze_vision_tower=True)
+    assert "freeze_vision_tower: the model (llama) is text-only" in refusal(tmp_path, capsys, frozen)
+
+
+def test_packing_rows_with_images_is_refused_with_the_reason(tmp_path, capsys):
+    data = with_rows(tmp_path / "data", [two_turns()] * 9)
+    line = refusal(tmp_path, capsys, vision_values(data, tmp_path / "out", packing=True))
+    assert "packing rows of examples with images is not supported yet" in line and "packing: false" in line
+
+
+def test_the_demo_assets_rebuild_byte_for_byte(tmp_path):
+    import subprocess
+    import sys
+
+    shutil.copytree(REPO / "demo" / "assets" / "tokenizer", tmp_path / "tokenizer")
+    subprocess.run(
+        [sys.executable, str(REPO / "demo" / "make_shapes_assets.py"), "--out-dir", str(tmp_path), "--no-model-config"],
+        check=True,
+        capture_output=True,
+    )
+    for split in ("train", "test"):
+        assert (tmp_path / "shapes" / f"{split}.jsonl").read_bytes() == (SHAPES / f"{split}.jsonl").read_bytes()
+    assert (tmp_path / "shapes_images" / "test-0007.png").read_bytes() == Path(picture(7)).read_bytes()
+
+
+def test_recipes_that_do_not_train_on_images_yet_refuse_data_with_them():
+    from datasets import Dataset
+
+    from fsdp_recipes.common.errors import DataError
+    from fsdp_recipes.methods.grpo.prompts import load_prompts
+    from fsdp_recipes.methods.preference import paired, unpaired
+
+    with pytest.raises(DataError, match="preference tuning \\(and reward modelling\\) with images is not built yet"):
+        paired.detect_format(["prompt", "chosen", "rejected", "images"])
+    pairs = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "image": picture(0)}])
+    with pytest.raises(DataError, match="KTO with images"):
+        unpaired.unpair_if_paired(pairs, "train")
+    prompts = Dataset.from_list([{"prompt": "a", "images": [picture(0)]}])
+    with pytest.raises(DataError, match="online RL \\(GRPO\\) with images"):
+        load_prompts(prompts, None, max_prompt_length=8, split="train")
