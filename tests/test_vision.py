@@ -241,7 +241,7 @@ def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_l
         model_config=str(tiny_model_config),
         tokenizer_name_or_path=str(REPO / "demo" / "assets" / "tokenizer"),
     )
-    assert "the model is text-only (it has no vision tower)" in refusal(tmp_path, capsys, text_model)
+    assert "nothing here reads images: the model is text-only" in refusal(tmp_path, capsys, text_model)
     blind = vision_values(data, tmp_path / "out", chat_template="{% for m in messages %}{{ m['role'] }}{% endfor %}")
     assert "the chat template never renders an image part" in refusal(tmp_path, capsys, blind)
     frozen = dict(text_model, dataset_name=str(small_chat_data), freeze_vision_tower=True)

@@ -302,8 +302,9 @@ def tokenize_dataset(
     image_column = images_lib.image_column(dataset.column_names)
     if image_column is not None and pictures is None:
         raise DataError(
-            f"the {name} data has an {image_column!r} column, but the model is text-only (it has no vision tower): "
-            "train a vision-language model (Qwen2.5-VL, Gemma 3, Llava...) on it, or drop the column"
+            f"the {name} data has an {image_column!r} column, but nothing here reads images: the model is text-only "
+            "(it has no vision tower), or this recipe does not take images yet (SFT does; docs/vision.md). Use a "
+            "vision-language model (Qwen2.5-VL, Gemma 3, Llava...) with sft.py, or drop the column"
         )
     uses_chat_template = data_format == "conversational" or isinstance(dataset[0]["prompt"], list)
     if uses_chat_template and not tokenizer.chat_template:
