@@ -93,6 +93,40 @@ def open_image(data: bytes):
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
+class GridImageProcessor:
+    """A processor for the families whose own needs torchvision here (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a video
+    processor beside the image one), built from their image processor (its torchvision-free `*Pil` class) and
+    tokenizer: each `<|image_pad|>` becomes one token per merged patch, grid_t x grid_h x grid_w / merge_size^2, as
+    their processors expand it. Saved as the image processor, tokenizer and chat template it holds."""
+
+    image_token = "<|image_pad|>"
+    model_input_names = ("input_ids", "pixel_values", "image_grid_thw")
+
+    def __init__(self, image_processor, tokenizer, chat_template: str | None = None):
+        self.image_processor, self.tokenizer, self.chat_template = image_processor, tokenizer, chat_template
+
+    def tokens_per_image(self, image) -> int:
+        grid = self.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+        return int(grid.prod()) // int(self.image_processor.merge_size) ** 2
+
+    def __call__(self, text: list[str], images: list, add_special_tokens: bool = True) -> dict:
+        pending, expanded = list(images), []
+        for piece in text:
+            parts = piece.split(self.image_token)
+            out = parts[0]
+            for part in parts[1:]:
+                out += self.image_token * self.tokens_per_image(pending.pop(0)) + part
+            expanded.append(out)
+        return self.tokenizer(expanded, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def save_pretrained(self, folder) -> None:
+        self.image_processor.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+
+
 class ImageInputs:
     """The processor's view of images for training: which token the chat template writes for an image part, what
     each picture becomes in tokens, and its pixel values for a batch."""
@@ -113,6 +147,13 @@ class ImageInputs:
             )
         self.placeholder = found[0]
         self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder)
+        # the marker tokens a template writes around an image (Qwen's vision start/end): never targets either
+        text_only = self.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+        with_image = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+        )
+        added = set(self.tokenizer.get_added_vocab().values()) | set(self.tokenizer.all_special_ids)
+        self.marker_ids = (set(with_image["input_ids"]) - set(text_only["input_ids"])) & added
         # the token that carries image features: the one a picture's expansion repeats (Llava's <image>; Gemma 3's
         # soft token between the begin and end markers its template writes)
         from PIL import Image
@@ -127,7 +168,8 @@ class ImageInputs:
         return list(encoded["input_ids"][0])
 
     def expand(self, ids: list[int], mask: list[int], images: list) -> tuple[list[int], list[int]]:
-        """Each placeholder replaced by its picture's tokens (in order), none of them a target."""
+        """Each placeholder replaced by its picture's tokens (in order), none of them a target, nor the markers the
+        template writes around it."""
         places = [index for index, token in enumerate(ids) if token == self.placeholder_id]
         if len(places) != len(images):
             raise ValueError(
@@ -139,7 +181,8 @@ class ImageInputs:
             out_ids += ids[at:place] + tokens
             out_mask += mask[at:place] + [0] * len(tokens)
             at = place + 1
-        return out_ids + ids[at:], out_mask + mask[at:]
+        out_ids, out_mask = out_ids + ids[at:], out_mask + mask[at:]
+        return out_ids, [0 if token in self.marker_ids else keep for token, keep in zip(out_ids, out_mask)]
 
     def pixel_inputs(self, input_ids: torch.Tensor, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
         """The model's vision inputs for a batch: every row's pictures in row order, and (Gemma 3) which tokens are

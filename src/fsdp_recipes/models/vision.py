@@ -43,8 +43,18 @@ def load_processor(name_or_path: str, tokenizer: PreTrainedTokenizerBase, *, rev
         name=name_or_path,
         setting="tokenizer_name_or_path",
     ):
-        processor = AutoProcessor.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
-    if not hasattr(processor, "image_processor"):
+        try:
+            processor = AutoProcessor.from_pretrained(
+                name_or_path, revision=revision, trust_remote_code=trust_remote_code
+            )
+        except (ImportError, AttributeError, ValueError) as error:  # torchvision missing (a video processor)
+            processor = _grid_processor(name_or_path, tokenizer, revision=revision, error=error)
+    if not hasattr(processor, "image_processor"):  # a folder with no processor class: an image processor, maybe
+        try:
+            processor = _grid_processor(name_or_path, tokenizer, revision=revision, error=ValueError())
+        except (OSError, ValueError):
+            processor = None
+    if processor is None:
         raise ConfigError(
             f"{name_or_path!r} holds a tokenizer but no image processor, and the model is a vision-language model: "
             "point tokenizer_name_or_path at the model's processor folder (preprocessor_config.json or "
@@ -54,6 +64,19 @@ def load_processor(name_or_path: str, tokenizer: PreTrainedTokenizerBase, *, rev
     if tokenizer.chat_template:
         processor.chat_template = tokenizer.chat_template
     return processor
+
+
+def _grid_processor(name_or_path: str, tokenizer, *, revision: str, error: BaseException):
+    """Qwen-VL families without torchvision: their image processor and tokenizer with their own expansion
+    (data.images.GridImageProcessor); anything else re-raises the processor's own error."""
+    from transformers import AutoImageProcessor
+
+    from fsdp_recipes.data.images import GridImageProcessor
+
+    image_processor = AutoImageProcessor.from_pretrained(name_or_path, revision=revision)
+    if not hasattr(image_processor, "merge_size") or GridImageProcessor.image_token not in tokenizer.get_vocab():
+        raise error
+    return GridImageProcessor(image_processor, tokenizer, tokenizer.chat_template)
 
 
 def vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:

@@ -45,7 +45,9 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     if str(getattr(config, "_attn_implementation", "")).startswith("flash"):
         input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
     vision = {key: batch[key] for key in VISION_INPUTS if key in batch}  # rows with pictures (data.images)
-    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False, **vision}
+    if vision:  # one example per row: the model's own positions (Qwen-VL's are 3-D, over the pictures' patches)
+        return {"input_ids": input_ids, "use_cache": False, **vision}
+    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
 
 
 def sequence_classification_logits(
