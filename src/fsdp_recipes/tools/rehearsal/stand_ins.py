@@ -125,6 +125,12 @@ def write_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     real = load_real_config(resolve(name, locals_), trust_remote_code=trust_remote_code)
+    if getattr(real, "vision_config", None) is not None:
+        raise ConfigError(
+            f"{name!r} is a vision-language model ({real.model_type}): rehearse does not build stand-ins of those yet "
+            "(both towers and the processor; docs/vision.md, Not yet). Rehearse its training with the tiny demo "
+            "(recipes/configs/sft/demo_shapes.yaml) on your Accelerate config instead"
+        )
     small = shrunk_config(real, tp=tp, ep=ep)
     tokenizer_source = resolve(tokenizer_name or name, locals_)
     try:
