@@ -201,8 +201,8 @@ def exact_match_accuracy(
                 inputs.update(pictures.pixel_inputs(inputs["input_ids"], [e["images"] for e in batch_examples]))
             inputs = {key: value.to(accelerator.device) for key, value in inputs.items()}
             # transformers encodes pictures outside the model's forward, where FSDP2 gathers nothing: gathered here
-            with generation.weights_gathered(model, enabled=with_pictures):
-                output = model.generate(
+            with generation.weights_gathered(model, enabled=with_pictures):  # DDP (NO_SHARD): its module generates
+                output = getattr(model, "module", model).generate(
                     **inputs,
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
