@@ -36,6 +36,7 @@ def run_recipe(
     tiny_model_config,
     data,
     launcher_args=(),
+    exact_match_eval_samples: int = 0,
 ) -> Path:
     values = resume_values(
         tiny_model_config,
@@ -43,7 +44,7 @@ def run_recipe(
         tmp / name,
         per_device_train_batch_size=rows_per_process,
         save_steps=None,
-        exact_match_eval_samples=0,
+        exact_match_eval_samples=exact_match_eval_samples,
     )
     run_sft(tmp, name, values, num_processes=num_processes, accelerate_config=config, launcher_args=list(launcher_args))
     return tmp / name
@@ -127,6 +128,7 @@ def runs(tmp_path_factory, tiny_model_config, small_chat_data, reference_run):
             num_processes=2,
             rows_per_process=4,
             launcher_args=GPU_CONFIG_ON_CPU,
+            exact_match_eval_samples=4,  # DDP wraps the model, which has no `generate` of its own then
             **common,
         ),
     )
@@ -167,6 +169,8 @@ def test_each_run_used_the_topology_its_config_names(runs):
     assert (sgo["world_size"], sgo["distributed_type"], sgo["fsdp"]["reshard_after_forward"]) == (2, "FSDP", "False")
     assert (ddp["world_size"], ddp["distributed_type"], ddp["fsdp"]) == (2, "MULTI_CPU", None)
     assert ddp["parameters_per_rank"] == [ddp["parameters_total"]] * 2  # DDP: every rank holds the whole model
+    results = json.loads((runs["no_shard"] / "eval_results.json").read_text())  # its module generated, under DDP
+    assert {"exact_match_before", "exact_match_after"} <= set(results)
 
 
 def test_hsdp_config_on_four_cpu_processes_builds_a_replicate_by_shard_mesh(runs):
