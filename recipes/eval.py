@@ -13,18 +13,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from pathlib import Path
 
 from fsdp_recipes import run as run_lib
 from fsdp_recipes.common import arguments, checks, errors
-from fsdp_recipes.common.tables import format_table
 from fsdp_recipes.data import files, held_out
 from fsdp_recipes.methods.classify import classification, classifier
 from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.models.positions import check_example_fits_positions
-from fsdp_recipes.publish import evaluation_results, hub, model_source
-from fsdp_recipes.train import benchmark_lm, evaluation, generation, losses, vllm_settings, weight_sync
+from fsdp_recipes.publish import evaluation_results, model_source
 from fsdp_recipes.train import config as config_lib
+from fsdp_recipes.train import evaluation, generation, losses, vllm_settings, weight_sync
 
 
 @dataclasses.dataclass
@@ -195,10 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         server_weights.push(model, version=0)  # vLLM generates: it gets the evaluated weights (adapter merged)
         server_weights.close()
     if run.benchmarks:  # lm-eval's tasks on the sharded model, the documents split over the ranks
-        scores, benchmark_results = benchmark_lm.score(
-            run.benchmarks, model, tokenizer, accelerator=accelerator, parallel=run.parallel, batch_size=batch_size,
-            settings=run.benchmark_generation(), bootstrap_iters=config.benchmark_bootstrap_iters, log_samples=True,
-        )  # fmt: skip
+        scores, benchmark_results = run.score_benchmarks(
+            model, bootstrap_iters=config.benchmark_bootstrap_iters, log_samples=True
+        )
         results.update(scores)
     if "loss" in data:
         loss = evaluation.evaluate_loss(
@@ -233,30 +230,12 @@ def main(argv: list[str] | None = None) -> None:
             results["eval_f1_per_class"] = classifier.per_class(metrics["f1"], gathered, names)
 
     # --- results: the tracker, eval_results.json, the predictions, the card's model-index, the Hub ----------------------
-    evaluation_results.log_to_trackers(accelerator, config, results, run_name=run.name)
-    if accelerator.is_main_process:
-        source, folder = run.source, run.output_dir
-        card_results = evaluation_results.write(
-            folder,
-            results,
-            model=source.name,
-            dataset=config.dataset_name,
-            dataset_config=config.dataset_config,
-            split=split,
-            pipeline_tag=modeling.pipeline_tag(task),
-            card_model_name=run.hub_model_id or Path(source.name).name,
-            base_model=source.name if source.kind == "hub" else None,
-            predictions=(gathered["predictions"], gathered["references"]) if loaders else None,
-            label_name=model_config.id2label.get if task == "sequence-classification" else str,
-            benchmarks=(run.benchmarks, benchmark_results),
-        )
-        print("results:\n" + format_table(list(results.items())))
-        if config.push_to_hub:
-            url = hub.add_results_to_hub_card(  # the repo's own card keeps its text: only its metadata changes
-                run.hub_model_id, card_results, token=run.hub_token, create_pr=config.hub_create_pr
-            )
-            print(f"pushed to the Hub: {url}")
-        print(f"results written to {folder.resolve()}: eval_results.json, README.md (model-index)")
+    evaluation_results.report(
+        run, config, results, split=split, pipeline_tag=modeling.pipeline_tag(task),
+        predictions=(gathered["predictions"], gathered["references"]) if loaders else None,
+        label_name=model_config.id2label.get if task == "sequence-classification" else str,
+        benchmarks=(run.benchmarks, benchmark_results),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

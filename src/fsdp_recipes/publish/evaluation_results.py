@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_recipes.common import yaml_json
-from fsdp_recipes.publish import model_index
+from fsdp_recipes.common.tables import format_table
+from fsdp_recipes.publish import hub, model_index
 from fsdp_recipes.train import config as config_lib
 from fsdp_recipes.train import metrics as metrics_lib
 from fsdp_recipes.train import trainer_arguments
@@ -27,6 +28,38 @@ def log_to_trackers(accelerator, config: config_lib.RunConfig, results: dict[str
     )
     accelerator.log(metrics_lib.numeric_fields(results), step=0)
     accelerator.end_training()
+
+
+def report(
+    run,
+    config,
+    results: dict[str, Any],
+    *,
+    split: str | None,
+    pipeline_tag: str,
+    predictions: tuple[Sequence, Sequence] | None,
+    label_name: Callable[[Any], Any],
+    benchmarks: tuple[BenchmarkPlan | None, dict[str, Any] | None],
+) -> None:
+    """Collective: an evaluation's results (`run`: recipes/eval.py's EvaluationRun) in the trackers; on the main
+    process `write`'s files and card, the table printed, and the Hub card's metadata updated with `push_to_hub`."""
+    log_to_trackers(run.accelerator, config, results, run_name=run.name)
+    if not run.accelerator.is_main_process:
+        return
+    source, folder = run.source, run.output_dir
+    card_results = write(
+        folder, results, model=source.name, dataset=config.dataset_name, dataset_config=config.dataset_config,
+        split=split, pipeline_tag=pipeline_tag, card_model_name=run.hub_model_id or Path(source.name).name,
+        base_model=source.name if source.kind == "hub" else None, predictions=predictions, label_name=label_name,
+        benchmarks=benchmarks,
+    )  # fmt: skip
+    print("results:\n" + format_table(list(results.items())))
+    if config.push_to_hub:  # the repo's own card keeps its text: only its metadata changes
+        url = hub.add_results_to_hub_card(
+            run.hub_model_id, card_results, token=run.hub_token, create_pr=config.hub_create_pr
+        )
+        print(f"pushed to the Hub: {url}")
+    print(f"results written to {folder.resolve()}: eval_results.json, README.md (model-index)")
 
 
 def write(
@@ -76,11 +109,13 @@ def write(
 
 
 def json_safe(value: Any) -> Any:
-    """lm-eval's results hold a few values JSON does not (numpy numbers, dtypes, functions in task configs): those
-    become their text."""
+    """lm-eval's results hold a few values JSON does not (numpy numbers, dtypes, functions in task configs): written
+    as lm-eval's own CLI writes them (its `handle_non_serializable`)."""
     import json
 
-    return json.loads(json.dumps(value, default=str))
+    from lm_eval.utils import handle_non_serializable
+
+    return json.loads(json.dumps(value, default=handle_non_serializable))
 
 
 def benchmark_card_results(figures: dict[str, Any], plan: BenchmarkPlan | None) -> list[model_index.EvalResult]:

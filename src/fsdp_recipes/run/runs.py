@@ -23,8 +23,7 @@ from fsdp_recipes.publish.hub import push_folder_to_hub
 from fsdp_recipes.publish.model_source import ModelSource
 from fsdp_recipes.run import components
 from fsdp_recipes.run.training_loop import TrainingLoop
-from fsdp_recipes.train import expert_bias, generation, trainer_arguments
-from fsdp_recipes.train.benchmark_lm import BenchmarkEvaluation
+from fsdp_recipes.train import benchmark_lm, expert_bias, generation, trainer_arguments
 from fsdp_recipes.train.benchmarks import BenchmarkPlan
 from fsdp_recipes.train.config import RunConfig, TrainingConfig, config_to_dict
 from fsdp_recipes.train.evaluation import Evaluation, LossEvaluator, LossSum
@@ -57,21 +56,24 @@ class StartedRun:
 
     def benchmark_generation(self) -> generation.GenerationSettings:
         """How lm-eval's generation tasks generate (`train.benchmark_lm`): through the run's generation_backend (and
-        its vLLM server), per_device_eval_batch_size prompts at a time; each task sets its own budget and sampling.
-        A training run's vLLM server holds the weights of its last push, not necessarily the step's: there the tasks
-        generate with transformers' `generate` on the training model."""
+        its vLLM server), per_device_eval_batch_size prompts at a time; each task sets its own budget and sampling."""
         config = self.config
-        backend = getattr(config, "generation_backend", "generate")
-        training = isinstance(self, Run)
         return generation.GenerationSettings(
             max_completion_length=1,
             batch_size=config.per_device_eval_batch_size,
             seed=getattr(config, "seed", 42),
-            backend="generate" if training and backend == "vllm" else backend,
-            compile_backend=getattr(config, "torch_compile_backend", "inductor"),
-            compile_mode=getattr(config, "torch_compile_mode", None),
-            server=None if training else getattr(self, "generation_server", None),
+            **generation.backend_options(config) if hasattr(config, "generation_backend") else {},
+            server=getattr(self, "generation_server", None),
         )
+
+    def score_benchmarks(self, model, *, bootstrap_iters: int = 0, log_samples: bool = False):
+        """Collective: the config's lm-eval tasks (`self.benchmarks`) scored on `model` as the run holds it: (flat
+        figures on every rank, lm-eval's whole results on the main process)."""
+        return benchmark_lm.score(
+            self.benchmarks, model, self.tokenizer, accelerator=self.accelerator, parallel=self.parallel,
+            batch_size=self.config.per_device_eval_batch_size, settings=self.benchmark_generation(),
+            bootstrap_iters=bootstrap_iters, log_samples=log_samples,
+        )  # fmt: skip
 
     def sum_over_ranks(self, value: torch.Tensor | float) -> torch.Tensor:
         """Collective: the sum of `value` (a tensor or a number) over the data-parallel ranks, e.g. the target tokens
@@ -168,6 +170,14 @@ class Run(StartedRun):
     benchmarks: BenchmarkPlan | None = None  # benchmark_tasks, resolved and their data loaded before loading
     pictures: Any = None  # a vision-language model's processor (data.images.ImageInputs); None for a text model
 
+    def benchmark_generation(self) -> generation.GenerationSettings:
+        """A training run's vLLM server holds the weights of its last push, not necessarily the step's: its lm-eval
+        generation tasks run transformers' `generate` on the training model instead."""
+        settings = super().benchmark_generation()
+        if settings.backend != "vllm":
+            return settings
+        return dataclasses.replace(settings, backend="generate", server=None)
+
     @property
     def resumed(self) -> bool:
         return self.checkpoint is not None
@@ -246,10 +256,9 @@ class Run(StartedRun):
                 self.config, kind, total_steps=total_steps, steps_per_epoch=per_epoch
             )
         if self.benchmarks is not None:  # lm-eval tasks every benchmark_steps, beside the recipe's own evaluation
-            evaluation = BenchmarkEvaluation(
-                evaluation, self.benchmarks, model=model, tokenizer=self.tokenizer, accelerator=self.accelerator,
-                every=self.config.benchmark_steps, settings=self.benchmark_generation(),
-            )  # fmt: skip
+            evaluation = benchmark_lm.BenchmarkEvaluation(
+                evaluation, lambda: self.score_benchmarks(model)[0], every=self.config.benchmark_steps
+            )
             evaluation.attach(log=log, total_steps=total_steps, parallel=self.parallel, pause=metrics.window.paused)
         return TrainingLoop(
             self,

@@ -21,6 +21,7 @@ import contextlib
 import io
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -244,13 +245,12 @@ def score(
 
 class BenchmarkEvaluation(Evaluation):
     """A training run's evaluation with lm-eval benchmarks beside it: the recipe's own evaluator (`inner`) keeps its
-    cadence (eval_steps); the benchmarks run every `benchmark_steps` and at the end, logged in the same metrics log
-    (and so kept by a resumed run, which reads the log's earlier records)."""
+    cadence (eval_steps); `score` (the run's `score_benchmarks` on its model) runs every `benchmark_steps` and at the
+    end, logged in the same metrics log (and so kept by a resumed run, which reads the log's earlier records)."""
 
-    def __init__(self, inner: Evaluation, plan: BenchmarkPlan, *, model, tokenizer, accelerator, every, settings):
+    def __init__(self, inner: Evaluation, score: Callable[[], dict[str, float]], *, every: int | None):
         super().__init__(every=every)
-        self.inner, self.plan, self.model, self.tokenizer = inner, plan, model, tokenizer
-        self.accelerator, self.settings = accelerator, settings
+        self.inner, self.score = inner, score
 
     def maybe_evaluate(self, step: int) -> dict[str, Any] | None:
         inner = self.inner.maybe_evaluate(step)
@@ -262,13 +262,4 @@ class BenchmarkEvaluation(Evaluation):
         return {**self.inner.results, **self.results}
 
     def measure(self) -> dict[str, Any]:
-        figures, _ = score(
-            self.plan,
-            self.model,
-            self.tokenizer,
-            accelerator=self.accelerator,
-            parallel=self.parallel,
-            batch_size=self.settings.batch_size,
-            settings=self.settings,
-        )
-        return figures
+        return self.score()
