@@ -103,9 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         train_raw, eval_raw = files.split_train_eval(
             raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
         )
+        # (a vision-language model's processor, run.pictures, reads the prompts' images)
         options = dict(
-            max_length=config.max_length, max_prompt_length=config.max_prompt_length, num_proc=config.dataset_num_proc
-        )
+            max_length=config.max_length, max_prompt_length=config.max_prompt_length, num_proc=config.dataset_num_proc,
+            pictures=run.pictures, image_roots=files.data_folders(config.dataset_name),
+        )  # fmt: skip
         train_pairs, train_stats = paired.tokenize_pairs(train_raw, tokenizer, name="train", **options)
         eval_pairs = None
         if eval_raw is not None:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     if run.resumed and config.reference_mode() == "precomputed":
         splits = {"train": train_pairs, "eval": eval_pairs}
         stored = run.on_every_rank(lambda: reference.read_checked(run.checkpoint, splits))
-    collate = paired.PairCollator(tokenizer.pad_token_id)
+    collate = paired.PairCollator(tokenizer.pad_token_id, pictures=run.pictures)
     train_loader = rows.train_dataloader(
         train_pairs,
         config,

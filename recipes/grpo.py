@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
             f"(per_device_train_batch_size x processes x gradient_accumulation_steps = {completions_per_step})"
         )
     task = run.on_every_rank(
-        lambda: grpo_task.load_task(config, tokenizer, device=accelerator.device), main_process_first=True
-    )
+        lambda: grpo_task.load_task(config, tokenizer, device=accelerator.device, pictures=run.pictures),
+        main_process_first=True,
+    )  # (a vision-language model's processor, run.pictures, reads the prompts' pictures)
     data = task.data
     prompts_per_round = completions_per_step // config.num_generations
     schedule = rollouts.PromptSchedule(len(data), prompts_per_round, seed=config.seed)
@@ -113,7 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         reference_copy = frozen_copy.shard_frozen_copy(accelerator, reference_copy)
     scheduler = loop.build_scheduler(optimizer, config, total_steps=total_steps)
     settings = config.generation_settings(
-        batch_size=config.per_device_eval_batch_size, seed=config.seed, server=run.generation_server
+        batch_size=config.per_device_eval_batch_size,
+        seed=config.seed,
+        server=run.generation_server,
+        pictures=run.pictures,
     )
     generator = round_generation.RoundGeneration(
         run, config, task, model, settings, schedule=schedule, total_rounds=-(-total_steps // config.num_iterations)
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 mask_truncated_completions=config.mask_truncated_completions,
                 rows_per_micro_batch=config.per_device_train_batch_size, pad_token_id=tokenizer.pad_token_id,
                 padding_free=config.padding_free, kept_groups=kept_groups, generation_passes=len(pool.passes),
+                pixel_inputs=task.pixel_inputs,
             )  # fmt: skip
             shown.keep(
                 step, [data.prompts[p] for p in mine.prompt_indices],

@@ -170,7 +170,7 @@ def test_grpo_tool_rounds_run_on_qwen3s_own_template(monkeypatch):
     call = '<think>\n\n</think>\n\n<tool_call>\n{"name": "reverse", "arguments": {"text": "abc"}}\n</tool_call>'
     answer = "<think>\n\n</think>\n\ncba"
 
-    def scripted(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus):
+    def scripted(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus, images=None):
         turns = [answer if "<tool_response>" in tokenizer.decode(p) else call for p in prompt_ids]
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in turns]
         return generation.Generated(ids, [False] * len(turns))

@@ -22,7 +22,15 @@ from helpers.paths import REPO
 from helpers.recipes import base_recipe_values, read_metrics, recipe_config, run_recipe_in_process
 from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, scripted_generation
 from helpers.tiny_moe import COMMON, FAMILIES, tiny_moe
-from helpers.vision import llava_folder, shapes_subset, vision_values
+from helpers.vision import (
+    llava_folder,
+    shapes_pairs,
+    shapes_prompts,
+    shapes_subset,
+    vision_dpo_values,
+    vision_grpo_values,
+    vision_values,
+)
 
 SEQUENCE = REPO / "tests" / "scripts" / "recipes_in_sequence.py"
 DEEPSEEK_BIAS = [0.02, -0.01, 0.0, -0.03]
@@ -33,6 +41,8 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
     tmp_path, small_chat_data, pretrained_tiny_model, prompt_data
 ):
     pictures = shapes_subset(tmp_path / "pictures", count=16)  # a vision-language model, whole and with LoRA
+    picture_pairs = shapes_pairs(tmp_path / "picture_pairs", count=16)  # and DPO on them, against a sharded copy
+    picture_prompts = shapes_prompts(tmp_path / "picture_prompts", count=16)  # and GRPO, rewards seeing them
     config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
     (tmp_path / "moe.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.1}))
     tiny_moe("qwen3_moe").save_pretrained(tmp_path / "base")
@@ -69,6 +79,10 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
             model_name_or_path=str(llava_folder(tmp_path / "llava")), use_peft=True, lora_r=2, lora_dropout=0.0,
             freeze_vision_tower=True, per_device_train_batch_size=2,
         ), 4),
+        "vision_dpo": ("dpo", vision_dpo_values(picture_pairs, tmp_path / "vision_dpo_two", per_device_train_batch_size=2), 4),
+        "vision_grpo": ("grpo", vision_grpo_values(
+            picture_prompts, tmp_path / "vision_grpo_two", gradient_accumulation_steps=1,
+        ), 8),
     }  # fmt: skip
     arguments = []
     for name, (recipe, values, _) in runs.items():
@@ -81,9 +95,11 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
             run_recipe_in_process(script, tmp_path, f"{name}_one", one)
         twos, ones = ([r for r in read_metrics(tmp_path / f"{name}_{side}") if "loss" in r] for side in ("two", "one"))
         assert [r["step"] for r in twos] == [r["step"] for r in ones] and twos, name
-        keys = {"lora": ("loss",), "tools": ("loss", "tools/call_frequency"), "vision": ("loss", "grad_norm")}.get(
-            name, ("loss", "aux_loss", "moe/load_imbalance")
-        )
+        keys = {
+            "lora": ("loss",), "tools": ("loss", "tools/call_frequency"), "vision": ("loss", "grad_norm"),
+            "vision_dpo": ("loss", "grad_norm", "rewards/margins"),
+            "vision_grpo": ("loss", "reward", "rewards/brightness/mean"),
+        }.get(name, ("loss", "aux_loss", "moe/load_imbalance"))  # fmt: skip
         for two, single in zip(twos, ones):
             for key in keys:
                 if key in single:

@@ -6,6 +6,7 @@ bad input is refused with one line. The 2-rank FSDP2 runs against one process: t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from helpers.paths import REPO
 from helpers.recipes import recipe_error_in_process, run_recipe_in_process
-from helpers.vision import LLAVA, PROCESSOR, SHAPES, llava_folder, shapes_subset, vision_values
+from helpers.vision import LLAVA, PROCESSOR, SHAPES, llava_folder, shapes_pairs, shapes_subset, vision_values
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +182,7 @@ def qwen2_5_vl(tmp_path_factory):
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
         ),
         vision_config=dict(
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
@@ -212,7 +214,9 @@ def test_qwen2_5_vl_through_its_image_processor_gets_exact_masks_and_its_own_pos
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
     assert "position_ids" not in model_inputs(model, batch)  # the model computes its 3-D positions itself
     # the model checks the pictures' features against its image tokens: a miscount would raise here
+    model.model.rope_deltas = None
     assert torch.isfinite(TokenLoss(model).loss_sum(model.train(), batch))
+    assert model.model.rope_deltas is not None  # set when it computes 3-D positions (from mm_token_type_ids)
     assert vision_block_classes(model) == ["Qwen2_5_VLVisionBlock"]
 
 
@@ -328,18 +332,156 @@ def test_the_demo_assets_rebuild_byte_for_byte(tmp_path):
     assert (tmp_path / "shapes_images" / "test-0007.png").read_bytes() == Path(picture(7)).read_bytes()
 
 
-def test_recipes_that_do_not_train_on_images_yet_refuse_data_with_them():
+# --- DPO: pairs whose prompt shows a picture -------------------------------------------------------------------------
+def test_dpo_pairs_with_images_train_the_answers_alone_and_their_log_probs_see_the_pictures(tmp_path, pictures):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fsdp_recipes.methods.preference import paired
+    from fsdp_recipes.train.losses import IGNORE_INDEX, TokenLoss, sequence_log_probs
+
+    data = shapes_pairs(tmp_path / "pairs", count=4)
+    raw = Dataset.from_json(str(data / "train.jsonl"))
+    pairs = paired.tokenize_pairs(raw, pictures.tokenizer, max_length=80, pictures=pictures)[0]
+    tokenizer = pictures.tokenizer
+    for pair, example in zip(pairs, raw):
+        for side in ("chosen", "rejected"):
+            ids, targets = pair[f"{side}_input_ids"], pair[f"{side}_targets"]
+            assert ids.count(pictures.image_token_id) == 16  # the picture's tokens, in the prompt
+            trained = tokenizer.decode([t for t in targets if t != IGNORE_INDEX])
+            assert trained.startswith(example[side][0]["content"][0]["text"]), (side, trained)
+            assert pictures.image_token_id not in [t for t in targets if t != IGNORE_INDEX]
+    batch = paired.PairCollator(tokenizer.pad_token_id, pictures=pictures)(list(pairs))
+    assert batch["pixel_values"].shape[0] == 2 * len(pairs)  # each row its own picture: chosen rows, then rejected
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA)).eval()
+    with torch.no_grad():
+        seen = sequence_log_probs(TokenLoss(model).token_losses(model, batch))
+        blank = sequence_log_probs(
+            TokenLoss(model).token_losses(model, {**batch, "pixel_values": 0 * batch["pixel_values"]})
+        )
+    assert not torch.allclose(seen, blank)  # the answers' log-probabilities depend on the pictures
+    # the same text with another picture is another pair: precomputed reference values are never mixed up
+    other = raw.map(lambda example: {"images": [picture(5)]})
+    others = paired.tokenize_pairs(other, tokenizer, max_length=80, pictures=pictures)[0]
+    assert others[0]["chosen_input_ids"] == pairs[0]["chosen_input_ids"] and others[0]["key"] != pairs[0]["key"]
+    # bad input: one line naming the pair
+    from fsdp_recipes.common.errors import DataError
+
+    for row, options, expected in (
+        (
+            {**raw[0], "images": []},
+            {},
+            "pair 0 of the train split: its prompt and chosen answer have 1 image part(s) but 0",
+        ),
+        (raw[0], {"max_prompt_length": 10}, "max_prompt_length=10 would cut a picture"),
+        (raw[0], {"max_length": 12}, "its last image ends at token"),
+    ):
+        with pytest.raises(DataError, match=re.escape(expected)):
+            paired.tokenize_pairs(
+                Dataset.from_list([row]), tokenizer, **{"max_length": 80, **options}, pictures=pictures
+            )
+    with pytest.raises(DataError, match="nothing here reads images: the model is text-only"):
+        paired.tokenize_pairs(raw, tokenizer, max_length=80)
+
+
+def test_kto_does_not_train_on_images_yet_and_refuses_data_with_them():
+    from datasets import Dataset
+
+    from fsdp_recipes.common.errors import DataError
+    from fsdp_recipes.methods.preference import unpaired
+
+    pairs = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "image": picture(0)}])
+    with pytest.raises(DataError, match="KTO with images"):
+        unpaired.unpair_if_paired(pairs, "train")
+
+
+# --- GRPO: prompts that show a picture ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_row_by_row(family, pictures, qwen2_5_vl):
+    """The policy passes run on left-padded rows of several prompts: each completion's log-probabilities equal the
+    model's own unpadded forward of that prompt, picture and completion (Qwen: its 3-D positions, from the mask)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fsdp_recipes.methods.grpo import prompts as prompts_lib
+    from fsdp_recipes.methods.grpo import rollouts
+    from fsdp_recipes.methods.grpo.task import Task
+    from fsdp_recipes.models.vision import vision_parts
+    from fsdp_recipes.train import generation
+
+    if family == "llava":
+        torch.manual_seed(0)
+        inputs, model = pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
+    else:
+        inputs, model = qwen2_5_vl
+    model.eval()
+    tokenizer = inputs.tokenizer
+    rows = [
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+         "images": [picture(index)]}
+        for index, text in enumerate(["which?", "which shape and colour is this one?"])
+    ]  # fmt: skip
+    data = prompts_lib.load_prompts(
+        Dataset.from_list(rows), tokenizer, max_prompt_length=200, split="train", pictures=inputs
+    )
+    assert len(data.prompt_ids[0]) < len(data.prompt_ids[1])  # the first row is left-padded
+    assert [row[0].size for row in data.columns["images"]] == [(32, 32)] * 2  # the reward functions' PIL images
+    encoded = []
+    hook = vision_parts(model)[0].register_forward_hook(lambda *_: encoded.append(1))
+    settings = generation.GenerationSettings(max_completion_length=3, batch_size=2, pictures=inputs)
+    completions, _ = generation.generate_completions(
+        model, tokenizer, data.prompt_ids, [0, 1], settings, synced_gpus=False, images=data.images
+    )
+    hook.remove()
+    assert encoded and all(completions)  # generation saw the pictures
+    task = Task(data, [], [], [], None, None, 1.0, inputs)
+    batch = rollouts.rollout_batch(
+        data.prompt_ids, completions, pad_token_id=tokenizer.pad_token_id,
+        prompt_width=len(data.prompt_ids[1]), completion_width=max(map(len, completions)),
+    )  # fmt: skip
+    batch.update(task.pixel_inputs(batch["input_ids"], [0, 1]))
+    with torch.no_grad():
+        padded = rollouts.completion_log_probs(model, batch, 1.0)[0]
+        for row, (prompt, completion) in enumerate(zip(data.prompt_ids, completions)):
+            ids = torch.tensor([prompt + completion])
+            alone = model(input_ids=ids, **task.pixel_inputs(ids, [row])).logits[0, len(prompt) - 1 : -1]
+            expected = alone.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            torch.testing.assert_close(padded[row, : len(completion)], expected, rtol=1e-4, atol=1e-4)
+            blank = {key: 0 * value if key == "pixel_values" else value for key, value in batch.items()}
+    assert not torch.allclose(rollouts.completion_log_probs(model, blank, 1.0)[0], padded)
+
+
+def test_grpo_refuses_what_cannot_take_pictures_yet(pictures):
+    from types import SimpleNamespace
+
     from datasets import Dataset
 
     from fsdp_recipes.common.errors import DataError
     from fsdp_recipes.methods.grpo.prompts import load_prompts
-    from fsdp_recipes.methods.preference import paired, unpaired
+    from fsdp_recipes.methods.grpo.task import picture_problem
 
-    with pytest.raises(DataError, match="preference tuning \\(and reward modelling\\) with images is not built yet"):
-        paired.detect_format(["prompt", "chosen", "rejected", "images"])
-    pairs = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "image": picture(0)}])
-    with pytest.raises(DataError, match="KTO with images"):
-        unpaired.unpair_if_paired(pairs, "train")
-    prompts = Dataset.from_list([{"prompt": "a", "images": [picture(0)]}])
-    with pytest.raises(DataError, match="online RL \\(GRPO\\) with images"):
-        load_prompts(prompts, None, max_prompt_length=8, split="train")
+    options = dict(generation_backend="generate", padding_free=False)
+    assert picture_problem(SimpleNamespace(**options), []) is None
+    for change, tools, expected in (
+        ({"generation_backend": "vllm"}, [], "generation_backend vllm (use_vllm) does not take them here yet"),
+        ({}, ["a tool"], "tool calls with pictures are not built yet"),
+        ({"padding_free": True}, [], "set padding_free: false"),
+    ):
+        assert expected in picture_problem(SimpleNamespace(**{**options, **change}), tools)
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which?"}]}]
+    for row, options, expected in (
+        ({"prompt": turns, "images": []}, {}, "prompt 0 of the train split has 1 image part(s) but 0 image(s)"),
+        ({"prompt": turns, "images": ["nowhere.png"]}, {}, "the image 'nowhere.png' does not exist"),
+        ({"prompt": turns, "images": [picture(0)]}, {"max_prompt_length": 10}, "cutting it would cut a picture"),
+        ({"prompt": turns, "images": [picture(0)]}, {"pictures": None}, "nothing here reads images"),
+    ):
+        with pytest.raises(DataError, match=re.escape(expected)):
+            load_prompts(
+                Dataset.from_list([row]),
+                pictures.tokenizer,
+                split="train",
+                **{"max_prompt_length": 200, "pictures": pictures, **options},
+            )

@@ -62,7 +62,7 @@ def scripted_generation(*, run_model: bool = True, always_call: bool = False, di
 
     real = generation.generate_completions
 
-    def generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus):
+    def generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus, images=None):
         if run_model:
             real(model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus)
         completions, truncated = [], []

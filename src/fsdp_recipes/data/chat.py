@@ -232,7 +232,7 @@ def _with_images(
     ids, mask = pictures.expand(
         tokenized["full_ids"], tokenized["full_mask"], [images_lib.open_image(one) for one in data]
     )
-    last_image = max((i for i, token in enumerate(ids) if token == pictures.image_token_id), default=-1)
+    last_image = pictures.last_image_token(ids)
     if last_image >= max_length:
         raise ValueError(
             f"its text and images take {len(ids)} tokens and its last image ends at token {last_image + 1}, past "
@@ -300,12 +300,7 @@ def tokenize_dataset(
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
     data_format = detect_format(dataset.column_names)
     image_column = images_lib.image_column(dataset.column_names)
-    if image_column is not None and pictures is None:
-        raise DataError(
-            f"the {name} data has an {image_column!r} column, but nothing here reads images: the model is text-only "
-            "(it has no vision tower), or this recipe does not take images yet (SFT does; docs/vision.md). Use a "
-            "vision-language model (Qwen2.5-VL, Gemma 3, Llava...) with sft.py, or drop the column"
-        )
+    images_lib.require_reader(image_column, pictures, name)
     uses_chat_template = data_format == "conversational" or isinstance(dataset[0]["prompt"], list)
     if uses_chat_template and not tokenizer.chat_template:
         raise DataError(

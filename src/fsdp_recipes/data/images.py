@@ -21,7 +21,9 @@ from fsdp_recipes.common.errors import DataError
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list per row, or one image per row
 # what a collated batch of rows with pictures adds to the forward's inputs (those the processor returns)
-VISION_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids")
+VISION_INPUTS = (
+    "pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids"
+)  # fmt: skip
 
 
 def image_column(column_names: list[str]) -> str | None:
@@ -35,6 +37,17 @@ def refuse_images(column_names: list[str], what: str) -> None:
             f"the data has an {column!r} column: {what} with images is not built yet (docs/vision.md, Not yet), and "
             "training on the text alone would ignore the pictures silently. SFT trains on images; drop the column "
             "to train on the text"
+        )
+
+
+def require_reader(column: str | None, pictures, name: str) -> None:
+    """DataError when the data has an images column that nothing here reads (`pictures`, the model's processor, is
+    None): the model is text-only, or the recipe does not train on images."""
+    if column is not None and pictures is None:
+        raise DataError(
+            f"the {name} data has an {column!r} column, but nothing here reads images: the model is text-only (it has "
+            "no vision tower), or this recipe does not take images (SFT, DPO and GRPO do; docs/vision.md). Use a "
+            "vision-language model (Qwen2.5-VL, Gemma 3, Llava...) with one of those, or drop the column"
         )
 
 
@@ -100,7 +113,7 @@ class GridImageProcessor:
     their processors expand it. Saved as the image processor, tokenizer and chat template it holds."""
 
     image_token = "<|image_pad|>"
-    model_input_names = ("input_ids", "pixel_values", "image_grid_thw")
+    model_input_names = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
     def __init__(self, image_processor, tokenizer, chat_template: str | None = None):
         self.image_processor, self.tokenizer, self.chat_template = image_processor, tokenizer, chat_template
@@ -160,12 +173,23 @@ class ImageInputs:
 
         expanded = self.expansion(Image.new("RGB", (64, 64), "white"))
         self.image_token_id = max(set(expanded), key=expanded.count)
-        self.needs_token_types = "token_type_ids" in getattr(processor, "model_input_names", ())
+        names = getattr(processor, "model_input_names", ())
+        self.needs_token_types = "token_type_ids" in names  # Gemma 3: its pictures' tokens attend both ways
+        # Qwen-VL: which tokens are a picture's, from which the model computes its 3-D positions (without them it
+        # would use text positions: Qwen2.5-VL silently, Qwen3-VL refuses)
+        self.needs_modality_types = "mm_token_type_ids" in names
 
     def expansion(self, image) -> list[int]:
         """The tokens the processor writes for this picture in place of its placeholder."""
         encoded = self.processor(text=[self.placeholder], images=[image], add_special_tokens=False)
         return list(encoded["input_ids"][0])
+
+    def last_image_token(self, ids: list[int]) -> int:
+        """Where the last picture's tokens end (-1 without pictures): a cut must keep everything before it."""
+        return max((i for i, token in enumerate(ids) if token == self.image_token_id), default=-1)
+
+    def first_image_token(self, ids: list[int]) -> int | None:
+        return next((i for i, token in enumerate(ids) if token == self.image_token_id), None)
 
     def expand(self, ids: list[int], mask: list[int], images: list) -> tuple[list[int], list[int]]:
         """Each placeholder replaced by its picture's tokens (in order), none of them a target, nor the markers the
@@ -185,8 +209,8 @@ class ImageInputs:
         return out_ids, [0 if token in self.marker_ids else keep for token, keep in zip(out_ids, out_mask)]
 
     def pixel_inputs(self, input_ids: torch.Tensor, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
-        """The model's vision inputs for a batch: every row's pictures in row order, and (Gemma 3) which tokens are
-        image tokens."""
+        """The model's vision inputs for a batch: every row's pictures in row order, and (Gemma 3, Qwen-VL) which
+        tokens are image tokens."""
         flat = [open_image(data) for row in images for data in row]
         inputs = {}
         if flat:
@@ -194,4 +218,6 @@ class ImageInputs:
             inputs = {key: value for key, value in processed.items() if key in VISION_INPUTS}
         if self.needs_token_types:
             inputs["token_type_ids"] = (input_ids == self.image_token_id).long()
+        if self.needs_modality_types:
+            inputs["mm_token_type_ids"] = (input_ids == self.image_token_id).int()
         return inputs

@@ -134,3 +134,9 @@ def vision_block_classes(model: torch.nn.Module) -> list[str]:
             if len(kinds) == 1:
                 stacks.append((sum(p.numel() for p in module.parameters()), kinds.pop()))
     return [max(stacks)[1]] if stacks else []
+
+
+def computes_own_positions(model: torch.nn.Module) -> bool:
+    """Whether the model computes its rotary positions from the pictures itself (Qwen-VL's 3-D positions, from the
+    input ids, the attention mask and the pictures' grids): positions passed in would be text positions."""
+    return any(hasattr(module, "get_rope_index") for module in model.modules())

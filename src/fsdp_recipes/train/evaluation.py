@@ -189,9 +189,8 @@ def exact_match_accuracy(
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     with_pictures = pictures is not None and any("images" in example for example in examples)
-    if with_pictures:  # FSDP2 sets itself up at the first forward through the whole model, which must come first
-        with torch.no_grad():
-            model(input_ids=torch.tensor([[tokenizer.pad_token_id]], device=accelerator.device), use_cache=False)
+    if with_pictures:
+        generation.set_up_for_pictures(model, tokenizer.pad_token_id)
     try:
         for index in range(batches):
             chosen = mine[index * batch_size : (index + 1) * batch_size]

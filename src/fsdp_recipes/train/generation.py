@@ -36,6 +36,7 @@ class GenerationSettings:
     greedy: bool = False  # argmax instead of sampling (evaluation's default)
     block_eos_first: bool = True  # no empty completion (training: it carries no signal); evaluation allows it
     server: Any = None  # the vLLM server (train.vllm_client.VLLMServer) of backend vllm
+    pictures: Any = None  # a vision-language model's processor (data.images.ImageInputs): pictures to pixel values
 
 
 class Generated(tuple):
@@ -116,6 +117,14 @@ def reshard_after_forward(accelerator) -> bool:
     return bool(getattr(getattr(accelerator.state, "fsdp_plugin", None), "reshard_after_forward", True))
 
 
+def set_up_for_pictures(model: torch.nn.Module, pad_token_id: int) -> None:
+    """FSDP2 sets itself up at the first forward through the whole model; transformers encodes pictures outside that
+    forward when it generates, so a one-token forward comes first (a no-op cost after the first call)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[pad_token_id]], device=device), use_cache=False)
+
+
 @contextlib.contextmanager
 def weights_gathered(model: torch.nn.Module, *, enabled: bool, reshard_after_forward: bool = True) -> Iterator[None]:
     """Within it, every FSDP2 unit of `model` holds its whole parameters and keeps them across forwards, so a
@@ -145,6 +154,7 @@ def generate_completions(
     settings: GenerationSettings,
     *,
     synced_gpus: bool,
+    images: list[list[bytes]] | None = None,
 ) -> Generated:
     """The generation step: one completion per prompt (token ids, up to and including the first end-of-sequence
     token, never that token first) and whether it stopped at the length limit instead (truncated). Sampling at
@@ -155,15 +165,19 @@ def generate_completions(
     there before loading).
 
     Backend `vllm` asks `settings.server` for them instead (the model is not run; its weights must have been pushed):
-    the same inputs, the same outputs, plus vLLM's log-probabilities of the sampled tokens."""
+    the same inputs, the same outputs, plus vLLM's log-probabilities of the sampled tokens.
+
+    `images`: each prompt's pictures (their bytes), made into pixel values by `settings.pictures` (`generate` and
+    `static_compiled` only; a vision-language model's transformers engines, its weights gathered under FSDP2)."""
     if settings.backend == "vllm":
         return _vllm_completions(model, tokenizer, prompt_ids, keys, settings)
     was_training = model.training
     model.eval()
     try:
         token_ids, truncated = generation_backends.run_backend(
-            model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus, options=generation_options(model)
-        )
+            model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus, options=generation_options(model),
+            images=images,
+        )  # fmt: skip
     finally:
         model.train(was_training)
     return Generated(token_ids, truncated)

@@ -88,8 +88,11 @@ def _compile_config(settings):
     return compile_config
 
 
-def padded_generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus: bool, static: bool, options: dict):
-    """`generate` and `static_compiled`: (completions, truncated), `settings.batch_size` left-padded prompts a time."""
+def padded_generate(
+    model, tokenizer, prompt_ids, keys, settings, *, synced_gpus: bool, static: bool, options: dict, images=None
+):
+    """`generate` and `static_compiled`: (completions, truncated), `settings.batch_size` left-padded prompts a time;
+    `images`: each prompt's pictures, made into pixel values by `settings.pictures`."""
     stops = stop_tokens(model, tokenizer)
     completions, truncated = [], []
     extra = dict(_POLICY_AS_IS)
@@ -98,7 +101,13 @@ def padded_generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus
     with _left_padding(tokenizer):
         for start in range(0, len(prompt_ids), settings.batch_size):
             chunk = prompt_ids[start : start + settings.batch_size]
-            batch = tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(next(model.parameters()).device)
+            device = next(model.parameters()).device
+            padded = tokenizer.pad({"input_ids": chunk}, return_tensors="pt")
+            batch = {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]}
+            if images is not None:  # before the move: the processor works on the CPU
+                pixels = settings.pictures.pixel_inputs(batch["input_ids"], images[start : start + settings.batch_size])
+                batch.update(pixels)
+            batch = {key: value.to(device) for key, value in batch.items()}
             width = batch["input_ids"].shape[1]
             processor = sampling.KeyedSampling(
                 seed=settings.seed, keys=keys[start : start + settings.batch_size], prompt_width=width,
@@ -106,8 +115,7 @@ def padded_generate(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus
                 not_first=stops if settings.block_eos_first else None, greedy=settings.greedy,
             )  # fmt: skip
             output = model.generate(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
+                **batch,
                 max_new_tokens=settings.max_completion_length,
                 do_sample=False,
                 logits_processor=[processor],
@@ -208,10 +216,13 @@ def paged_generate(model, tokenizer, prompt_ids, keys, settings) -> tuple[list[l
 
 
 @torch.no_grad()
-def run_backend(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus: bool, options: dict):
+def run_backend(model, tokenizer, prompt_ids, keys, settings, *, synced_gpus: bool, options: dict, images=None):
+    if images is not None and settings.backend == "paged":  # refused before loading (methods.grpo.task)
+        raise ValueError("the paged engine takes no pictures: generation_backend generate does")
     if settings.backend == "paged":
         return paged_generate(model, tokenizer, prompt_ids, keys, settings)
     static = settings.backend == "static_compiled"
     return padded_generate(
-        model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus, static=static, options=options
-    )
+        model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus, static=static, options=options,
+        images=images,
+    )  # fmt: skip

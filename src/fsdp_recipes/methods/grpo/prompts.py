@@ -1,5 +1,7 @@
 """Prompts for online RL, as TRL reads them: a `prompt` column holding text or chat turns (a list of
-{"role", "content"}); every other column is kept by name for the reward functions (e.g. `answer`)."""
+{"role", "content"}); every other column is kept by name for the reward functions (e.g. `answer`). With a
+vision-language model, an `images` (or `image`) column gives the pictures of the prompts' image parts: the prompt's
+placeholders become each picture's tokens, and the reward functions receive the pictures as PIL images."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class Prompts:
     columns: dict[str, list[Any]]  # the other columns, by name
     truncated: int  # prompts longer than the room left for them, which kept their end
     reset_texts: list[str | None] | None = None  # an environment's reset() text, appended to each prompt's last turn
+    images: list[list[bytes]] | None = None  # each prompt's pictures (file bytes), with a vision-language model
 
     def row(self, index: int) -> dict[str, Any]:
         """The data row of prompt `index`: its prompt and every other column, by name."""
@@ -50,12 +53,16 @@ def load_prompts(
     column: str = "prompt",
     tools: list[dict] | None = None,
     reset=None,
+    pictures: images.ImageInputs | None = None,
+    image_roots: tuple = (),
 ) -> Prompts:
     """The prompts of `dataset` (a datasets.Dataset), tokenised; longer ones than `max_prompt_length` keep their end
     (counted in `truncated`). DataError when there is no prompt `column`, the data is empty, or a prompt is neither
-    text nor chat turns."""
+    text nor chat turns. `pictures`: a vision-language model's processor, for data with an images column (paths
+    looked up in `image_roots`, then the working directory); a prompt is never cut through a picture."""
     names = list(dataset.column_names)
-    images.refuse_images(names, "online RL (GRPO)")
+    image_column = images.image_column(names)
+    images.require_reader(image_column, pictures, split)
     if column not in names:
         raise DataError(
             f"the {split} split has no {column!r} column (it has: {', '.join(names)}): online RL reads prompts as "
@@ -69,7 +76,8 @@ def load_prompts(
         raise DataError(
             "the prompts are chat turns but the tokenizer has no chat template: set chat_template, or give text prompts"
         )
-    prompt_ids, truncated, reset_texts = [], 0, []
+    prompt_ids, truncated, reset_texts, shown = [], 0, [], []
+    given = list(dataset[image_column]) if image_column else None
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             raise DataError(f"prompt {index} of the {split} split is {type(prompt).__name__}: text or chat turns")
@@ -87,8 +95,50 @@ def load_prompts(
         ids = tokenize_prompt(prompt, tokenizer, tools)
         if not ids:
             raise DataError(f"prompt {index} of the {split} split is empty once tokenised")
+        if given is not None:
+            ids = _with_pictures(
+                ids,
+                prompt,
+                given[index],
+                image_column,
+                pictures,
+                image_roots,
+                shown,
+                f"prompt {index} of the {split} split",
+            )
+            first = pictures.first_image_token(ids)
+            if first is not None and first < len(ids) - max_prompt_length:
+                raise DataError(
+                    f"prompt {index} of the {split} split takes {len(ids)} tokens with its pictures, more than the "
+                    f"{max_prompt_length} left for prompts (max_length - max_completion_length), and cutting it would "
+                    "cut a picture: raise max_length, or shrink the images' resolution in the processor"
+                )
         if len(ids) > max_prompt_length:
             ids, truncated = ids[-max_prompt_length:], truncated + 1
         prompt_ids.append(ids)
     columns = {name: list(dataset[name]) for name in names if name != column}
-    return Prompts(prompts, prompt_ids, columns, truncated, reset_texts if reset is not None else None)
+    if image_column is not None:  # the reward functions' view: PIL images, whatever the data holds
+        opened = [[images.open_image(data) for data in row] for row in shown]
+        columns[image_column] = opened if image_column == "images" else [row[0] if row else None for row in opened]
+    return Prompts(
+        prompts, prompt_ids, columns, truncated, reset_texts if reset is not None else None, shown if given else None
+    )
+
+
+def _with_pictures(ids, prompt, given, column: str, pictures, roots, shown: list, where: str) -> list[int]:
+    """The prompt's tokens with each image placeholder replaced by its picture's tokens; its pictures' bytes are
+    added to `shown`."""
+    pictures_given = images.images_of({column: given}, column)
+    parts = images.image_parts(prompt) if isinstance(prompt, list) else 0
+    if parts != len(pictures_given):
+        raise DataError(
+            f"{where} has {parts} image part(s) but {len(pictures_given)} image(s) in {column!r}"
+            + ("" if isinstance(prompt, list) else ": pictures need chat turns with {'type': 'image'} parts")
+        )
+    try:
+        data = [images.image_bytes(value, roots) for value in pictures_given]
+        expanded, _ = pictures.expand(ids, [0] * len(ids), [images.open_image(one) for one in data])
+    except ValueError as error:
+        raise DataError(f"{where}: {error}. Fix or remove that row.") from None
+    shown.append(data)
+    return expanded

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from fsdp_recipes.data.images import VISION_INPUTS
 from fsdp_recipes.distributed.collectives import gather_tensors
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.distributed.sequence_parallel import SequenceShards
@@ -28,6 +29,7 @@ from fsdp_recipes.methods.grpo.policy_gradient import (
     token_log_probs,
     zero_std_fraction,
 )
+from fsdp_recipes.models.vision import computes_own_positions
 
 
 class PromptSchedule:
@@ -157,10 +159,14 @@ def completion_log_probs(
     if "packed_input_ids" in batch:
         return packing.completion_log_probs(model, batch, temperature, sequence_shards=sequence_shards)
     completion_width = batch["completion_ids"].shape[1]
+    vision = {key: batch[key] for key in VISION_INPUTS if key in batch}  # rows showing pictures
+    # Qwen-VL computes its 3-D positions over the pictures' patches from the attention mask; the others take these
+    positions = {} if vision and computes_own_positions(model) else {"position_ids": batch["position_ids"]}
     logits = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        **positions,
+        **vision,
         use_cache=False,
         logits_to_keep=completion_width + 1,  # the output layer runs on the positions predicting completions only
     ).logits
@@ -250,12 +256,14 @@ def assemble_round(
     padding_free: bool,
     kept_groups: int,
     generation_passes: int,
+    pixel_inputs=None,
 ) -> tuple[list[dict[str, torch.Tensor]], float, dict[str, float], ScoredSlots, torch.Tensor]:
     """The round's training data, from the groups `chosen` (the same on every rank, slot order) out of everything
     `generated` this round: this rank's contiguous share made into micro-batches (rows padded to the widest prompt and
     completion of the whole batch, so a row does not depend on the split; `padding_free` adds their packed layout),
     the global count of loss tokens, the round's figures under TRL's names (over every generated completion), and
-    this rank's slots with their advantages. No collective: the inputs are global."""
+    this rank's slots with their advantages. No collective: the inputs are global. `pixel_inputs(input_ids, prompt
+    indices)`: the vision inputs of rows showing those prompts' pictures (methods.grpo.task.Task.pixel_inputs)."""
     advantages = advantages_of(chosen.rewards, num_generations, scale_rewards, advantage_estimator)
     masks = [0 if t and mask_truncated_completions else 1 for t in chosen.truncated]
     policy = chosen.policy_masks or [[1] * len(c) for c in chosen.completion_ids]  # tools: their messages carry no loss
@@ -287,6 +295,8 @@ def assemble_round(
         part = {key: value[start : start + rows_per_micro_batch] for key, value in batch.items()}
         if padding_free:
             part.update(packing.packed_rows(part, row_width=prompt_width + completion_width, pad_token_id=pad_token_id))
+        if pixel_inputs is not None:
+            part.update(pixel_inputs(part["input_ids"], mine.prompt_indices[start : start + rows_per_micro_batch]))
         micro_batches.append({key: value.to(device) for key, value in part.items()})
     written = generated.policy_masks or [[1] * len(c) for c in generated.completion_ids]
     lengths = torch.tensor([sum(m) for m in written], dtype=torch.float)  # the policy's tokens, as TRL counts them

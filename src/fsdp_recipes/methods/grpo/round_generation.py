@@ -28,6 +28,7 @@ class RoundGeneration:
         self.weights = weight_sync.ServerWeights.for_run(run, config)  # None: the policy generates itself
         self.pending: dict | None = None  # the next round, asked for ahead: {"round", "slots", "future"}
         self.restored: dict | None = None  # a checkpoint's pending round, until its round comes
+        self.set_up_for_pictures = False
         if config.async_generation:
             schedule.ahead_state = self.state_dict
             self.load_state_dict(dict(schedule.restored_ahead))
@@ -44,9 +45,13 @@ class RoundGeneration:
         the weight pushes timed as `watch`'s phase weight_sync."""
         task, settings, run = self.task, self.settings, self.run
         if self.server is None:
+            pictures = task.data.images is not None  # encoded outside the model's forward: whole weights needed
+            if pictures and not self.set_up_for_pictures:
+                generation.set_up_for_pictures(model, run.tokenizer.pad_token_id)
+                self.set_up_for_pictures = True
             gathered = generation.weights_gathered(
                 model,
-                enabled=self.config.gather_weights_for_generation,
+                enabled=self.config.gather_weights_for_generation or pictures,
                 reshard_after_forward=generation.reshard_after_forward(run.accelerator),
             )
             with gathered:

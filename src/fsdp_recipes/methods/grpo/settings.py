@@ -40,10 +40,12 @@ class GenerationFields:
     )
     generation_backend: str = generation.backend_setting()
 
-    def generation_settings(self, *, batch_size: int, seed: int, server=None) -> generation.GenerationSettings:
+    def generation_settings(
+        self, *, batch_size: int, seed: int, server=None, pictures=None
+    ) -> generation.GenerationSettings:
         return generation.GenerationSettings(
             self.max_completion_length, self.temperature, self.top_p, self.top_k, batch_size, seed,
-            **generation.backend_options(self), server=server,
+            **generation.backend_options(self), server=server, pictures=pictures,
         )  # fmt: skip
 
     def generation_passes(self) -> int:

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 
 from fsdp_recipes.common.errors import ConfigError, DataError
-from fsdp_recipes.data import files
+from fsdp_recipes.data import files, images
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.methods.grpo import groups, prompts, rewards
 from fsdp_recipes.methods.grpo import tools as tools_lib
@@ -26,6 +26,7 @@ class Task:
     environment: tools_lib.Environment | None
     max_tool_calling_iterations: int | None
     tool_timeout: float
+    pictures: images.ImageInputs | None = None  # a vision-language model's processor, for prompts with pictures
 
     def generate(
         self, model, tokenizer, slots, round_index: int, attempt: int, settings: GenerationSettings, **collective
@@ -36,14 +37,21 @@ class Task:
         if self.environment is not None:  # one per completion, reset with its row
             rows = [self.data.row(p) for p, _ in slots]
             environments, row_tools = self.environment.start(rows, [self.data.reset_texts[p] for p, _ in slots])
+        shown = None if self.data.images is None else [self.data.images[p] for p, _ in slots]
         rolled = tools_lib.generate_with_tools(
             model, tokenizer, [self.data.prompt_ids[p] for p, _ in slots],
             [sampling_key(round_index, p, g, attempt) for p, g in slots], settings, self.tools,
             max_iterations=self.max_tool_calling_iterations, timeout=self.tool_timeout, row_tools=row_tools,
-            **collective,
+            images=shown, **collective,
         )  # fmt: skip
         rolled.environments = environments
         return rolled
+
+    def pixel_inputs(self, input_ids, prompt_indices: list[int]) -> dict:
+        """The vision inputs of rows that show these prompts (their pictures' pixel values); {} without pictures."""
+        if self.data.images is None:
+            return {}
+        return self.pictures.pixel_inputs(input_ids, [self.data.images[p] for p in prompt_indices])
 
     def score(
         self, accelerator, tokenizer, slots, rolled: tools_lib.Rollout, on_every_rank, *, parallel: ParallelDims
@@ -64,9 +72,10 @@ class Task:
         )  # fmt: skip
 
 
-def load_task(config, tokenizer, *, device) -> Task:
+def load_task(config, tokenizer, *, device, pictures: images.ImageInputs | None = None) -> Task:
     """The run's task, from its config (the GRPO settings groups and the data fields); ConfigError or DataError when a reward
-    function, a tool, the environment, the chat template or the data cannot serve."""
+    function, a tool, the environment, the chat template or the data cannot serve. `pictures`: a vision-language
+    model's processor (the run's), for prompts with images."""
     functions = rewards.load_reward_functions(config.reward_funcs, config.reward_options(), device=device)
     environment = tools_lib.load_environment(config.environment_factory) if config.environment_factory else None
     tools = tools_lib.load_tools(config.tools) + (environment.tools if environment else [])  # shown to the model
@@ -83,6 +92,27 @@ def load_task(config, tokenizer, *, device) -> Task:
         raw[split], tokenizer, max_prompt_length=config.max_length - config.max_completion_length, split=split,
         column=config.dataset_prompt_column, tools=[tool.schema for tool in tools],
         reset=environment and (lambda row, place: environment.reset(environment.factory(), row, place)),
+        pictures=pictures, image_roots=files.data_folders(config.dataset_name),
     )  # fmt: skip
+    if data.images is not None and (problem := picture_problem(config, tools)):
+        raise ConfigError(f"the prompts show pictures, and {problem}")
     weights = config.weights() + [1.0] * (len(functions) - len(config.reward_funcs))
-    return Task(data, functions, weights, tools, environment, config.max_tool_calling_iterations, config.tool_timeout)
+    return Task(
+        data, functions, weights, tools, environment, config.max_tool_calling_iterations, config.tool_timeout, pictures
+    )
+
+
+def picture_problem(config, tools) -> str | None:
+    """What of the config cannot take prompts with pictures yet (docs/vision.md), or None."""
+    if config.generation_backend != "generate":
+        return (
+            f"generation_backend {config.generation_backend} (use_vllm) does not take them here yet: the policy "
+            "generates with them through transformers' generate. Set generation_backend: generate (use_vllm: false)"
+        )
+    if tools:
+        return "tool calls with pictures are not built yet: remove tools and environment_factory"
+    if config.padding_free:
+        return (
+            "padding_free packs rows, which a vision-language model's positions do not allow: set padding_free: false"
+        )
+    return None

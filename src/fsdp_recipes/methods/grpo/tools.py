@@ -316,14 +316,17 @@ def generate_with_tools(
     synced_gpus: bool,
     most_pending: Callable[[int], int] = lambda count: count,
     row_tools: list[dict[str, Tool]] | None = None,
+    images: list[list[bytes]] | None = None,
 ) -> Rollout:
     """Collective under FSDP/TP (`synced_gpus`, `most_pending`: the largest of the ranks' counts). Each completion is
     generated; with `tools`, its tool calls are run and answered, and generation resumed after the answers, until a
     turn calls no tool, `max_iterations` rounds of calls were answered, or `max_completion_length` tokens (tool
     messages included) are reached. Every rank runs the same number of generation passes, padded with throw-away
     rows, so ranks stay in step; a row's tokens depend only on its prompt, its key and the tools. `row_tools`: each
-    row's own tools (bound to its environment) instead of `tools`."""
-    generated = generation.generate_completions(model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus)
+    row's own tools (bound to its environment) instead of `tools`. `images`: each prompt's pictures (no tools then)."""
+    generated = generation.generate_completions(
+        model, tokenizer, prompt_ids, keys, settings, synced_gpus=synced_gpus, images=images
+    )
     first, truncated = generated
     sampled = generated.sampling_log_probs
     if not tools and not row_tools:

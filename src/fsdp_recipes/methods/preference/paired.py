@@ -34,7 +34,6 @@ FORMATS = {"explicit": ("prompt", "chosen", "rejected"), "implicit": ("chosen", 
 
 
 def detect_format(column_names: list[str]) -> str:
-    images.refuse_images(column_names, "preference tuning (and reward modelling)")
     if all(column in column_names for column in FORMATS["explicit"]):
         return "explicit"
     if all(column in column_names for column in FORMATS["implicit"]):
@@ -87,10 +86,12 @@ def pair_problem(prompt: Any, chosen: Any, rejected: Any, *, implicit: bool = Fa
 
 
 def tokenize_side(
-    tokenizer, prompt, completion, *, max_length: int, max_prompt_length: int | None
+    tokenizer, prompt, completion, *, max_length: int, max_prompt_length: int | None, pictures=None, shown=()
 ) -> tuple[list[int], list[int]]:
     """Tokens and loss mask of prompt + completion: the prompt cut from the left to max_prompt_length, then the
-    whole cut from the right to max_length."""
+    whole cut from the right to max_length. With `shown` (the pictures of its image parts, opened) and `pictures`
+    (the model's processor, data.images.ImageInputs) each placeholder becomes its picture's tokens, never targets;
+    ValueError when a cut would take part of a picture."""
     tokens = tokenize_example(
         {"prompt": prompt, "completion": completion},
         tokenizer,
@@ -101,10 +102,23 @@ def tokenize_side(
         rewriting_templates=True,
     )
     ids, mask = tokens["input_ids"], tokens["loss_mask"]
+    if shown:
+        ids, mask = pictures.expand(ids, mask, list(shown))
     prompt_length = next((i for i, keep in enumerate(mask) if keep), len(mask))
     if max_prompt_length is not None and prompt_length > max_prompt_length:
         cut = prompt_length - max_prompt_length
+        if shown and pictures.first_image_token(ids) < cut:
+            raise ValueError(
+                f"its prompt takes {prompt_length} tokens with its images, and max_prompt_length={max_prompt_length} "
+                "would cut a picture (the prompt is cut from the left): raise max_prompt_length, or shrink the images' "
+                "resolution in the processor"
+            )
         ids, mask = ids[cut:], mask[cut:]
+    if shown and (last := pictures.last_image_token(ids)) >= max_length:
+        raise ValueError(
+            f"its last image ends at token {last + 1}, past max_length={max_length}: raise max_length, or shrink the "
+            "images' resolution in the processor"
+        )
     return ids[:max_length], mask[:max_length]
 
 
@@ -118,6 +132,9 @@ def tokenize_pair(
     max_prompt_length: int | None,
     name: str,
     carving: files.Carving | None = None,
+    pictures: images.ImageInputs | None = None,
+    image_column: str | None = None,
+    image_roots: tuple = (),
 ) -> dict[str, Any]:
     where = f"pair {files.row_place(carving, index, name)}"
     if data_format == "explicit":
@@ -133,19 +150,30 @@ def tokenize_pair(
         except ValueError as error:
             raise DataError(f"{where}: {error}. Fix or remove that pair.") from None
     problem = pair_problem(prompt, chosen, rejected, implicit=data_format == "implicit")
+    data, shown = [], []
+    if problem is None and image_column is not None:
+        try:
+            data, shown = _pictures_of(example, prompt, chosen, rejected, image_column, image_roots)
+        except ValueError as error:
+            problem = str(error)
     if problem is None:
         try:
             sides = [
-                tokenize_side(tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length)
+                tokenize_side(
+                    tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length,
+                    pictures=pictures, shown=shown,
+                )
                 for answer in (chosen, rejected)
-            ]
-        except TemplateError as error:
-            problem = f"the chat template refused it: {error}"
+            ]  # fmt: skip
         except TemplatePrefixError as error:  # the template's reason, with the fix that applies here
             raise DataError(
                 f"{where}: {error.reason}. Use a template that renders each turn as written (set chat_template in "
                 "the recipe config to a Jinja template), or fix or remove that pair."
             ) from None
+        except TemplateError as error:
+            problem = f"the chat template refused it: {error}"
+        except ValueError as error:  # a cut through a picture
+            problem = str(error)
     if problem is not None:
         raise DataError(f"{where}: {problem}. Fix or remove that pair.")
     row: dict[str, Any] = {"index": index}
@@ -160,16 +188,36 @@ def tokenize_pair(
         row[f"{side}_input_ids"] = ids
         row[f"{side}_targets"] = shifted_targets(ids, mask)
     row["length"] = max(len(row["chosen_input_ids"]), len(row["rejected_input_ids"]))
+    if image_column is not None:
+        row["images"] = data
     row["key"] = content_key(row)
     return row
 
 
+def _pictures_of(example, prompt, chosen, rejected, column: str, roots) -> tuple[list[bytes], list]:
+    """A pair's pictures (their bytes, and opened), checked against the image parts of each side's turns."""
+    given = images.images_of(example, column)
+    for side, answer in (("chosen", chosen), ("rejected", rejected)):
+        parts = images.image_parts(prompt + answer) if isinstance(answer, list) else 0
+        if parts != len(given):
+            raise ValueError(
+                f"its prompt and {side} answer have {parts} image part(s) but {len(given)} image(s) in {column!r}"
+                + ("" if isinstance(answer, list) else ": pictures need conversational turns with image parts")
+            )
+    data = [images.image_bytes(value, roots) for value in given]
+    return data, [images.open_image(one) for one in data]
+
+
 def content_key(pair: dict[str, Any], sides: tuple[str, str] = ("chosen", "rejected")) -> int:
-    """A signed 64-bit hash of what a pair's reference values depend on: both rows' token ids and targets."""
+    """A signed 64-bit hash of what a pair's reference values depend on: both rows' token ids and targets, and its
+    pictures (two pictures of one size have the same tokens)."""
     content = json.dumps(
         [list(pair[f"{side}_{part}"]) for side in sides for part in ("input_ids", "targets")], separators=(",", ":")
     )
-    return int.from_bytes(hashlib.blake2b(content.encode(), digest_size=8).digest(), "little", signed=True)
+    digest = hashlib.blake2b(content.encode(), digest_size=8)
+    for picture in pair.get("images") or []:
+        digest.update(hashlib.blake2b(picture).digest())
+    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def tokenize_pairs(
@@ -180,13 +228,18 @@ def tokenize_pairs(
     max_prompt_length: int | None = None,
     num_proc: int | None = None,
     name: str = "train",
+    pictures: images.ImageInputs | None = None,
+    image_roots: tuple = (),
 ) -> tuple[Dataset, dict[str, Any]]:
     """Pairs as `chosen_input_ids`, `chosen_targets`, `rejected_input_ids`, `rejected_targets` (targets shifted,
     IGNORE_INDEX outside the completion), `index` (the pair's position in `dataset`), `key` (`content_key`) and
-    `length` (the longer row), with counts for the run summary."""
+    `length` (the longer row), with counts for the run summary. With an `images` (or `image`) column, `pictures`
+    (the model's processor) expands the prompt's image parts, and the pairs keep the pictures' bytes (`images`)."""
     if len(dataset) == 0:
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
     data_format = detect_format(dataset.column_names)
+    image_column = images.image_column(dataset.column_names)
+    images.require_reader(image_column, pictures, name)
     first = dataset[0]["chosen"]
     if isinstance(first, list) and not tokenizer.chat_template:
         raise DataError(
@@ -205,6 +258,9 @@ def tokenize_pairs(
             max_prompt_length=max_prompt_length,
             name=name,
             carving=files.carving_of(dataset),
+            pictures=pictures,
+            image_column=image_column,
+            image_roots=tuple(image_roots),
         ),
         desc=f"Tokenizing {name} pairs",
     )
@@ -225,10 +281,14 @@ def count_pairs(batch: dict[str, torch.Tensor]) -> int:
 class PairCollator:
     """B pairs -> 2B right-padded rows (the chosen rows, then the rejected ones), `pair_index` and `pair_key`.
     Picklable, for DataLoader workers. Other two-row examples name their `sides` (KTO: an answer and the row that
-    estimates its KL term) and the `per_example` values to pass on as tensors (KTO: `label`)."""
+    estimates its KL term) and the `per_example` values to pass on as tensors (KTO: `label`). Pairs with pictures
+    give both rows their pixel values, from `pictures` (the model's processor)."""
 
-    def __init__(self, pad_token_id: int, sides: tuple[str, str] = ("chosen", "rejected"), per_example=()):
+    def __init__(
+        self, pad_token_id: int, sides: tuple[str, str] = ("chosen", "rejected"), per_example=(), pictures=None
+    ):
         self.pad_token_id, self.sides, self.per_example = pad_token_id, sides, tuple(per_example)
+        self.pictures = pictures
 
     def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows = [
@@ -236,11 +296,12 @@ class PairCollator:
                 "input_ids": pair[f"{side}_input_ids"],
                 "targets": pair[f"{side}_targets"],
                 "position_ids": list(range(len(pair[f"{side}_input_ids"]))),
+                "images": pair.get("images") or [],
             }
             for side in self.sides
             for pair in pairs
         ]
-        batch = collate_rows(rows, self.pad_token_id)
+        batch = collate_rows(rows, self.pad_token_id, self.pictures)
         batch["pair_index"] = torch.tensor([pair["index"] for pair in pairs], dtype=torch.long)
         batch["pair_key"] = torch.tensor([pair["key"] for pair in pairs], dtype=torch.long)
         for name in self.per_example:
