@@ -9,6 +9,8 @@ Writes (deterministically, no network access needed):
   "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which shape and colour?"}]},
   {"role": "assistant", "content": [{"type": "text", "text": "red circle"}]}]}``, image paths relative to the data
   files' folder (the pictures sit beside it: in it, `datasets` would read the folder as an image folder);
+* ``shapes_prompts/train.jsonl`` / ``test.jsonl`` -- the same pictures as GRPO prompts: ``{"images": [...],
+  "prompt": [the user turn], "answer": "red circle"}`` (the GRPO demo's exact_match reward reads ``answer``);
 * ``shapes_processor/`` -- the processor of a Llava model: the SFT demo's character-level tokenizer with an
   ``<image>`` token and a chat template that renders image parts, and a CLIP image processor at 32x32;
 * ``../tiny_llava.json`` -- the model's config: a 2-layer CLIP vision tower (8x8 patches: 16 image tokens per
@@ -132,6 +134,12 @@ def main() -> None:
     for split, count in (("train", 1200), ("test", 120)):
         rows = examples(split, count, pictures, rng)
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        prompts = [
+            {"images": row["images"], "prompt": row["messages"][:1], "answer": row["messages"][1]["content"][0]["text"]}
+            for row in rows
+        ]
+        (out / "shapes_prompts").mkdir(exist_ok=True)
+        (out / "shapes_prompts" / f"{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     write_processor(out / "shapes_processor", out / "tokenizer")
     from transformers import AutoTokenizer
 

@@ -329,6 +329,8 @@ def test_the_demo_assets_rebuild_byte_for_byte(tmp_path):
     )
     for split in ("train", "test"):
         assert (tmp_path / "shapes" / f"{split}.jsonl").read_bytes() == (SHAPES / f"{split}.jsonl").read_bytes()
+        prompts = tmp_path / "shapes_prompts" / f"{split}.jsonl"
+        assert prompts.read_bytes() == (SHAPES.parent / "shapes_prompts" / f"{split}.jsonl").read_bytes()
     assert (tmp_path / "shapes_images" / "test-0007.png").read_bytes() == Path(picture(7)).read_bytes()
 
 
@@ -437,6 +439,15 @@ def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_r
     )
     hook.remove()
     assert encoded and all(completions)  # generation saw the pictures
+    # a picture's tokens are never sampled (a training forward would count them as a picture), however likely
+    favour = model.lm_head.register_forward_hook(lambda _m, _a, out: out.index_add(
+        -1, torch.tensor(inputs.never_generated), torch.full((*out.shape[:-1], len(inputs.never_generated)), 1e4)
+    ))  # fmt: skip
+    favoured, _ = generation.generate_completions(
+        model, tokenizer, data.prompt_ids, [0, 1], settings, synced_gpus=False, images=data.images
+    )
+    favour.remove()
+    assert not set(inputs.never_generated) & {token for completion in favoured for token in completion}
     task = Task(data, [], [], [], None, None, 1.0, inputs)
     batch = rollouts.rollout_batch(
         data.prompt_ids, completions, pad_token_id=tokenizer.pad_token_id,

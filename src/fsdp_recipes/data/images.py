@@ -173,6 +173,9 @@ class ImageInputs:
 
         expanded = self.expansion(Image.new("RGB", (64, 64), "white"))
         self.image_token_id = max(set(expanded), key=expanded.count)
+        # what a completion must never hold: a picture's tokens without a picture (the model's forward would refuse
+        # the count, and they mean nothing as text)
+        self.never_generated = sorted({self.image_token_id, self.placeholder_id} | self.marker_ids)
         names = getattr(processor, "model_input_names", ())
         self.needs_token_types = "token_type_ids" in names  # Gemma 3: its pictures' tokens attend both ways
         # Qwen-VL: which tokens are a picture's, from which the model computes its 3-D positions (without them it

@@ -98,6 +98,8 @@ def padded_generate(
     extra = dict(_POLICY_AS_IS)
     if static:
         extra.update(cache_implementation="static", compile_config=_compile_config(settings), disable_compile=False)
+    if images is not None:  # a sampled image token would be a picture's token without a picture
+        extra["suppress_tokens"] = settings.pictures.never_generated
     with _left_padding(tokenizer):
         for start in range(0, len(prompt_ids), settings.batch_size):
             chunk = prompt_ids[start : start + settings.batch_size]

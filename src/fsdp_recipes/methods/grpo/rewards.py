@@ -1,7 +1,8 @@
 """Reward functions of online RL, with TRL's interface: `f(prompts, completions, completion_ids, **columns)` returns
 one float (or None: "no reward for this completion", left out of the weighted sum) per completion. `prompts` are the
 dataset's prompts (text, or chat turns), `completions` the generated text (for chat prompts, a list holding one
-assistant turn, as TRL gives them), `columns` every other dataset column by name (e.g. `answer`).
+assistant turn, as TRL gives them), `columns` every other dataset column by name (e.g. `answer`; a prompt's
+pictures as PIL images, under `images` or `image`).
 
 `reward_funcs` entries name one each:
 - a built-in (`BUILT_INS`): exact_match, partial_match, numeric_answer (against the `reward_answer_column` column),
