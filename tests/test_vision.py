@@ -158,12 +158,11 @@ def test_gemma3_masks_are_exact_and_its_image_tokens_attend_as_its_processor_mar
     assert vision_block_classes(model) == ["SiglipEncoderLayer"]
 
 
-@pytest.fixture(scope="module")
-def qwen2_5_vl(tmp_path_factory):
-    """A tiny Qwen2.5-VL (2 vision blocks, 3-D rotary positions) and the route to its processor here: its folder's
-    image processor and tokenizer (its own processor class needs torchvision, for its video processor)."""
+def tiny_qwen_vl(folder: Path, family: str):
+    """A tiny Qwen2.5-VL or Qwen3-VL (2 vision blocks, 3-D rotary positions) and the route to its processor here: its
+    folder's image processor and tokenizer (its own processor class needs torchvision, for its video processor)."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLImageProcessorPil
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
     from fsdp_recipes.data.images import ImageInputs
     from fsdp_recipes.models import vision
@@ -172,30 +171,52 @@ def qwen2_5_vl(tmp_path_factory):
     tokenizer.add_tokens(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"], special_tokens=True)
     image = "<|vision_start|><|image_pad|><|vision_end|>"
     tokenizer.chat_template = (PROCESSOR / "chat_template.jinja").read_text().replace("<image>", image)
-    folder = tmp_path_factory.mktemp("qwen2_5_vl")
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(folder)
+    patch = 14 if family == "qwen2_5_vl" else 16  # 4x4 patches of a picture, merged 2x2: 4 tokens
+    Qwen2VLImageProcessorPil(
+        min_pixels=(4 * patch) ** 2, max_pixels=(4 * patch) ** 2, patch_size=patch
+    ).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     processor = vision.load_processor(str(folder), tokenizer, revision="main", trust_remote_code=False)
     token = tokenizer.convert_tokens_to_ids
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-        ),
-        vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-            spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1], window_size=56,
-        ),
-        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
-        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    )  # fmt: skip
+    tower = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=patch,
+        spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig as Config
+
+        tower.update(fullatt_block_indexes=[1], window_size=56)
+    else:
+        from transformers import Qwen3VLConfig as Config
+
+        tower.update(deepstack_visual_indexes=[0], num_position_embeddings=16)
+    config = Config(
+        text_config=text, vision_config=tower, image_token_id=token("<|image_pad|>"),
+        video_token_id=token("<|video_pad|>"), vision_start_token_id=token("<|vision_start|>"),
+        vision_end_token_id=token("<|vision_end|>"),
     )  # fmt: skip
     torch.manual_seed(0)
     return ImageInputs(processor), AutoModelForImageTextToText.from_config(config)
 
 
-def test_qwen2_5_vl_through_its_image_processor_gets_exact_masks_and_its_own_positions(qwen2_5_vl):
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    return tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    return tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl"), "qwen3_vl")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_through_its_image_processor_gets_exact_masks_and_its_own_positions(family, request):
     import torch
 
     from fsdp_recipes.data import rows
@@ -203,12 +224,12 @@ def test_qwen2_5_vl_through_its_image_processor_gets_exact_masks_and_its_own_pos
     from fsdp_recipes.models.vision import vision_block_classes
     from fsdp_recipes.train.losses import TokenLoss, model_inputs
 
-    pictures, model = qwen2_5_vl
+    pictures, model = request.getfixturevalue(family)
     assert isinstance(pictures.processor, GridImageProcessor)  # AutoProcessor needs torchvision here
     row = tokenized([two_turns(image_in_reply=True)], pictures.tokenizer, pictures)[0]
     assert trained_text(pictures.tokenizer, row) == "red circle<|end|>blue square<|end|>"
     pads = [i for i, token in enumerate(row["input_ids"]) if token == pictures.image_token_id]
-    assert len(pads) == 3 * 4 and not any(row["loss_mask"][i] for i in pads)  # 56x56: 4x4 patches, merged 2x2
+    assert len(pads) == 3 * 4 and not any(row["loss_mask"][i] for i in pads)  # 4x4 patches, merged 2x2
     built = rows.build_rows(tokenized([two_turns()], pictures.tokenizer, pictures), max_length=200, packing=False)
     batch = rows.collate_rows([built[0]], pictures.tokenizer.pad_token_id, pictures)
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
@@ -217,7 +238,9 @@ def test_qwen2_5_vl_through_its_image_processor_gets_exact_masks_and_its_own_pos
     model.model.rope_deltas = None
     assert torch.isfinite(TokenLoss(model).loss_sum(model.train(), batch))
     assert model.model.rope_deltas is not None  # set when it computes 3-D positions (from mm_token_type_ids)
-    assert vision_block_classes(model) == ["Qwen2_5_VLVisionBlock"]
+    assert vision_block_classes(model) == [
+        {"qwen2_5_vl": "Qwen2_5_VLVisionBlock", "qwen3_vl": "Qwen3VLVisionBlock"}[family]
+    ]
 
 
 def test_a_one_process_run_exports_a_folder_the_auto_classes_reload_with_its_processor(tmp_path):
@@ -400,8 +423,8 @@ def test_kto_does_not_train_on_images_yet_and_refuses_data_with_them():
 
 
 # --- GRPO: prompts that show a picture ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
-def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_row_by_row(family, pictures, qwen2_5_vl):
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl"])
+def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_row_by_row(family, pictures, request):
     """The policy passes run on left-padded rows of several prompts: each completion's log-probabilities equal the
     model's own unpadded forward of that prompt, picture and completion (Qwen: its 3-D positions, from the mask)."""
     import torch
@@ -418,7 +441,7 @@ def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_r
         torch.manual_seed(0)
         inputs, model = pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
     else:
-        inputs, model = qwen2_5_vl
+        inputs, model = request.getfixturevalue(family)
     model.eval()
     tokenizer = inputs.tokenizer
     rows = [
