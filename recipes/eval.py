@@ -22,7 +22,7 @@ from fsdp_recipes.models import adapters, modeling
 from fsdp_recipes.models.positions import check_example_fits_positions
 from fsdp_recipes.publish import evaluation_results, model_source
 from fsdp_recipes.train import config as config_lib
-from fsdp_recipes.train import evaluation, generation, losses, vllm_settings, weight_sync
+from fsdp_recipes.train import evaluation, generation, generation_metrics, losses, vllm_settings, weight_sync
 
 
 @dataclasses.dataclass
@@ -154,17 +154,17 @@ def main(argv: list[str] | None = None) -> None:
                 num_proc=config.dataset_num_proc,
             )
             return split, {"classification": rows}
-        parts = {}
+        parts = {}  # (a vision-language model's processor, run.pictures, reads the examples' pictures)
+        pictures = dict(pictures=run.pictures, image_roots=files.data_folders(config.dataset_name))
         if measures.perplexity:
             parts["loss"] = held_out.loss_rows(
-                data,
-                tokenizer,
-                text_column=config.text_column,
-                max_length=config.max_length,
-                num_proc=config.dataset_num_proc,
-            )[0]
+                data, tokenizer, text_column=config.text_column, max_length=config.max_length,
+                num_proc=config.dataset_num_proc, **pictures,
+            )[0]  # fmt: skip
         if metrics:
-            parts["generation"] = held_out.generation_examples(data, tokenizer)
+            parts["generation"] = held_out.generation_examples(
+                data, tokenizer, backend=config.generation_backend, **pictures
+            )
         return split, parts
 
     split, data = run.on_every_rank(prepare_data, main_process_first=True)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             data["classification"], batch_size=batch_size, pad_token_id=tokenizer.pad_token_id
         )
     elif "generation" in data:
-        loader = evaluation.generation_dataloader(data["generation"], tokenizer, batch_size=batch_size)
+        loader = generation_metrics.generation_dataloader(data["generation"], tokenizer, batch_size=batch_size)
 
     # --- model, sharded as the Accelerate config says -------------------------------------------------------------------
     with model_source.weights_folder(accelerator, run.source) as weights:
@@ -206,21 +206,26 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum=token_loss.loss_sum,
             batch_size=batch_size,
             pad_token_id=tokenizer.pad_token_id,
+            pictures=run.pictures,
         )
         results.update(eval_loss=loss, eval_perplexity=math.exp(loss))
     if loaders:
         settings = generation.GenerationSettings(
             config.max_new_tokens, temperature=config.temperature, top_p=config.top_p, batch_size=batch_size,
             seed=config.seed, **generation.backend_options(config), server=run.generation_server,
+            pictures=run.pictures,
         )  # fmt: skip
         predict = (
             classifier.predict
             if task == "sequence-classification"
-            else evaluation.generation_predict(
+            else generation_metrics.generation_predict(
                 tokenizer, settings=settings, do_sample=config.do_sample, synced_gpus=accelerator.num_processes > 1
             )
         )
-        whole = task == "causal-lm" and config.generation_backend in ("paged", "static_compiled")  # each rank's engine
+        shown = "images" in data.get("generation", [{}])[0]  # encoded outside the model's forward: whole weights
+        if shown:
+            generation.set_up_for_pictures(model, tokenizer.pad_token_id)
+        whole = shown or task == "causal-lm" and config.generation_backend in ("paged", "static_compiled")
         reshard = generation.reshard_after_forward(accelerator)
         with generation.weights_gathered(model, enabled=whole, reshard_after_forward=reshard):
             gathered = evaluation.gather_predictions(accelerator, model, loaders[0], predict, parallel=run.parallel)

@@ -17,7 +17,7 @@ from fixtures.classify import CLASSIFY_STEPS, CLASSIFY_TEST_ROWS
 from fsdp_recipes.common.arguments import parse_config
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.publish import model_index, model_source
-from fsdp_recipes.train import evaluation, generation
+from fsdp_recipes.train import evaluation, generation, generation_metrics
 from helpers.data import write_jsonl, write_tiny_model_config
 from helpers.launch import alongside, launch, require_success
 from helpers.paths import DEMO_DATA, EVAL
@@ -358,16 +358,16 @@ def test_a_sampled_completion_does_not_depend_on_its_batch(tiny_lm, tokenizer):
         {"prompt_ids": tokenizer(text)["input_ids"], "reference": "", "index": index}
         for index, text in enumerate(["reverse: abc", "reverse: qwertyu", "x"])
     ]
-    collate = evaluation.GenerationCollator(tokenizer)
+    collate = generation_metrics.GenerationCollator(tokenizer)
     settings = generation.GenerationSettings(8, seed=5)
-    predict = evaluation.generation_predict(tokenizer, settings=settings, do_sample=True, synced_gpus=False)
+    predict = generation_metrics.generation_predict(tokenizer, settings=settings, do_sample=True, synced_gpus=False)
     model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
     alone = predict(model, collate(examples[:1]))["predictions"]
     together = predict(model, collate(examples))["predictions"]
     assert together[0] == alone[0]
-    greedy = evaluation.generation_predict(tokenizer, settings=settings, do_sample=False, synced_gpus=False)
+    greedy = generation_metrics.generation_predict(tokenizer, settings=settings, do_sample=False, synced_gpus=False)
     assert greedy(model, collate(examples))["predictions"] != together  # it does sample
-    paged = evaluation.generation_predict(
+    paged = generation_metrics.generation_predict(
         tokenizer, settings=dataclasses.replace(settings, backend="paged"), do_sample=True, synced_gpus=False
     )
     assert paged(model, collate(examples))["predictions"] == together  # any backend: the same predictions

@@ -243,16 +243,32 @@ def test_qwen_vl_through_its_image_processor_gets_exact_masks_and_its_own_positi
     ]
 
 
-def test_a_one_process_run_exports_a_folder_the_auto_classes_reload_with_its_processor(tmp_path):
+def test_a_one_process_run_exports_a_folder_the_auto_classes_reload_with_its_processor_and_resumes_exactly(tmp_path):
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from helpers.recipes import read_metrics
+
     data = shapes_subset(tmp_path / "data")
     values = vision_values(
-        data, tmp_path / "out", freeze_vision_tower=True, exact_match_eval_samples=4, max_new_tokens=4
-    )
+        data, tmp_path / "out", freeze_vision_tower=True, exact_match_eval_samples=4, max_new_tokens=4, max_steps=4,
+        save_steps=2, save_total_limit=2,
+    )  # fmt: skip
     run_recipe_in_process("sft", tmp_path, "vision", values)
     out = tmp_path / "out"
+    # resumed from its step-2 checkpoint, the run's steps 3 and 4 are the uninterrupted run's: weights, optimizer,
+    # schedule and the data's place (rows with pictures) restored
+    resumed = dict(
+        values, output_dir=str(tmp_path / "resumed"), resume_from_checkpoint=str(out / "checkpoints" / "step-00000002")
+    )
+    run_recipe_in_process("sft", tmp_path, "resumed", resumed)
+    whole, later = ([r for r in read_metrics(folder) if "loss" in r] for folder in (out, tmp_path / "resumed"))
+    assert [r["step"] for r in later] == [3, 4]
+    for step in later:
+        expected = next(r for r in whole if r["step"] == step["step"])
+        assert step["loss"] == pytest.approx(expected["loss"], rel=1e-6) and step["grad_norm"] == pytest.approx(
+            expected["grad_norm"], rel=1e-6
+        )
     processor, model = AutoProcessor.from_pretrained(out), AutoModelForImageTextToText.from_pretrained(out)
     assert type(processor).__name__ == "LlavaProcessor" and type(model).__name__ == "LlavaForConditionalGeneration"
     from fsdp_recipes.models.vision import vision_parts
@@ -269,6 +285,14 @@ def test_a_one_process_run_exports_a_folder_the_auto_classes_reload_with_its_pro
         assert torch.isfinite(model(**inputs).logits).all()
     results = json.loads((out / "eval_results.json").read_text())
     assert set(results) == {"exact_match_before", "exact_match_after"}
+    # eval.py on the exported folder, the same 4 held-out pictures: the training run's exact match, and a loss
+    evaluated = dict(
+        model_name_or_path=str(out), dataset_name=str(data), dataset_split="test", max_eval_samples=4, max_length=80,
+        metrics=["perplexity", "exact_match"], max_new_tokens=4, output_dir=str(tmp_path / "eval"), report_to="none",
+    )  # fmt: skip
+    run_recipe_in_process("eval", tmp_path, "eval", evaluated)
+    scores = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    assert scores["eval_exact_match"] == pytest.approx(results["exact_match_after"]) and scores["eval_loss"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -150,6 +150,7 @@ class EvaluationRun(StartedRun):
     generation_server: Any = None  # generation_backend vllm: the server (train.vllm_client.VLLMServer), checked
     checks_before_loading: list[str] = dataclasses.field(default_factory=list)  # the named checks that ran (run.checks)
     benchmarks: BenchmarkPlan | None = None  # benchmark_tasks, resolved and their data loaded before loading
+    pictures: Any = None  # a vision-language model's processor (data.images.ImageInputs); None for a text model
 
 
 @dataclasses.dataclass

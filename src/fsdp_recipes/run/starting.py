@@ -69,6 +69,17 @@ def start(config: TrainingConfig, *, name: str, task: str = "causal-lm") -> Run:
     )  # fmt: skip
 
 
+def pictures_of(config, model_config, tokenizer, processor_from: str) -> ImageInputs | None:
+    """A vision-language model's processor (image parts become tokens, pictures pixel values); None for a text
+    model."""
+    if not is_vision_language(model_config):
+        return None
+    processor = vision.load_processor(
+        processor_from, tokenizer, revision=config.model_revision, trust_remote_code=config.trust_remote_code
+    )
+    return ImageInputs(processor)
+
+
 def start_evaluation(
     config: RunConfig, *, name: str, task: str | None = None, base_model_name_or_path: str | None = None
 ) -> EvaluationRun:
@@ -109,6 +120,7 @@ def start_evaluation(
         planned = benchmarks.plan(config, parallel=parallel, language_model=model_task == "causal-lm")
         server = generation_server(config, model_config, model_name=source.config_files)
         return dict(
+            pictures=pictures_of(config, model_config, tokenizer, str(source.files)),
             checks_before_loading=checks_ran,
             benchmarks=planned,
             generation_server=server,
@@ -263,13 +275,7 @@ def _before_loading(
     tokenizer, model_config = load_model_files(config, config.model_name_or_path, config.model_config)
     if problem := vision.freezing_problem(config, model_config):
         raise ConfigError(problem)
-    pictures = None
-    if is_vision_language(model_config):  # its processor: image parts become tokens, pictures pixel values
-        processor = vision.load_processor(
-            config.tokenizer_name_or_path or config.model_name_or_path, tokenizer,
-            revision=config.model_revision, trust_remote_code=config.trust_remote_code,
-        )  # fmt: skip
-        pictures = ImageInputs(processor)
+    pictures = pictures_of(config, model_config, tokenizer, config.tokenizer_name_or_path or config.model_name_or_path)
     apply_router_aux_loss_coef(model_config, config.router_aux_loss_coef)
     config_changes, saved_recipe = {}, None
     if checkpoint is not None and checkpoints_lib.saved_recipe_config_path(checkpoint).is_file():

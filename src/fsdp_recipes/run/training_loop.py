@@ -8,6 +8,7 @@ their own cadence: `metrics` (logging), `evaluation` (the recipe's evaluator), `
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -132,11 +133,17 @@ class TrainingLoop:
         )
         self.log.log({"step": step, "event": "skipped_nonfinite_step", "skipped_nonfinite_steps": self.skipped_steps})
 
-    def measured_once(self, key: str, measure: Callable[[], float]) -> float | None:
+    def measured_once(self, key: str, measure: Callable[[], float]) -> float:
         """A figure taken before training (e.g. accuracy of the untrained model): measured and logged at step 0 by a
-        new run; a resumed run reads it from the main process's log instead of measuring a half-trained model."""
+        new run; a resumed run reads it from the main process's log (or, resumed into another folder, from the log of
+        the run that wrote the checkpoint) instead of measuring a half-trained model: NaN when neither has it."""
         if self.run.resumed:
             first = self.log.first(key)
+            if first is None and self.run.checkpoint is not None:  # resumed into another folder: the run's own log
+                first = _first_logged(self.run.checkpoint.parent.parent / "metrics.jsonl", key)
+                if first is not None:
+                    self.log.log({"step": 0, key: first})
+            first = math.nan if first is None else first  # neither log kept it (the checkpoint's moved without one)
             return broadcast_object_list([first])[0] if self.run.accelerator.num_processes > 1 else first
         value = measure()
         self.log.log({"step": 0, key: value})
@@ -204,3 +211,14 @@ def _poison_gradients(model) -> None:
         if parameter.grad is not None:
             parameter.grad.fill_(math.nan)
             return
+
+
+def _first_logged(path: Path, key: str) -> Any:
+    """The first value of `key` in a metrics.jsonl (None when the file or the key is missing)."""
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if key in record:
+            return record[key]
+    return None

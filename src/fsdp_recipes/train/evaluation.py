@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from fsdp_recipes.common.errors import ConfigError, UserError
+from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.data.rows import IGNORE_INDEX, collate_rows
 from fsdp_recipes.distributed.collectives import gather_for_metrics, on_every_rank_together, sum_tensor_over_ranks
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
@@ -388,62 +388,3 @@ class MetricEvaluator(Evaluation):
             self.accelerator, self.model, self.loader, self.predict, parallel=self.parallel
         )
         return compute_metrics(self.metrics, self.gathered)
-
-
-class GenerationCollator:
-    """Left-padded prompts (generation appends on the right), their references and example indices."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        padding_side = self.tokenizer.padding_side
-        self.tokenizer.padding_side = "left"
-        try:
-            batch = self.tokenizer.pad({"input_ids": [e["prompt_ids"] for e in examples]}, return_tensors="pt")
-        finally:
-            self.tokenizer.padding_side = padding_side
-        return {
-            "input_ids": batch["input_ids"],
-            "attention_mask": batch["attention_mask"],
-            "reference": [e["reference"] for e in examples],
-            "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
-        }
-
-
-def generation_dataloader(examples: list[dict[str, Any]], tokenizer, *, batch_size: int) -> torch.utils.data.DataLoader:
-    """Prompts in dataset order (`{"prompt_ids", "reference", "index"}` each); `accelerator.prepare` splits it."""
-    return torch.utils.data.DataLoader(
-        examples, batch_size=batch_size, shuffle=False, collate_fn=GenerationCollator(tokenizer)
-    )
-
-
-def generation_predict(tokenizer, *, settings, do_sample: bool, synced_gpus: bool) -> Predict:
-    """A `Predict` that generates a completion per prompt (`train.generation`, `settings`' backend), greedy or
-    sampled with each example's index as its key: the same tokens for an example on any number of ranks, in any batch
-    and with any backend. An end-of-sequence token may come first (an empty prediction is an answer too)."""
-    from fsdp_recipes.train import generation
-
-    settings = dataclasses.replace(settings, greedy=not do_sample, block_eos_first=False)
-    failures: list[UserError] = []
-
-    def predict(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
-        keys = [int(index) for index in batch["index"]]
-        references = list(batch["reference"])
-        if failures:  # the server failed on this rank: the other ranks' batches are still gathered with these
-            return {"predictions": [""] * len(prompts), "references": references}
-        try:
-            completions, _ = generation.generate_completions(
-                model, tokenizer, prompts, keys, settings, synced_gpus=synced_gpus
-            )
-        except UserError as error:  # a vLLM server gone: raised on every rank once the batches are gathered
-            if settings.backend != "vllm":
-                raise
-            failures.append(error)
-            return {"predictions": [""] * len(prompts), "references": references}
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return {"predictions": [text.strip() for text in texts], "references": references}
-
-    predict.failures = failures
-    return predict
