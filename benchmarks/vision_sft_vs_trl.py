@@ -42,9 +42,9 @@ def prepare(folder: Path, rows: int) -> tuple[Path, Path]:
 
     torch.manual_seed(0)
     model = folder / "model"
-    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(REPO / "demo" / "tiny_llava.json")).save_pretrained(
-        model
-    )
+    AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(REPO / "demo" / "tiny_llava.json")
+    ).save_pretrained(model)
     AutoProcessor.from_pretrained(REPO / "demo" / "assets" / "shapes_processor").save_pretrained(model)
     data = folder / "data"
     data.mkdir()

@@ -58,6 +58,8 @@ PUBLISHED_BILLIONS = {
     "Qwen/Qwen3-32B": 32.8,
     "Qwen/Qwen3-30B-A3B": 30.5,  # 3.3B active (the model card)
     "Qwen/Qwen3-235B-A22B": 235.0,  # 22B active
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,  # 0.68B of it the vision tower with its merger
+    "Qwen/Qwen3-VL-8B-Instruct": 8.77,  # 0.58B of it the vision tower with its mergers
     "openai/gpt-oss-20b": 21.0,  # 3.6B active besides the embedding table
     "mistralai/Mistral-7B-v0.3": 7.25,
     "google/gemma-2-2b": 2.61,

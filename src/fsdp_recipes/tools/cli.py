@@ -157,7 +157,10 @@ def export_command(parser: argparse.ArgumentParser) -> Runner:
     return run
 
 
-@subcommand("ls", help="every recipe and config: model, Accelerate config, estimated memory per GPU")
+@subcommand(
+    "ls",
+    help="every recipe and config: model, method (+ images: trains on pictures), Accelerate config, memory per GPU",
+)
 def ls_command(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("text", nargs="?", help="only recipes and configs whose names contain this text")
     parser.add_argument(

@@ -1,6 +1,7 @@
 """`fsdp-recipes ls`: every recipe (`recipes/<name>.py`, with the first line of its docstring) and every config of it
-(`recipes/configs/<name>/*.yaml`) as the catalog finds them (fsdp_recipes.tools.catalog): the model, the method, the
-Accelerate config it is meant for and the estimated memory per GPU (fsdp_recipes.tools.estimator).
+(`recipes/configs/<name>/*.yaml`) as the catalog finds them (fsdp_recipes.tools.catalog): the model, the method (with
+"+ images" for a vision-language model trained on rows with pictures), the Accelerate config it is meant for and the
+estimated memory per GPU (fsdp_recipes.tools.estimator).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
     topologies_file = catalog.root / "accelerate_configs" / "topologies.yaml"
     if topologies_file.is_file():
         devices = {t.file: t.device for t in topology_lib.load_topologies(topologies_file)}
-    lines, notes = [], []
+    lines, notes, with_images = [], [], []
     recipes = {recipe.name: recipe.summary for recipe in catalog.recipes()}
     config_folders = {path.name for path in (catalog.root / "recipes" / "configs").glob("*") if path.is_dir()}
     for name in sorted(recipes.keys() | config_folders):
@@ -53,12 +54,16 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
                 split.append(f"SP {parallel.sp}")
             if split:
                 processes += f" ({', '.join(split)})"
+            method = config.method
+            if estimate.vision and estimate.vision.pictures_per_row:  # a vision-language model on rows with pictures
+                method += " + images"
+                with_images.append(config.key)
             memory = short_size(estimate.total)
             if not on_cpu:
                 memory += " fits" if estimate.fits else f" > {estimate.usable / 2**30:.1f} GiB usable!"
             if estimate.host_state:
                 memory += f" + {short_size(sum(estimate.host_state.values()))} host RAM"
-            rows.append((config.key, str(config.model), config.method, accelerate_config, processes, memory))
+            rows.append((config.key, str(config.model), method, accelerate_config, processes, memory))
         if configs:
             lines += format_table(rows).splitlines()
     if not lines:
@@ -70,6 +75,11 @@ def listing(catalog: Catalog, text: str | None = None) -> list[str]:
         "(a DPO reference).",
         "Copy one to adapt it: fsdp-recipes cp RECIPE_OR_CONFIG FOLDER",
     ]
+    if with_images:
+        lines[-1:-1] = [
+            f"Fine-tuning on pictures ('+ images': a vision-language model, 1 picture per row counted; "
+            f"docs/vision.md): {', '.join(with_images)}."
+        ]
     if notes:
         lines += ["", "Not estimated:"] + [f"  {note}" for note in notes]
     return lines[1:]

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.tools.estimator import vision
 from fsdp_recipes.tools.estimator.formulas import Estimate, activation_bytes, estimate_for_recipe
 from fsdp_recipes.tools.estimator.shapes import ModelInfo
 from fsdp_recipes.train.config import TrainingConfig
@@ -24,7 +25,10 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
     out: list[dict[str, Any]] = []
 
     def changed(new_layout: LaunchLayout = layout, new_recipe: TrainingConfig = recipe) -> Estimate:
-        return estimate_for_recipe(info, new_layout, new_recipe, gpu_memory=current.gpu_memory, reserve=current.reserve)
+        return estimate_for_recipe(
+            info, new_layout, new_recipe, gpu_memory=current.gpu_memory, reserve=current.reserve,
+            images_per_row=current.vision.pictures_per_row if current.vision else None,
+        )  # fmt: skip
 
     def add(change: str, how: str, new_layout: LaunchLayout = layout, new_recipe: TrainingConfig = recipe) -> None:
         new = changed(new_layout, new_recipe)
@@ -125,6 +129,13 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
             f"{settings} in the recipe config" + (f" ({cost})" if cost else ""),
             new_recipe=dataclasses.replace(recipe, **values),
         )
+    if current.vision and current.vision.trained_tower:
+        add(
+            "freeze the vision tower",
+            "freeze_vision_tower: true in the recipe config: the image encoder keeps no gradients, AdamW state or "
+            "activations for backward (its reading of pictures does not adapt)",
+            new_recipe=dataclasses.replace(recipe, freeze_vision_tower=True),
+        )
     if info.linear_shapes_in_layers and current.trainable_params is None and not sharded_by_transformers:
         lora = dataclasses.replace(recipe, use_peft=True)
         add(
@@ -151,14 +162,20 @@ def suggestions(info: ModelInfo, current: Estimate, recipe: TrainingConfig) -> l
 
 def longest_row(info: ModelInfo, current: Estimate, *, most: int = 1 << 22) -> int:
     """The longest row (tokens) that fits beside everything else `current` holds, at its rows per micro-batch, layout
-    and activation checkpointing (only the activations grow with the row); a multiple of the sequence-parallel size;
+    and activation checkpointing (only the activations grow with the row, and a picture as large as the row holds,
+    for a vision-language model whose pictures' size varies); a multiple of the sequence-parallel size;
     0 when not even that fits."""
     layout, step = current.layout, current.layout.parallel.sp
 
     def fits(length: int) -> bool:
         workload = dataclasses.replace(current.workload, row_length=length)
         activations = activation_bytes(info, workload, layout.compute_bytes, tp=layout.parallel.tp, sp=step)
-        return dataclasses.replace(current, workload=workload, activations=activations).fits
+        load = current.vision and vision.tower_load(
+            info.vision, length, workload.micro_batch_rows, layout.compute_bytes, per_row=current.vision.pictures_per_row,
+            train_tower=current.vision.trained_tower, train_projector=current.vision.trained_projector, strict=False,
+        )  # fmt: skip
+        activations = vision.with_tower(activations, load)
+        return dataclasses.replace(current, workload=workload, activations=activations, vision=load).fits
 
     low, high = 0, step  # fits(low) (or low is 0); find the first length that does not fit
     while high <= most and fits(high):

@@ -25,6 +25,12 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="per_device_train_batch_size (overrides the recipe config)")
     parser.add_argument("--num-processes", type=int, help="override num_processes (the GLOBAL GPU count)")
     parser.add_argument(
+        "--images-per-row",
+        type=int,
+        help="vision-language models: pictures in each row (default 1; 0 with packing, whose rows hold none), each "
+        "as many tokens as its processor makes (Qwen-VL: as large as the row holds, an upper bound)",
+    )
+    parser.add_argument(
         "--gpu-memory", default=DEFAULT_GPU_MEMORY, help="memory per GPU: 80GB, 141GiB, 24e9 (default 80GB)"
     )
     parser.add_argument(

@@ -65,7 +65,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         parallel = dataclasses.replace(parallel, dp_replicate=replicate, dp_shard=shard // parallel.sp)
         layout = dataclasses.replace(layout, parallel=parallel)
     info = load_model_info(str(model), trust_remote_code=args.trust_remote_code)
-    est = estimate_for_recipe(info, layout, recipe, gpu_memory=gpu_memory, reserve=reserve, model_name=str(model))
+    images_per_row = getattr(args, "images_per_row", None)
+    if images_per_row is not None and info.vision is None:
+        raise ConfigError(f"--images-per-row: {model} is a text-only model ({info.model_type}), it reads no pictures")
+    est = estimate_for_recipe(
+        info, layout, recipe, gpu_memory=gpu_memory, reserve=reserve, model_name=str(model),
+        images_per_row=images_per_row,
+    )  # fmt: skip
     report = estimate_report(est, info, recipe)
     if args.json:
         print(json.dumps(report, indent=None))

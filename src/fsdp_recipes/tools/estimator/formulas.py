@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from fsdp_recipes.common.errors import ConfigError
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.models.experts import is_routed_expert_parameter
+from fsdp_recipes.tools.estimator import vision
 from fsdp_recipes.tools.estimator.shapes import ModelInfo, Param, load_model_info, tensor_parallel_local
 from fsdp_recipes.tools.estimator.workload import Adapters, Workload, adapters_for, layout_for_recipe, workload_for
 from fsdp_recipes.train.config import TrainingConfig
@@ -90,7 +91,7 @@ def plan_units(info: ModelInfo, layout: LaunchLayout) -> list[Unit]:
 
 
 def state_bytes_on_rank(
-    units: list[Unit], layout: LaunchLayout, rank: int = 0, *, trainable: bool = True
+    units: list[Unit], layout: LaunchLayout, rank: int = 0, *, trainable: bool = True, frozen: Callable | None = None
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state that `rank` holds (before offload moves them to the host).
 
@@ -98,8 +99,9 @@ def state_bytes_on_rank(
     (that is how FSDP2 allocates them); AdamW's exp_avg / exp_avg_sq are made from the unpadded local shard. FSDP1: a
     flat parameter per unit, padded to a multiple of S. Unsharded: everything whole. Parameters, gradients and AdamW
     state are fp32 (the recipe loads fp32 weights; under mixed precision they are the master weights), plus AdamW's
-    4-byte `step` per parameter tensor. Under expert parallelism the routed experts are sharded over their own mesh
-    (dp_replicate, efsdp, ep): over efsdp = shard x tp / ep ranks, at index (rank // ep) % efsdp."""
+    4-byte `step` per parameter tensor; `frozen` parameters (a frozen vision tower) get neither gradient nor AdamW
+    state. Under expert parallelism the routed experts are sharded over their own mesh (dp_replicate, efsdp, ep):
+    over efsdp = shard x tp / ep ranks, at index (rank // ep) % efsdp."""
     parallel = layout.parallel
     shards = parallel.shard_size if layout.is_fsdp else 1
     shard_rank = (rank // parallel.tp) % shards  # ranks in mesh order (replicate, shard, tp)
@@ -109,19 +111,22 @@ def state_bytes_on_rank(
     def sharding(param: Param) -> tuple[int, int]:
         return (expert_shards, expert_rank) if is_routed_expert_parameter(param.name) else (shards, shard_rank)
 
-    params = grads = optim = 0
-    count = 0
-    for unit in units:
-        count += len(unit.params)
+    def sizes(params: list[Param]) -> tuple[int, int]:  # (padded, unpadded) elements this rank holds of `params`
+        numel = sum(p.numel for p in params)
         if shards == 1:
-            padded = local = unit.numel
-        elif layout.fsdp_version == 2:
-            padded = sum(p.padded_rows(sharding(p)[0]) * p.row_numel for p in unit.params)
-            local = sum(p.rows_on(sharding(p)[1], sharding(p)[0]) * p.row_numel for p in unit.params)
-        else:
-            padded = -(-unit.numel // shards)
-            local = max(0, min(padded, unit.numel - shard_rank * padded))
-        params += FP32 * padded
+            return numel, numel
+        if layout.fsdp_version == 2:
+            padded = sum(p.padded_rows(sharding(p)[0]) * p.row_numel for p in params)
+            return padded, sum(p.rows_on(sharding(p)[1], sharding(p)[0]) * p.row_numel for p in params)
+        padded = -(-numel // shards)
+        return padded, max(0, min(padded, numel - shard_rank * padded))
+
+    params = grads = optim = count = 0
+    for unit in units:
+        params += FP32 * sizes(unit.params)[0]
+        trained = [p for p in unit.params if not frozen(p)] if frozen and trainable else unit.params
+        padded, local = sizes(trained)
+        count += len(trained)
         if trainable:
             grads += FP32 * padded
             optim += 2 * FP32 * local
@@ -269,6 +274,7 @@ class Estimate:
     adapters: Adapters | None = None
     frozen_copies: int = 0
     generation: int = 0  # online RL's generation pass (generation_bytes): instead of activations, not with them
+    vision: vision.TowerLoad | None = None  # a vision-language model's pictures and tower (in the activations)
 
     @property
     def activations_used(self) -> int:
@@ -316,6 +322,7 @@ class Estimate:
             "activations_without_checkpointing": self.activations["without_checkpointing"],
             "activations_with_checkpointing": self.activations["with_checkpointing"],
             "logits": self.activations["logits"],
+            **({"vision_tower": self.vision.kept(self.layout.activation_checkpointing)} if self.vision else {}),
             "all_gather_buffers": self.buffers["all_gather"],
             "reduce_scatter_buffers": self.buffers["reduce_scatter"],
             **({"generation": self.generation} if self.generation else {}),
@@ -344,16 +351,22 @@ def estimate(
     adapters: Adapters | None = None,
     frozen_copies: int = 0,
     frozen_models: list[ModelInfo] = (),
+    images_per_row: int = 1,
+    freeze: tuple[bool, bool] = (False, False),
 ) -> Estimate:
     """`frozen_copies`: whole frozen copies of the model sharded like it, at the compute dtype (preference tuning's
     reference model). `frozen_models`: other models kept frozen beside it (a distillation teacher), each sharded like
     it at the compute dtype, with its output layer also whole on every rank (distillation needs it during the
-    student's step)."""
+    student's step). A vision-language model: `images_per_row` pictures in each row, and `freeze` (its vision tower,
+    its projector) kept as they are (estimator.vision)."""
     workload = resolved_attention(workload, layout)
     units = plan_units(info, layout)
     compute = layout.compute_bytes
+    load, frozen = vision.image_side(
+        info.vision, workload, compute, lora=adapters is not None, freeze=freeze, per_row=images_per_row
+    )
     if adapters is None:
-        state = state_bytes_on_rank(units, layout, 0)
+        state = state_bytes_on_rank(units, layout, 0, frozen=frozen)
         buffers = buffer_bytes(info, units, layout)
         trainable = None
     else:
@@ -367,6 +380,7 @@ def estimate(
     if frozen_models:
         state["teacher_model"] = sum(frozen_model_bytes(other, layout) for other in frozen_models)
     activations = activation_bytes(info, workload, compute, tp=layout.parallel.tp, sp=layout.parallel.sp)
+    activations = vision.with_tower(activations, load)
     host = dict(state) if layout.cpu_offload else {}
     reserve = gpu_memory // 10 if reserve is None else reserve
     return Estimate(
@@ -385,6 +399,7 @@ def estimate(
         adapters,
         frozen_copies,
         generation_bytes(info, workload, compute, tp=layout.parallel.tp),
+        load,
     )
 
 
@@ -404,10 +419,13 @@ def estimate_for_recipe(
     reserve: int | None = None,
     model_name: str = "",
     frozen_model_info: Callable[[str], ModelInfo] | None = None,
+    images_per_row: int | None = None,
 ) -> Estimate:
     """The estimate for a recipe config on a launch: its micro-batch, its adapters, its frozen model copies and other
-    frozen models (`recipe.frozen_models()`, their shapes read by `frozen_model_info`, default `load_model_info`), and
-    the activation checkpointing it adds to the launch, all asked of the config."""
+    frozen models (`recipe.frozen_models()`, their shapes read by `frozen_model_info`, default `load_model_info`), the
+    vision tower or projector it freezes, and the activation checkpointing it adds to the launch, all asked of the
+    config; `images_per_row`: pictures per row, for a vision-language model (default: 1, none in packed rows, which
+    cannot hold pictures)."""
     frozen_model_info = frozen_model_info or load_model_info
     layout = layout_for_recipe(layout, recipe)
     return estimate(
@@ -420,4 +438,6 @@ def estimate_for_recipe(
         adapters=adapters_for(recipe, layout.compute_bytes),
         frozen_copies=recipe.frozen_model_copies(),
         frozen_models=[frozen_model_info(name) for name in recipe.frozen_models()],
+        images_per_row=(0 if recipe.packs_examples() else 1) if images_per_row is None else images_per_row,
+        freeze=(bool(recipe.freeze_vision_tower), bool(recipe.freeze_multi_modal_projector)),
     )

@@ -8,6 +8,7 @@ from typing import Any
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.models.experts import is_routed_expert_parameter
+from fsdp_recipes.tools.estimator import vision
 from fsdp_recipes.tools.estimator.formulas import (
     Unit,
     adapter_state_bytes_on_rank,
@@ -36,9 +37,12 @@ def estimate_for_run(
         Unit(unit.name, unit.kind, [p for p in unit.params if is_routed_expert_parameter(p.name)]) for unit in units
     ]
 
+    freeze = (bool(recipe_config.freeze_vision_tower), bool(recipe_config.freeze_multi_modal_projector))
+    frozen = vision.frozen_parameters(info.vision, lora=est.adapters is not None, freeze=freeze)
+
     def on_rank(rank: int) -> dict[str, int]:
         if est.adapters is None:
-            held = state_bytes_on_rank(units, layout, rank)
+            held = state_bytes_on_rank(units, layout, rank, frozen=frozen)
         else:
             held = adapter_state_bytes_on_rank(info, units, layout, est.adapters, rank)
         if info.routing is not None and est.adapters is None:  # set beside metrics.held_state_bytes' own split

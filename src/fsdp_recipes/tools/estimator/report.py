@@ -8,6 +8,7 @@ from typing import Any
 
 from fsdp_recipes.common.sizes import gib
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout
+from fsdp_recipes.tools.estimator import vision
 from fsdp_recipes.tools.estimator.advice import longest_row, suggestions
 from fsdp_recipes.tools.estimator.formulas import Estimate
 from fsdp_recipes.tools.estimator.shapes import ModelInfo
@@ -55,6 +56,7 @@ def estimate_report(est: Estimate, info: ModelInfo, recipe: TrainingConfig) -> d
         "fits": est.fits,
         "headroom_bytes": est.usable - est.total,
         "longest_row_tokens": longest_row(info, est),  # at this micro-batch's rows, layout and checkpointing
+        "vision": vision.record(info.vision, est.vision),  # a vision-language model's pictures and tower
         "suggestions": suggestions(info, est, recipe),
     }
 
@@ -80,6 +82,7 @@ def render_report(report: dict[str, Any]) -> str:
         "",
         "per GPU (the most loaded rank)",
     ]
+    lines[3:3] = vision.render(report.get("vision"))
     offload = " (on the host: CPU offload)" if topo["cpu_offload"] else ""
     host = report["host_bytes_per_gpu"]
     lora = report.get("trainable_parameters") is not None
@@ -107,6 +110,7 @@ def render_report(report: dict[str, Any]) -> str:
             f" of which logits {gib(g['logits'])})",
             None,
         ),
+        *([(f"  (of which the vision tower keeps {gib(g['vision_tower'])})", None)] if g.get("vision_tower") else []),
         ("all-gather buffers (compute dtype)", g["all_gather_buffers"]),
         ("unsharded gradients / buckets", g["reduce_scatter_buffers"]),
         *(

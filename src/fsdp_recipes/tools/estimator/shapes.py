@@ -21,6 +21,7 @@ from fsdp_recipes.models.experts import (
 )
 from fsdp_recipes.models.modeling import auto_model_class, load_model_config
 from fsdp_recipes.models.vision import vision_block_classes
+from fsdp_recipes.tools.estimator.vision import VisionShapes, is_image_side, vision_shapes
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class ModelInfo:
     routing: ExpertRouting | None = None  # mixture of experts: experts per layer, experts per token
     config: Any = None  # the model config it was read from
     vision_blocks: list[str] = field(default_factory=list)  # a vision-language model's vision block class (wrapped too)
+    vision: VisionShapes | None = None  # a vision-language model's image side (estimator.vision)
+    linear_image_side: list[bool] = field(default_factory=list)  # per linear above: under the tower or projector
 
     @property
     def wrap_classes(self) -> list[str]:
@@ -198,11 +201,13 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
         for inner in layer.modules()
         if inner is not layer
     }
-    layer_linears = [
-        (path.rsplit(".", 1)[-1], module)
+    layer_paths = [
+        path
         for path, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and module is not out and id(module) in inside_layers
     ]
+    modules = dict(model.named_modules())
+    layer_linears = [(path.rsplit(".", 1)[-1], modules[path]) for path in layer_paths]
     linears = [(module.in_features, module.out_features) for _, module in layer_linears]
     return ModelInfo(
         model_type=str(config.model_type),
@@ -226,4 +231,6 @@ def model_info_from_config(config, *, trust_remote_code: bool = False) -> ModelI
         linear_names_in_layers=[name for name, _ in layer_linears],
         routing=expert_routing(config),
         config=config,
+        vision=vision_shapes(model, config),
+        linear_image_side=[is_image_side(path) for path in layer_paths],
     )

@@ -53,10 +53,11 @@ def workload_for(config: TrainingConfig) -> Workload:
 @dataclass(frozen=True)
 class Adapters:
     """LoRA as the recipes apply it (fsdp_recipes.models.adapters): rank-`rank` A (rank x in) and B (out x rank) matrices,
-    fp32 and trainable, on the linear layers of the decoder blocks named in `target_modules` (None: all of them), plus
-    DoRA's magnitude vector (out) per adapted layer; the base frozen at `frozen_bytes` per element (its compute dtype:
-    no fp32 master copy, no gradient, no optimizer state). Modules trained in full beside the adapters
-    (`lora_modules_to_save`) are not counted."""
+    fp32 and trainable, on the linear layers of the decoder blocks named in `target_modules` (None: all of them but a
+    vision-language model's image side, which `models.adapters.lora_config` leaves alone), plus DoRA's magnitude
+    vector (out) per adapted layer; the base frozen at `frozen_bytes` per element (its compute dtype: no fp32 master
+    copy, no gradient, no optimizer state). Modules trained in full beside the adapters (`lora_modules_to_save`) are
+    not counted."""
 
     rank: int = LORA_RANK
     target_modules: tuple[str, ...] | None = None
@@ -68,9 +69,12 @@ class Adapters:
             return self._adapters_peft_makes(info)
         shapes = info.linear_shapes_in_layers
         names = info.linear_names_in_layers or [""] * len(shapes)
+        image_side = info.linear_image_side or [False] * len(shapes)
         params = []
         for index, ((fan_in, fan_out), name) in enumerate(zip(shapes, names)):
             if self.target_modules is not None and name not in self.target_modules:
+                continue
+            if self.target_modules is None and image_side[index]:  # all-linear leaves the image side alone
                 continue
             params += [Param(f"{index}.lora_A", (self.rank, fan_in)), Param(f"{index}.lora_B", (fan_out, self.rank))]
             if self.dora:

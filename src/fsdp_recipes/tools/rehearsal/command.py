@@ -9,6 +9,7 @@ it refuses it refuses here with the same `error:` line. A thin driver: no second
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -174,6 +175,8 @@ def rehearse(
         mapping["mixed_precision"] = launch.mixed_precision
     if launch.num_processes and mapping:
         mapping["num_processes"] = launch.num_processes
+    if launch.fsdp_options and mapping:  # the launch line's --fsdp_* flags (a shipped config's wrap classes)
+        mapping["fsdp_config"] = {**(mapping.get("fsdp_config") or {}), **launch.fsdp_options}
     scaled, real_mesh, mesh, notes = layout.scaled_config(mapping, processes) if mapping else ({}, None, None, [])
     notes = launch.launcher_notes + notes
     if work_dir.exists() and any(work_dir.iterdir()):
@@ -184,6 +187,10 @@ def rehearse(
         shutil.rmtree(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / _MARKER).write_text("made by fsdp-recipes rehearse: replaced by the next rehearsal into this folder\n")
+    if launch.fsdp_options and mapping:  # the real sizes are checked and estimated with them too
+        as_launched = work_dir / "accelerate_config_as_launched.yaml"
+        as_launched.write_text(yaml.safe_dump(mapping, sort_keys=True))
+        launch = dataclasses.replace(launch, accelerate_config=as_launched)
     trust = bool(values.get("trust_remote_code"))
 
     # --- the real sizes, as the real run checks them -------------------------------------------------------------------

@@ -40,6 +40,7 @@ class Launch:
     mixed_precision: str | None = None  # `accelerate launch --mixed_precision`, over the config's
     num_processes: int | None = None  # `accelerate launch --num_processes`, over the config's (the real mesh's size)
     launcher_notes: list[str] = dataclasses.field(default_factory=list)  # launcher options not kept as given
+    fsdp_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # `--fsdp_*` flags, over its fsdp_config
 
 
 def parse_launch(words: list[str] | str) -> Launch:
@@ -51,10 +52,15 @@ def parse_launch(words: list[str] | str) -> Launch:
         words = words[2:]
     elif words[:1] and Path(words[0]).name.startswith("python"):
         words = words[1:]
-    config_file, mixed_precision, num_processes, notes, index = None, None, None, [], 0
+    config_file, mixed_precision, num_processes, notes, index, fsdp = None, None, None, [], 0, {}
     while index < len(words) and words[index].startswith("--"):
         option, has_equals, inline = words[index].partition("=")
-        if option in _LAUNCHER_VALUE_OPTIONS:
+        if option.startswith("--fsdp_") and (has_equals or index + 1 < len(words)):
+            # an fsdp_config key (the wrap classes a shipped config names): kept, over the Accelerate config's
+            value = inline if has_equals else words[index + 1]
+            fsdp[option[2:]] = yaml.safe_load(value) if value.lower() in ("true", "false") else value
+            index += 1 if has_equals else 2
+        elif option in _LAUNCHER_VALUE_OPTIONS:
             value = inline if has_equals else (words[index + 1] if index + 1 < len(words) else "")
             index += 1 if has_equals else 2
             if option in ("--config_file", "--config-file"):
@@ -91,7 +97,7 @@ def parse_launch(words: list[str] | str) -> Launch:
         )
     if config_file is not None and not config_file.is_file():
         raise ConfigError(f"the Accelerate config {config_file} does not exist")
-    return Launch(recipe, words[index + 1 :], config_file, mixed_precision, num_processes, notes)
+    return Launch(recipe, words[index + 1 :], config_file, mixed_precision, num_processes, notes, fsdp)
 
 
 def recipe_values(launch: Launch) -> dict[str, Any]:
