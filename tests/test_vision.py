@@ -233,11 +233,12 @@ def test_qwen_vl_through_its_image_processor_gets_exact_masks_and_its_own_positi
     built = rows.build_rows(tokenized([two_turns()], pictures.tokenizer, pictures), max_length=200, packing=False)
     batch = rows.collate_rows([built[0]], pictures.tokenizer.pad_token_id, pictures)
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
-    assert "position_ids" not in model_inputs(model, batch)  # the model computes its 3-D positions itself
+    # the 3-D positions given (text positions first) are those the model computes itself from its picture grids
+    given = model_inputs(model, batch)["position_ids"]
+    own, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"])
+    assert given.shape[0] == 4 and torch.equal(given[1:], own) and not torch.equal(own[1], own[0])
     # the model checks the pictures' features against its image tokens: a miscount would raise here
-    model.model.rope_deltas = None
     assert torch.isfinite(TokenLoss(model).loss_sum(model.train(), batch))
-    assert model.model.rope_deltas is not None  # set when it computes 3-D positions (from mm_token_type_ids)
     assert vision_block_classes(model) == [
         {"qwen2_5_vl": "Qwen2_5_VLVisionBlock", "qwen3_vl": "Qwen3VLVisionBlock"}[family]
     ]
@@ -358,10 +359,43 @@ def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_l
     assert "freeze_vision_tower: the model (llama) is text-only" in refusal(tmp_path, capsys, frozen)
 
 
-def test_packing_rows_with_images_is_refused_with_the_reason(tmp_path, capsys):
-    data = with_rows(tmp_path / "data", [two_turns()] * 9)
-    line = refusal(tmp_path, capsys, vision_values(data, tmp_path / "out", packing=True))
-    assert "packing rows of examples with images is not supported yet" in line and "packing: false" in line
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
+def test_packed_rows_with_pictures_give_each_example_the_losses_it_has_alone(family, pictures, request):
+    """Two conversations with pictures packed into one row (and a third alone, padded): every token's loss is the
+    one it has in a row of its own. Llava and Gemma 3 keep the examples apart by their restarting positions (Gemma 3's
+    picture tokens see each other both ways, within their example); Qwen-VL's 3-D positions are each example's own."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fsdp_recipes.data import rows
+    from fsdp_recipes.train.losses import IGNORE_INDEX, TokenLoss
+
+    if family == "llava":
+        torch.manual_seed(0)
+        inputs, model = pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
+    else:
+        inputs, model = request.getfixturevalue(family)
+    model.eval()
+    examples = [two_turns(), two_turns(image_in_reply=True), {**two_turns(), "images": [picture(3), picture(4)]}]
+    tokens = tokenized(examples, inputs.tokenizer, inputs)
+    packed = rows.build_rows(tokens.select([0, 1]), max_length=400, packing=True)
+    assert len(packed) == 1 and len(packed[0]["images"]) == 5
+    pad = inputs.tokenizer.pad_token_id
+    alone = rows.build_rows(tokens, max_length=400, packing=False)
+    loss = TokenLoss(model)
+    with torch.no_grad():
+        together = loss.token_losses(model, rows.collate_rows([packed[0], alone[2]], pad, inputs))
+        each = [loss.token_losses(model, rows.collate_rows([alone[i]], pad, inputs))[0] for i in range(3)]
+    at = 0  # the packed row holds its examples longest first (best-fit decreasing): each found by its tokens
+    for _ in range(2):
+        index = next(
+            i for i in (0, 1) if packed[0]["input_ids"][at : at + len(alone[i]["input_ids"])] == alone[i]["input_ids"]
+        )
+        width, targets = len(alone[index]["input_ids"]), torch.tensor(alone[index]["targets"]) != IGNORE_INDEX
+        torch.testing.assert_close(together[0, at : at + width][targets], each[index][targets], rtol=1e-4, atol=1e-5)
+        at += width
+    third, targets = together[1, : len(alone[2]["input_ids"])], torch.tensor(alone[2]["targets"]) != IGNORE_INDEX
+    torch.testing.assert_close(third[targets], each[2][targets], rtol=1e-4, atol=1e-5)
 
 
 def test_the_demo_assets_rebuild_byte_for_byte(tmp_path):

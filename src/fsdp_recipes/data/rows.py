@@ -48,20 +48,15 @@ def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def build_rows(tokenized: Dataset, *, max_length: int, packing: bool) -> Dataset:
     """Training rows: `input_ids`, `targets` (shifted, IGNORE_INDEX where no loss) and `position_ids`; examples with
-    pictures (data.images) keep them (`images`), one example per row."""
+    pictures (data.images) keep them (`images`, a row's in its examples' order)."""
     input_ids, loss_masks = tokenized["input_ids"], tokenized["loss_mask"]
     pictures = tokenized["images"] if "images" in tokenized.column_names else None
-    if pictures is not None and packing:
-        raise DataError(
-            "packing rows of examples with images is not supported yet: the vision-language models' positions and "
-            "image features are per example. Set packing: false"
-        )
     groups = (
         pack_lengths([len(ids) for ids in input_ids], max_length) if packing else [[i] for i in range(len(input_ids))]
     )
     rows: dict[str, list[list[int]]] = {"input_ids": [], "targets": [], "position_ids": []}
     if pictures is not None:
-        rows["images"] = [pictures[group[0]] for group in groups]
+        rows["images"] = [[picture for index in group for picture in pictures[index]] for group in groups]
     for group in groups:
         row_ids, row_targets, row_positions = [], [], []
         for index in group:

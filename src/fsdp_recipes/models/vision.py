@@ -140,3 +140,32 @@ def computes_own_positions(model: torch.nn.Module) -> bool:
     """Whether the model computes its rotary positions from the pictures itself (Qwen-VL's 3-D positions, from the
     input ids, the attention mask and the pictures' grids): positions passed in would be text positions."""
     return any(hasattr(module, "get_rope_index") for module in model.modules())
+
+
+def vision_positions(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The `position_ids` of rows with pictures, packed or not (positions restart at each example; padding is an
+    example of its own). Most families take the text positions, and the attention keeps examples apart by them.
+    Qwen-VL's rotary positions are 3-D over each picture's patches: each example's are computed on its own, as the
+    model computes them for a row of one example, and given with the text positions first ([4, rows, width]: the model
+    keeps examples apart by that first row)."""
+    positions = batch["position_ids"]
+    if not computes_own_positions(model):
+        return positions
+    core = next(module for module in model.modules() if hasattr(module, "get_rope_index"))
+    merge = core.config.vision_config.spatial_merge_size**2
+    grids = list(batch.get("image_grid_thw", torch.empty(0, 3, dtype=torch.long)))
+    spatial = torch.zeros((3, *positions.shape), dtype=positions.dtype, device=positions.device)
+    for row in range(positions.shape[0]):
+        starts = (positions[row] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
+        for start, end in zip(starts, starts[1:]):
+            ids, types = batch["input_ids"][row, start:end], batch["mm_token_type_ids"][row, start:end]
+            tokens, shown = int((types == 1).sum()), []
+            while tokens > 0:  # the example's pictures: the next grids, in order, until their tokens are counted
+                shown.append(grids.pop(0))
+                tokens -= int(shown[-1].prod()) // merge
+            if not shown:
+                spatial[:, row, start:end] = torch.arange(end - start, device=positions.device)
+                continue
+            found, _ = core.get_rope_index(ids[None], types[None], image_grid_thw=torch.stack(shown))
+            spatial[:, row, start:end] = found[:, 0]
+    return torch.cat([positions[None], spatial])

@@ -20,6 +20,7 @@ from fsdp_recipes.data.rows import IGNORE_INDEX
 from fsdp_recipes.distributed import tensor_parallel
 from fsdp_recipes.distributed.parallel_dims import ParallelDims
 from fsdp_recipes.distributed.sequence_parallel import SequenceShards
+from fsdp_recipes.models.vision import vision_positions
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -41,13 +42,16 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     row, so for flash the rows are laid end to end in one row (padding restarts its positions too, so it stays a
     sequence of its own); sdpa, eager and flex isolate examples in every row."""
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
+    vision = {key: batch[key] for key in VISION_INPUTS if key in batch}  # rows with pictures (data.images)
+    if vision:  # Qwen-VL's positions are 3-D, over the pictures' patches
+        position_ids = vision_positions(getattr(model, "module", model), batch)
     config = getattr(model, "module", model).config  # DDP (NO_SHARD) wraps the model; FSDP2 does not
     if str(getattr(config, "_attn_implementation", "")).startswith("flash"):
-        input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
-    vision = {key: batch[key] for key in VISION_INPUTS if key in batch}  # rows with pictures (data.images)
-    if vision:  # one example per row: the model's own positions (Qwen-VL's are 3-D, over the pictures' patches)
-        return {"input_ids": input_ids, "use_cache": False, **vision}
-    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        input_ids, position_ids = input_ids.reshape(1, -1), position_ids.flatten(-2).unsqueeze(-2)
+        vision = {
+            key: value.reshape(1, -1) if key.endswith("token_type_ids") else value for key, value in vision.items()
+        }
+    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False, **vision}
 
 
 def sequence_classification_logits(

@@ -27,8 +27,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--images-per-row",
         type=int,
-        help="vision-language models: pictures in each row (default 1; 0 with packing, whose rows hold none), each "
-        "as many tokens as its processor makes (Qwen-VL: as large as the row holds, an upper bound)",
+        help="vision-language models: pictures in each row (default 1; 0 with packing, taken as text rows: give the "
+        "count for packed rows with pictures), each as many tokens as its processor makes (Qwen-VL: as large as the "
+        "row holds, an upper bound)",
     )
     parser.add_argument(
         "--gpu-memory", default=DEFAULT_GPU_MEMORY, help="memory per GPU: 80GB, 141GiB, 24e9 (default 80GB)"

@@ -424,8 +424,8 @@ def estimate_for_recipe(
     """The estimate for a recipe config on a launch: its micro-batch, its adapters, its frozen model copies and other
     frozen models (`recipe.frozen_models()`, their shapes read by `frozen_model_info`, default `load_model_info`), the
     vision tower or projector it freezes, and the activation checkpointing it adds to the launch, all asked of the
-    config; `images_per_row`: pictures per row, for a vision-language model (default: 1, none in packed rows, which
-    cannot hold pictures)."""
+    config; `images_per_row`: pictures per row, for a vision-language model (default: 1, none in packed rows, taken
+    as text: the data is not read here)."""
     frozen_model_info = frozen_model_info or load_model_info
     layout = layout_for_recipe(layout, recipe)
     return estimate(

@@ -296,7 +296,10 @@ def render(record: dict | None) -> list[str]:
     trains = "trains" if load["trained_tower"] else "frozen: nothing kept for backward, one block at a time"
     lines = [f"{tower}: {trains}; projector {'trains' if load['trained_projector'] else 'frozen'}"]
     if not load["pictures_per_row"]:
-        return lines + ["pictures: none in these rows (--images-per-row 0; packed rows hold none: text only)"]
+        return lines + [
+            "pictures: none in these rows (--images-per-row 0; packed rows are taken as text: give "
+            "--images-per-row N for packed rows with pictures)"
+        ]
     size = f"{load['tokens_per_picture']:,} tokens each"
     if record["tokens_per_picture_range"]:
         size += f" at most (the largest a row holds; {record['tokens_of_a_640x480_picture']} for a 640x480 picture)"
