@@ -301,18 +301,20 @@ def llava(tmp_path_factory) -> Path:
     return llava_folder(tmp_path_factory.mktemp("llava"))
 
 
-def test_lora_on_a_vision_language_model_adapts_its_language_model_only(tmp_path, llava):
+def test_lora_on_a_vision_language_model_adapts_its_language_model_only_on_packed_rows(tmp_path, llava):
     from safetensors.torch import load_file
 
     data = shapes_subset(tmp_path / "data")
     values = vision_values(
         data, tmp_path / "out", model_config=None, tokenizer_name_or_path=None, model_name_or_path=str(llava),
-        use_peft=True, lora_r=2,
+        use_peft=True, lora_r=2, packing=True, packing_row_length=160,
     )  # fmt: skip
-    run_recipe_in_process("sft", tmp_path, "lora", values)
+    run_recipe_in_process("sft", tmp_path, "lora", values)  # rows of 2 examples with their pictures
     keys = list(load_file(tmp_path / "out" / "adapter_model.safetensors"))
     assert keys and all("language_model" in key for key in keys), keys[:3]
     assert (tmp_path / "out" / "processor_config.json").is_file()
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["train_rows"] < 24  # packed: several examples, with their pictures, per row
 
 
 # --- bad input: one error line before any weights load --------------------------------------------------------------
