@@ -135,7 +135,10 @@ def gemma3():
         eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
     )  # fmt: skip
     torch.manual_seed(0)
-    return ImageInputs(processor), AutoModelForImageTextToText.from_config(config)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # transformers starts the projector at zero: the model would not see its pictures
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
+    return ImageInputs(processor), model
 
 
 def test_gemma3_masks_are_exact_and_its_image_tokens_attend_as_its_processor_marks_them(gemma3):
@@ -483,7 +486,7 @@ def test_kto_does_not_train_on_images_yet_and_refuses_data_with_them():
 
 
 # --- GRPO: prompts that show a picture ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_row_by_row(family, pictures, request):
     """The policy passes run on left-padded rows of several prompts: each completion's log-probabilities equal the
     model's own unpadded forward of that prompt, picture and completion (Qwen: its 3-D positions, from the mask)."""
