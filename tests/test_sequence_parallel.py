@@ -61,6 +61,10 @@ def test_what_sequence_parallelism_cannot_split_is_refused_with_its_fix():
     (problem,) = sequence_parallel.model_problems(2, moe, attn_implementation="sdpa", recipe="sft")
     assert "router_aux_loss_coef: 0" in problem
     assert sequence_parallel.model_problems(1, moe, attn_implementation="eager", recipe="grpo") == []
+    from transformers import LlavaConfig
+
+    (problem,) = sequence_parallel.model_problems(2, LlavaConfig(), attn_implementation="sdpa", recipe="sft")
+    assert "with a vision-language model is not built" in problem
     from types import SimpleNamespace
 
     from fsdp_recipes.common.errors import ConfigError

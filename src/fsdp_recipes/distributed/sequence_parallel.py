@@ -70,6 +70,11 @@ def model_problems(sp: int, model_config, *, attn_implementation: str | None, re
             f"sequence parallelism runs the recipes whose forwards give per-token values "
             f"({', '.join(SUPPORTED_RECIPES)}); {recipe} is not one of them yet: run it without ({fix[3:]})"
         )
+    if getattr(model_config, "vision_config", None) is not None:
+        problems.append(
+            "sequence parallelism with a vision-language model is not built: each rank would hold a slice of a row "
+            f"while the model places every picture's features by its tokens in the whole row; run it without ({fix[3:]})"
+        )
     config = getattr(model_config, "text_config", None) or model_config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
