@@ -209,6 +209,73 @@ def tiny_qwen_vl(folder: Path, family: str):
 
 
 @pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    """A tiny Mistral 3 (Pixtral tower, 2x2 patch merge) and the route to its processor here: its folder's
+    `PixtralImageProcessorPil`, tokenizer and processor_config.json (`PixtralProcessor` requires torchvision)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Mistral3Config
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from fsdp_recipes.data.images import ImageInputs
+    from fsdp_recipes.models import vision
+
+    folder = tmp_path_factory.mktemp("mistral3")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "demo" / "assets" / "tokenizer")
+    tokenizer.add_tokens(["[IMG]", "[IMG_BREAK]", "[IMG_END]"], special_tokens=True)
+    tokenizer.chat_template = (PROCESSOR / "chat_template.jinja").read_text().replace("<image>", "[IMG]")
+    tokenizer.save_pretrained(folder)
+    PixtralImageProcessorPil(size={"longest_edge": 32}, patch_size=8).save_pretrained(folder)
+    settings = {"processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2}
+    (folder / "processor_config.json").write_text(json.dumps(settings))
+    processor = vision.load_processor(str(folder), tokenizer, revision="main", trust_remote_code=False)
+    config = Mistral3Config(
+        text_config=dict(
+            model_type="mistral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+            image_size=32, patch_size=8,
+        ),
+        spatial_merge_size=2, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return ImageInputs(processor), AutoModelForImageTextToText.from_config(config)
+
+
+def test_mistral3_through_pixtrals_image_processor_gets_its_rows_of_patches_and_exact_masks(mistral3, tmp_path):
+    import torch
+
+    from fsdp_recipes.data import rows
+    from fsdp_recipes.data.images import PatchRowsProcessor
+    from fsdp_recipes.models import vision
+    from fsdp_recipes.train.losses import TokenLoss
+
+    pictures, model = mistral3
+    assert isinstance(pictures.processor, PatchRowsProcessor)  # AutoProcessor needs torchvision here
+    from PIL import Image
+
+    # a 32x32 picture: 2x2 merged patches of 16 pixels, written row by row as PixtralProcessor writes them
+    assert pictures.tokenizer.decode(pictures.expansion(Image.open(picture(0)))) == (
+        "[IMG][IMG][IMG_BREAK][IMG][IMG][IMG_END]"
+    )
+    row = tokenized([two_turns(image_in_reply=True)], pictures.tokenizer, pictures)[0]
+    assert trained_text(pictures.tokenizer, row) == "red circle<|end|>blue square<|end|>"
+    built = rows.build_rows(tokenized([two_turns()], pictures.tokenizer, pictures), max_length=200, packing=False)
+    batch = rows.collate_rows([built[0]], pictures.tokenizer.pad_token_id, pictures)
+    assert batch["image_sizes"].tolist() == [[32, 32], [32, 32]]
+    # the model checks the pictures' features against its [IMG] tokens: a miscount would raise here
+    assert torch.isfinite(TokenLoss(model).loss_sum(model.train(), batch))
+    assert vision.vision_block_classes(model) == ["PixtralAttentionLayer"]
+    pictures.processor.save_pretrained(tmp_path)  # reloads as the same route, its settings kept
+    again = vision.load_processor(str(tmp_path), pictures.tokenizer, revision="main", trust_remote_code=False)
+    assert isinstance(again, PatchRowsProcessor) and again.step == 16
+
+
+@pytest.fixture(scope="module")
 def qwen2_5_vl(tmp_path_factory):
     return tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
 
@@ -364,7 +431,7 @@ def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_l
     assert "freeze_vision_tower: the model (llama) is text-only" in refusal(tmp_path, capsys, frozen)
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3"])
 def test_packed_rows_with_pictures_give_each_example_the_losses_it_has_alone(family, pictures, request):
     """Two conversations with pictures packed into one row (and a third alone, padded): every token's loss is the
     one it has in a row of its own. Llava and Gemma 3 keep the examples apart by their restarting positions (Gemma 3's
@@ -486,7 +553,7 @@ def test_kto_does_not_train_on_images_yet_and_refuses_data_with_them():
 
 
 # --- GRPO: prompts that show a picture ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3"])
 def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_row_by_row(family, pictures, request):
     """The policy passes run on left-padded rows of several prompts: each completion's log-probabilities equal the
     model's own unpadded forward of that prompt, picture and completion (Qwen: its 3-D positions, from the mask)."""

@@ -21,9 +21,8 @@ from fsdp_recipes.common.errors import DataError
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list per row, or one image per row
 # what a collated batch of rows with pictures adds to the forward's inputs (those the processor returns)
-VISION_INPUTS = (
-    "pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids"
-)  # fmt: skip
+PIXEL_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
+VISION_INPUTS = (*PIXEL_INPUTS, "token_type_ids", "mm_token_type_ids")
 
 
 def image_column(column_names: list[str]) -> str | None:
@@ -106,31 +105,35 @@ def open_image(data: bytes):
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
-class GridImageProcessor:
-    """A processor for the families whose own needs torchvision here (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a video
-    processor beside the image one), built from their image processor (its torchvision-free `*Pil` class) and
-    tokenizer: each `<|image_pad|>` becomes one token per merged patch, grid_t x grid_h x grid_w / merge_size^2, as
-    their processors expand it. Saved as the image processor, tokenizer and chat template it holds."""
+class ExpandingProcessor:
+    """A processor for the families whose own needs torchvision here, built from their image processor (its
+    torchvision-free `*Pil` class) and tokenizer: each placeholder becomes the picture's tokens as their processor
+    writes them (`tokens_for`), and the pictures their pixel values. Saved as the image processor, tokenizer and chat
+    template it holds."""
 
-    image_token = "<|image_pad|>"
-    model_input_names = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    image_token: str
+    model_input_names: tuple[str, ...] = ("input_ids", "pixel_values")
 
     def __init__(self, image_processor, tokenizer, chat_template: str | None = None):
         self.image_processor, self.tokenizer, self.chat_template = image_processor, tokenizer, chat_template
 
-    def tokens_per_image(self, image) -> int:
-        grid = self.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
-        return int(grid.prod()) // int(self.image_processor.merge_size) ** 2
+    def pixels(self, images: list, return_tensors: str | None = "pt") -> dict:
+        return dict(self.image_processor(images=images, return_tensors=return_tensors))
 
-    def __call__(self, text: list[str], images: list, add_special_tokens: bool = True) -> dict:
+    def tokens_for(self, image) -> str:
+        raise NotImplementedError
+
+    def __call__(self, text: list[str], images: list, add_special_tokens: bool = True, return_tensors=None) -> dict:
+        images = [one for image in images for one in (image if isinstance(image, list) else [image])]
         pending, expanded = list(images), []
         for piece in text:
             parts = piece.split(self.image_token)
             out = parts[0]
             for part in parts[1:]:
-                out += self.image_token * self.tokens_per_image(pending.pop(0)) + part
+                out += self.tokens_for(pending.pop(0)) + part
             expanded.append(out)
-        return self.tokenizer(expanded, add_special_tokens=add_special_tokens)
+        encoded = dict(self.tokenizer(expanded, add_special_tokens=add_special_tokens, return_tensors=return_tensors))
+        return {**encoded, **(self.pixels(images, return_tensors) if images and return_tensors else {})}
 
     def apply_chat_template(self, *args, **kwargs):
         return self.tokenizer.apply_chat_template(*args, **kwargs)
@@ -138,6 +141,53 @@ class GridImageProcessor:
     def save_pretrained(self, folder) -> None:
         self.image_processor.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
+
+
+class GridImageProcessor(ExpandingProcessor):
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (their processor holds a video processor beside the image one): each
+    `<|image_pad|>` becomes one token per merged patch, grid_t x grid_h x grid_w / merge_size^2, as their processors
+    expand it."""
+
+    image_token = "<|image_pad|>"
+    model_input_names = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+    def tokens_for(self, image) -> str:
+        grid = self.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+        return self.image_token * (int(grid.prod()) // int(self.image_processor.merge_size) ** 2)
+
+
+class PatchRowsProcessor(ExpandingProcessor):
+    """Pixtral and Mistral 3 (`PixtralProcessor` requires torchvision): the picture resized to whole merged patches
+    (patch_size x spatial_merge_size pixels), and its `[IMG]` written as one row of `[IMG]` tokens per row of merged
+    patches, each row closed by `[IMG_BREAK]` and the last by `[IMG_END]`, as `PixtralProcessor` writes them. The
+    settings are its processor_config.json's."""
+
+    model_input_names = ("input_ids", "pixel_values", "image_sizes")
+
+    def __init__(self, image_processor, tokenizer, chat_template=None, *, settings: dict):
+        super().__init__(image_processor, tokenizer, chat_template)
+        self.settings = dict(settings)
+        self.step = int(settings.get("patch_size", 16)) * int(settings.get("spatial_merge_size", 1))
+        self.image_token = settings.get("image_token", "[IMG]")
+        self.row_end, self.end = (
+            settings.get("image_break_token", "[IMG_BREAK]"),
+            settings.get("image_end_token", "[IMG_END]"),
+        )
+
+    def pixels(self, images: list, return_tensors: str | None = "pt") -> dict:
+        return dict(self.image_processor(images=images, patch_size=self.step, return_tensors=return_tensors))
+
+    def tokens_for(self, image) -> str:
+        height, width = (int(size) for size in self.pixels([image])["image_sizes"][0])
+        rows = [self.image_token * (width // self.step) + self.row_end] * (height // self.step)
+        return "".join(rows)[: -len(self.row_end)] + self.end
+
+    def save_pretrained(self, folder) -> None:
+        import json
+
+        super().save_pretrained(folder)
+        settings = {"processor_class": "PixtralProcessor", **self.settings}
+        (Path(folder) / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 class ImageInputs:
@@ -216,9 +266,10 @@ class ImageInputs:
         tokens are image tokens."""
         flat = [open_image(data) for row in images for data in row]
         inputs = {}
-        if flat:
-            processed = self.processor.image_processor(images=flat, return_tensors="pt")
-            inputs = {key: value for key, value in processed.items() if key in VISION_INPUTS}
+        if flat:  # the processor's own call, so its pictures are resized as it resized them to count their tokens
+            one_each = [[image] for image in flat]  # one text per picture (Gemma 3's processor counts them per text)
+            processed = self.processor(text=[self.placeholder] * len(flat), images=one_each, return_tensors="pt")
+            inputs = {key: value for key, value in processed.items() if key in PIXEL_INPUTS}
         if self.needs_token_types:
             inputs["token_type_ids"] = (input_ids == self.image_token_id).long()
         if self.needs_modality_types:

@@ -67,16 +67,27 @@ def load_processor(name_or_path: str, tokenizer: PreTrainedTokenizerBase, *, rev
 
 
 def _grid_processor(name_or_path: str, tokenizer, *, revision: str, error: BaseException):
-    """Qwen-VL families without torchvision: their image processor and tokenizer with their own expansion
-    (data.images.GridImageProcessor); anything else re-raises the processor's own error."""
-    from transformers import AutoImageProcessor
+    """The families whose processor needs torchvision here, from their image processor and tokenizer with their own
+    expansion: Qwen-VL (data.images.GridImageProcessor), Pixtral and Mistral 3 (data.images.PatchRowsProcessor);
+    anything else re-raises the processor's own error."""
+    import json
 
-    from fsdp_recipes.data.images import GridImageProcessor
+    from transformers import AutoImageProcessor
+    from transformers.utils import cached_file
+
+    from fsdp_recipes.data.images import GridImageProcessor, PatchRowsProcessor
 
     image_processor = AutoImageProcessor.from_pretrained(name_or_path, revision=revision)
-    if not hasattr(image_processor, "merge_size") or GridImageProcessor.image_token not in tokenizer.get_vocab():
-        raise error
-    return GridImageProcessor(image_processor, tokenizer, tokenizer.chat_template)
+    vocabulary = tokenizer.get_vocab()
+    if hasattr(image_processor, "merge_size") and GridImageProcessor.image_token in vocabulary:
+        return GridImageProcessor(image_processor, tokenizer, tokenizer.chat_template)
+    found = cached_file(
+        name_or_path, "processor_config.json", revision=revision, _raise_exceptions_for_missing_entries=False
+    )
+    settings = json.loads(open(found).read()) if found else {}
+    if settings.get("processor_class") == "PixtralProcessor" and settings.get("image_token", "[IMG]") in vocabulary:
+        return PatchRowsProcessor(image_processor, tokenizer, tokenizer.chat_template, settings=settings)
+    raise error
 
 
 def vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
