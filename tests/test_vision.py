@@ -276,6 +276,64 @@ def test_mistral3_through_pixtrals_image_processor_gets_its_rows_of_patches_and_
 
 
 @pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    """A tiny Idefics3 (SigLIP tower, pixel shuffle by 2: 4 tokens per picture, no splitting into tiles) and its own
+    processor, saved and loaded back through AutoProcessor."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Config, Idefics3Processor
+    from transformers import Idefics3ImageProcessorPil as ImageProcessor
+
+    from fsdp_recipes.data.images import ImageInputs
+    from fsdp_recipes.models import vision
+
+    folder = tmp_path_factory.mktemp("idefics3")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "demo" / "assets" / "tokenizer")
+    tokenizer.add_tokens(["<fake_token_around_image>", "<image>", "<global-img>"], special_tokens=True)
+    tokenizer.chat_template = (PROCESSOR / "chat_template.jinja").read_text()
+    sizes = dict(size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False)
+    Idefics3Processor(image_processor=ImageProcessor(**sizes), tokenizer=tokenizer, image_seq_len=4).save_pretrained(
+        folder
+    )
+    processor = vision.load_processor(str(folder), tokenizer, revision="main", trust_remote_code=False)
+    config = Idefics3Config(
+        text_config=dict(
+            model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            patch_size=8,
+        ),
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return ImageInputs(processor), AutoModelForImageTextToText.from_config(config)
+
+
+def test_idefics3_gets_exact_masks_and_its_pictures_through_its_own_processor(idefics3):
+    import torch
+
+    from fsdp_recipes.data import rows
+    from fsdp_recipes.models import vision
+    from fsdp_recipes.train.losses import TokenLoss
+
+    pictures, model = idefics3
+    from PIL import Image
+
+    assert pictures.tokenizer.decode(pictures.expansion(Image.open(picture(0)))) == (
+        "<fake_token_around_image><global-img>" + "<image>" * 4 + "<fake_token_around_image>"
+    )
+    row = tokenized([two_turns(image_in_reply=True)], pictures.tokenizer, pictures)[0]
+    assert trained_text(pictures.tokenizer, row) == "red circle<|end|>blue square<|end|>"
+    built = rows.build_rows(tokenized([two_turns()], pictures.tokenizer, pictures), max_length=200, packing=False)
+    batch = rows.collate_rows([built[0]], pictures.tokenizer.pad_token_id, pictures)
+    assert tuple(batch["pixel_values"].shape) == (2, 1, 3, 32, 32)  # one text per picture, as its processor nests them
+    assert torch.isfinite(TokenLoss(model).loss_sum(model.train(), batch))
+    assert "Idefics3EncoderLayer" in vision.vision_block_classes(model)
+
+
+@pytest.fixture(scope="module")
 def qwen2_5_vl(tmp_path_factory):
     return tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
 
@@ -431,7 +489,7 @@ def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_l
     assert "freeze_vision_tower: the model (llama) is text-only" in refusal(tmp_path, capsys, frozen)
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "idefics3"])
 def test_packed_rows_with_pictures_give_each_example_the_losses_it_has_alone(family, pictures, request):
     """Two conversations with pictures packed into one row (and a third alone, padded): every token's loss is the
     one it has in a row of its own. Llava and Gemma 3 keep the examples apart by their restarting positions (Gemma 3's
@@ -553,7 +611,7 @@ def test_kto_does_not_train_on_images_yet_and_refuses_data_with_them():
 
 
 # --- GRPO: prompts that show a picture ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "idefics3"])
 def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_row_by_row(family, pictures, request):
     """The policy passes run on left-padded rows of several prompts: each completion's log-probabilities equal the
     model's own unpadded forward of that prompt, picture and completion (Qwen: its 3-D positions, from the mask)."""
@@ -614,7 +672,8 @@ def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_r
             alone = model(input_ids=ids, **task.pixel_inputs(ids, [row])).logits[0, len(prompt) - 1 : -1]
             expected = alone.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
             torch.testing.assert_close(padded[row, : len(completion)], expected, rtol=1e-4, atol=1e-4)
-            blank = {key: 0 * value if key == "pixel_values" else value for key, value in batch.items()}
+    # one grey for every picture (Idefics3 takes all-zero pictures for padding)
+    blank = {key: torch.full_like(value, 0.5) if key == "pixel_values" else value for key, value in batch.items()}
     assert not torch.allclose(rollouts.completion_log_probs(model, blank, 1.0)[0], padded)
 
 
