@@ -121,11 +121,11 @@ def write_model_config(path: Path, text_config: Path, image_token_id: int) -> No
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "assets"))
     parser.add_argument("--no-model-config", action="store_true", help="leave demo/tiny_llava.json as it is")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out_dir)
     folder, pictures = out / "shapes", out / "shapes_images"
     folder.mkdir(parents=True, exist_ok=True)

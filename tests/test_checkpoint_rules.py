@@ -1,4 +1,5 @@
-"""Which checkpoints a run may write next to, and pruning, on hand-made checkpoint folders (no training)."""
+"""Which checkpoints a run may write next to, and pruning, on hand-made checkpoint folders (no training); the
+optimizer state a checkpoint holds for parameters that had no gradient yet."""
 
 from __future__ import annotations
 
@@ -170,3 +171,34 @@ def test_accelerates_notice_of_a_shared_tensor_is_dropped_for_declared_ties_only
     with caplog.at_level("WARNING"):  # outside the context, accelerate's notice is as it was
         clean_state_dict_for_safetensors(model.state_dict())
     assert "Removed shared tensor {'lm_head.weight'}" in caplog.text
+
+
+def test_a_parameter_without_a_gradient_yet_gets_adamws_fresh_state_so_a_checkpoint_holds_every_parameter():
+    """torch's distributed loading fills a fresh optimizer's state for every parameter and wants each in the
+    checkpoint (a Llava's tower layers past the one it reads never get a gradient): the state given is AdamW's own
+    first state, so the updates that follow are those of a run that never saved."""
+    import torch
+
+    from fsdp_recipes.train.checkpoint import complete_optimizer_state
+
+    def trained(complete: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        used, unused = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        optimizer = torch.optim.AdamW([*used.parameters(), *unused.parameters()], lr=0.1, weight_decay=0.1)
+        used(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        before = [p.clone() for p in unused.parameters()]
+        if complete:
+            complete_optimizer_state(optimizer)
+            assert all(
+                optimizer.state[p]["step"] == 0 and not optimizer.state[p]["exp_avg"].any()
+                for p in before and unused.parameters()
+            )
+            assert all(torch.equal(a, b) for a, b in zip(before, unused.parameters()))  # nothing moved
+        (used(torch.ones(1, 3)).sum() + unused(torch.ones(1, 3)).sum()).backward()  # now it is used
+        optimizer.step()
+        return [p.detach().clone() for p in (*used.parameters(), *unused.parameters())]
+
+    for completed, plain in zip(trained(True), trained(False)):
+        assert torch.equal(completed, plain)

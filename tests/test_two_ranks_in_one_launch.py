@@ -5,7 +5,9 @@ buffer that accelerate's FSDP2 load could not carry, and which each step updates
 on its experts (peft's wrapper of the fused expert weights, sharded by FSDP2 with the rest); and GRPO with a tool
 where some completions call it and some do not, so the two ranks have different numbers of completions to resume
 after tool answers: they stay in step by padding their generation passes (else a rank would wait in a collective
-forever)."""
+forever); and a vision-language model (a tiny Llava on the demo's pictures): SFT, resumed exactly from its step-1
+checkpoint, DPO against its sharded frozen copy, and GRPO with LoRA and a frozen tower, its rewards reading the
+pictures."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ DEEPSEEK_BIAS = [0.02, -0.01, 0.0, -0.03]
 def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use_equal_one_process(
     tmp_path, small_chat_data, pretrained_tiny_model, prompt_data
 ):
-    pictures = shapes_subset(tmp_path / "pictures", count=16)  # a vision-language model, whole and with LoRA
+    pictures = shapes_subset(tmp_path / "pictures", count=16)  # a vision-language model, whole and resumed
     picture_pairs = shapes_pairs(tmp_path / "picture_pairs", count=16)  # and DPO on them, against a sharded copy
     picture_prompts = shapes_prompts(tmp_path / "picture_prompts", count=16)  # and GRPO, rewards seeing them
     config = {"model_type": "qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], "output_router_logits": True}
@@ -73,15 +75,16 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
         "tools": ("grpo+scripted_tools_mixed", tool_run_values(
             tmp_path, pretrained_tiny_model, prompt_data, tmp_path / "tools_two", per_device_train_batch_size=4,
         ), 8),
-        "vision": ("sft", vision_values(pictures, tmp_path / "vision_two", per_device_train_batch_size=2), 4),
-        "vision_lora": ("sft", vision_values(
-            pictures, tmp_path / "vision_lora_two", model_config=None, tokenizer_name_or_path=None,
-            model_name_or_path=str(llava_folder(tmp_path / "llava")), use_peft=True, lora_r=2, lora_dropout=0.0,
-            freeze_vision_tower=True, per_device_train_batch_size=2,
-        ), 4),
+        "vision": ("sft", vision_values(pictures, tmp_path / "vision_two", per_device_train_batch_size=2, save_steps=1), 4),
+        "vision_resumed": ("sft", vision_values(
+            pictures, tmp_path / "vision_resumed_two", per_device_train_batch_size=2,
+            resume_from_checkpoint=str(tmp_path / "vision_two" / "checkpoints" / "step-00000001"),
+        ), None),  # step 2 again, from the first run's step-1 checkpoint
         "vision_dpo": ("dpo", vision_dpo_values(picture_pairs, tmp_path / "vision_dpo_two", per_device_train_batch_size=2), 4),
-        "vision_grpo": ("grpo", vision_grpo_values(
-            picture_prompts, tmp_path / "vision_grpo_two", gradient_accumulation_steps=1,
+        "vision_grpo": ("grpo", vision_grpo_values(  # LoRA: the reference is the policy with its adapters off
+            picture_prompts, tmp_path / "vision_grpo_two", gradient_accumulation_steps=1, model_config=None,
+            tokenizer_name_or_path=None, model_name_or_path=str(llava_folder(tmp_path / "llava")), use_peft=True,
+            lora_r=2, lora_dropout=0.0, learning_rate=1e-2, freeze_vision_tower=True,
         ), 8),
     }  # fmt: skip
     arguments = []
@@ -89,6 +92,8 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
         arguments += [recipe, str(recipe_config(tmp_path / f"{name}_two.yaml", **values))]
     require_success(launch(SEQUENCE, arguments))
     for name, (recipe, values, one_batch) in runs.items():
+        if one_batch is None:  # compared with a 2-rank run below
+            continue
         one = {**values, "output_dir": str(tmp_path / f"{name}_one"), "per_device_train_batch_size": one_batch}
         script, _, option = recipe.partition("+")
         with scripted_generation(direct_on_short=True) if option else contextlib.nullcontext():
@@ -116,10 +121,17 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
     for key in adapters[1]:
         torch.testing.assert_close(adapters[0][key], adapters[1][key], rtol=1e-4, atol=1e-5, msg=key)
     # the vision-language model: its vision blocks wrapped beside its decoder layers (Llava's _no_split_modules names
-    # CLIP's text embeddings, which it lacks); LoRA adapts its language model only, the tower frozen
+    # CLIP's text embeddings, which it lacks); GRPO's LoRA adapts its language model only, the tower frozen
+    resumed, whole = (read_metrics(tmp_path / f"{name}_two") for name in ("vision_resumed", "vision"))
+    later = [r for r in resumed if "loss" in r]
+    assert [r["step"] for r in later] == [2]  # resumed exactly: the uninterrupted run's step 2
+    again = next(r for r in whole if r.get("step") == 2 and "loss" in r)
+    assert later[0]["loss"] == pytest.approx(again["loss"], rel=1e-6) and later[0]["grad_norm"] == pytest.approx(
+        again["grad_norm"], rel=1e-6
+    )
     summary = json.loads((tmp_path / "vision_two" / "run_summary.json").read_text())
     assert set(summary["fsdp"]["wrap_classes"]) == {"LlamaDecoderLayer", "CLIPEncoderLayer", "CLIPVisionEmbeddings"}
-    adapters = [load_file(tmp_path / f"vision_lora_{side}" / "adapter_model.safetensors") for side in ("two", "one")]
+    adapters = [load_file(tmp_path / f"vision_grpo_{side}" / "adapter_model.safetensors") for side in ("two", "one")]
     assert adapters[0].keys() == adapters[1].keys() and all("language_model" in key for key in adapters[0])
     for key in adapters[1]:
         torch.testing.assert_close(adapters[0][key], adapters[1][key], rtol=1e-4, atol=1e-5, msg=key)

@@ -490,6 +490,30 @@ def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_l
 
 
 @pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "idefics3"])
+def test_each_familys_processor_round_trips_through_the_exported_folder(family, pictures, request, tmp_path):
+    """What export writes (the processor's save_pretrained) loads back as the run loads it, and makes the same
+    tokens and pixel values of a picture."""
+    import torch
+
+    from fsdp_recipes.data.images import ImageInputs
+    from fsdp_recipes.models import vision
+
+    inputs = pictures if family == "llava" else request.getfixturevalue(family)[0]
+    inputs.processor.save_pretrained(tmp_path)
+    again = ImageInputs(
+        vision.load_processor(str(tmp_path), inputs.tokenizer, revision="main", trust_remote_code=False)
+    )
+    assert type(again.processor) is type(inputs.processor)
+    from PIL import Image
+
+    shown = Image.open(picture(0)).convert("RGB")
+    assert again.expansion(shown) == inputs.expansion(shown) and again.image_token_id == inputs.image_token_id
+    ids = torch.tensor([inputs.expansion(shown)])
+    for key, value in inputs.pixel_inputs(ids, [[Path(picture(0)).read_bytes()]]).items():
+        torch.testing.assert_close(again.pixel_inputs(ids, [[Path(picture(0)).read_bytes()]])[key], value, msg=key)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "idefics3"])
 def test_packed_rows_with_pictures_give_each_example_the_losses_it_has_alone(family, pictures, request):
     """Two conversations with pictures packed into one row (and a third alone, padded): every token's loss is the
     one it has in a row of its own. Llava and Gemma 3 keep the examples apart by their restarting positions (Gemma 3's
@@ -529,15 +553,13 @@ def test_packed_rows_with_pictures_give_each_example_the_losses_it_has_alone(fam
 
 
 def test_the_demo_assets_rebuild_byte_for_byte(tmp_path):
-    import subprocess
-    import sys
+    import importlib.util
 
     shutil.copytree(REPO / "demo" / "assets" / "tokenizer", tmp_path / "tokenizer")
-    subprocess.run(
-        [sys.executable, str(REPO / "demo" / "make_shapes_assets.py"), "--out-dir", str(tmp_path), "--no-model-config"],
-        check=True,
-        capture_output=True,
-    )
+    script = importlib.util.spec_from_file_location("make_shapes_assets", REPO / "demo" / "make_shapes_assets.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    module.main(["--out-dir", str(tmp_path), "--no-model-config"])  # in this process: no interpreter to start
     for split in ("train", "test"):
         assert (tmp_path / "shapes" / f"{split}.jsonl").read_bytes() == (SHAPES / f"{split}.jsonl").read_bytes()
         prompts = tmp_path / "shapes_prompts" / f"{split}.jsonl"

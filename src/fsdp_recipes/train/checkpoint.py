@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -167,6 +168,32 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+@torch.no_grad()
+def complete_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Gives every trained parameter that has had no gradient yet (a vision tower's layers past the one the model
+    reads, experts no token reached) the state AdamW would create at its first gradient: zero moments, step 0. A
+    checkpoint then holds a state for every parameter, which torch's distributed loading expects (it fills a fresh
+    optimizer's state for all of them before reading); the updates that follow are those of the run without it."""
+    missing = [
+        p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p not in optimizer.state
+    ]
+    if not missing:
+        return
+    for parameter in missing:
+        parameter.grad = torch.zeros_like(parameter)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:  # AdamW steps only the parameters with a gradient; at rate 0 none moves
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
+        for parameter in missing:
+            parameter.grad = None
+            optimizer.state[parameter]["step"].zero_()  # as it was before its first gradient
+
+
 def save_checkpoint(
     accelerator: Accelerator,
     output_dir: str | Path,
@@ -191,6 +218,8 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     try:
         models = [accelerator.unwrap_model(model) for model in getattr(accelerator, "_models", [])]
+        for optimizer in getattr(accelerator, "_optimizers", []):
+            complete_optimizer_state(getattr(optimizer, "optimizer", optimizer))
         with checkpoint_state_filter(accelerator), logs.tied_copies_unannounced(models):  # LoRA: adapters only
             accelerator.save_state(str(staging))
         if rank_state is not None:
