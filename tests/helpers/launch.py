@@ -3,6 +3,7 @@ group, launches side by side, and a recipe launched with a config of values."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,18 +43,42 @@ def launch(
 
 
 def run_process_group(command: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO):
-    """subprocess.run, but a timeout kills the launcher's whole process group: ranks left behind would keep the
-    CPU busy for the rest of the suite."""
+    """subprocess.run, but a timeout kills the launcher and every process under it: ranks left behind would keep the
+    CPU busy for the rest of the suite, and one still holding the output pipes would block the suite for good."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        # a rank may run in a session of its own (torch's elastic agent can start them so), out of the group's reach
+        for pid in [process.pid, *descendants(process.pid)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        try:
+            process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # something outside the tree still holds the pipes: give up on them
+            process.stdout.close()
+            process.stderr.close()
         raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under `root` (children first found, then theirs), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, pending = [], [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
 
 
 def concurrently(*runs):
