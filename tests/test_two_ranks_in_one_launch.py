@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.grpo import tool_run_values
-from helpers.launch import launch, require_success
+from helpers.launch import alongside, launch, require_success
 from helpers.paths import REPO
 from helpers.recipes import base_recipe_values, read_metrics, recipe_config, run_recipe_in_process
 from helpers.scripted_tools import CONVERSATION_REWARD, TOOLS_FILE, scripted_generation
@@ -90,14 +90,18 @@ def test_an_moe_whole_and_with_lora_on_its_experts_and_grpo_with_uneven_tool_use
     arguments = []
     for name, (recipe, values, _) in runs.items():
         arguments += [recipe, str(recipe_config(tmp_path / f"{name}_two.yaml", **values))]
-    require_success(launch(SEQUENCE, arguments))
-    for name, (recipe, values, one_batch) in runs.items():
-        if one_batch is None:  # compared with a 2-rank run below
-            continue
-        one = {**values, "output_dir": str(tmp_path / f"{name}_one"), "per_device_train_batch_size": one_batch}
-        script, _, option = recipe.partition("+")
-        with scripted_generation(direct_on_short=True) if option else contextlib.nullcontext():
-            run_recipe_in_process(script, tmp_path, f"{name}_one", one)
+    twins = {name: run for name, run in runs.items() if run[2] is not None}  # the rest: compared with a 2-rank run
+
+    def one_process_twins() -> None:
+        for name, (recipe, values, one_batch) in twins.items():
+            one = {**values, "output_dir": str(tmp_path / f"{name}_one"), "per_device_train_batch_size": one_batch}
+            script, _, option = recipe.partition("+")
+            with scripted_generation(direct_on_short=True) if option else contextlib.nullcontext():
+                run_recipe_in_process(script, tmp_path, f"{name}_one", one)
+
+    _, (launched,) = alongside(one_process_twins, lambda: launch(SEQUENCE, arguments))  # the cores the launch leaves
+    require_success(launched)
+    for name in twins:
         twos, ones = ([r for r in read_metrics(tmp_path / f"{name}_{side}") if "loss" in r] for side in ("two", "one"))
         assert [r["step"] for r in twos] == [r["step"] for r in ones] and twos, name
         keys = {
