@@ -61,11 +61,13 @@ def main(argv: list[str] | None = None) -> None:
         train_raw, eval_raw = files.split_train_eval(
             raw, config.dataset_train_split, config.dataset_test_split, config.held_out_split_size(), config.seed
         )
-        options = dict(
+        options = dict(  # (a vision-language model's processor, run.pictures, reads the prompts' pictures)
             max_length=config.max_length,
             max_prompt_length=config.max_prompt_length,
             num_proc=config.dataset_num_proc,
             seed=config.seed,
+            pictures=run.pictures,
+            image_roots=files.data_folders(config.dataset_name),
         )
         train, stats = unpaired.tokenize_examples(train_raw, tokenizer, name="train", **options)
         held_out = (
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     if run.resumed and config.reference_mode() == "precomputed":
         splits = {"train": train_examples, "eval": eval_examples}
         stored = run.on_every_rank(lambda: reference.read_checked(run.checkpoint, splits))
-    collate = unpaired.collator(tokenizer.pad_token_id)
+    collate = unpaired.collator(tokenizer.pad_token_id, pictures=run.pictures)
     train_loader = rows.train_dataloader(
         train_examples,
         config,

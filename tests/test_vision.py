@@ -621,15 +621,27 @@ def test_dpo_pairs_with_images_train_the_answers_alone_and_their_log_probs_see_t
         paired.tokenize_pairs(raw, tokenizer, max_length=80)
 
 
-def test_kto_does_not_train_on_images_yet_and_refuses_data_with_them():
+def test_kto_examples_show_their_prompts_pictures_in_both_rows_and_pairs_unpair_with_them(tmp_path, pictures):
+    import torch
     from datasets import Dataset
 
-    from fsdp_recipes.common.errors import DataError
     from fsdp_recipes.methods.preference import unpaired
+    from fsdp_recipes.train.losses import IGNORE_INDEX
 
-    pairs = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "image": picture(0)}])
-    with pytest.raises(DataError, match="KTO with images"):
-        unpaired.unpair_if_paired(pairs, "train")
+    data = shapes_pairs(tmp_path / "pairs", count=4)  # pairs: unpaired into a good and a bad answer each
+    raw = Dataset.from_json(str(data / "train.jsonl"))
+    examples, stats = unpaired.tokenize_examples(raw, pictures.tokenizer, max_length=80, seed=0, pictures=pictures)
+    assert stats["desirable"] == stats["undesirable"] == 4 and len(examples) == 8
+    for example in examples:  # its answer and its KL row (another answer) both follow the prompt and its picture
+        for side in ("completion", "kl"):
+            assert example[f"{side}_input_ids"].count(pictures.image_token_id) == 16
+            assert pictures.image_token_id not in [t for t in example[f"{side}_targets"] if t != IGNORE_INDEX]
+    assert examples[0]["images"] == examples[4]["images"]  # pair 0's chosen and rejected answers: one picture
+    batch = unpaired.collator(pictures.tokenizer.pad_token_id, pictures)(list(examples)[:3])
+    assert batch["pixel_values"].shape[0] == 6 and batch["label"].tolist() == [True, True, True]
+    with pytest.raises(Exception, match="nothing here reads images"):
+        unpaired.tokenize_examples(raw, pictures.tokenizer, max_length=80, seed=0)
+    assert torch.equal(batch["input_ids"][0, :5], batch["input_ids"][3, :5])  # the KL row: the same prompt
 
 
 # --- GRPO: prompts that show a picture ---------------------------------------------------------------------------------

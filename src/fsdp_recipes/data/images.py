@@ -29,23 +29,13 @@ def image_column(column_names: list[str]) -> str | None:
     return next((name for name in IMAGE_COLUMNS if name in column_names), None)
 
 
-def refuse_images(column_names: list[str], what: str) -> None:
-    """DataError for data with images given to a recipe that does not train on them yet (which would drop them)."""
-    if (column := image_column(column_names)) is not None:
-        raise DataError(
-            f"the data has an {column!r} column: {what} with images is not built yet (docs/vision.md, Not yet), and "
-            "training on the text alone would ignore the pictures silently. SFT trains on images; drop the column "
-            "to train on the text"
-        )
-
-
 def require_reader(column: str | None, pictures, name: str) -> None:
     """DataError when the data has an images column that nothing here reads (`pictures`, the model's processor, is
     None): the model is text-only, or the recipe does not train on images."""
     if column is not None and pictures is None:
         raise DataError(
             f"the {name} data has an {column!r} column, but nothing here reads images: the model is text-only (it has "
-            "no vision tower), or this recipe does not take images (SFT, DPO and GRPO do; docs/vision.md). Use a "
+            "no vision tower), or this recipe does not take images (SFT, DPO, KTO and GRPO do; docs/vision.md). Use a "
             "vision-language model (Qwen2.5-VL, Gemma 3, Llava...) with one of those, or drop the column"
         )
 

@@ -153,7 +153,8 @@ def tokenize_pair(
     data, shown = [], []
     if problem is None and image_column is not None:
         try:
-            data, shown = _pictures_of(example, prompt, chosen, rejected, image_column, image_roots)
+            answers = {"chosen": chosen, "rejected": rejected}
+            data, shown = pictures_of(example, prompt, answers, image_column, image_roots)
         except ValueError as error:
             problem = str(error)
     if problem is None:
@@ -194,10 +195,11 @@ def tokenize_pair(
     return row
 
 
-def _pictures_of(example, prompt, chosen, rejected, column: str, roots) -> tuple[list[bytes], list]:
-    """A pair's pictures (their bytes, and opened), checked against the image parts of each side's turns."""
+def pictures_of(example, prompt, answers: dict[str, Any], column: str, roots) -> tuple[list[bytes], list]:
+    """An example's pictures (their bytes, and opened), checked against the image parts of the prompt and each of
+    its `answers` ({side: answer}). ValueError says what does not match."""
     given = images.images_of(example, column)
-    for side, answer in (("chosen", chosen), ("rejected", rejected)):
+    for side, answer in answers.items():
         parts = images.image_parts(prompt + answer) if isinstance(answer, list) else 0
         if parts != len(given):
             raise ValueError(

@@ -31,7 +31,6 @@ SIDES = ("completion", "kl")
 def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
     """(the dataset in KTO's format, a note for the run summary when it was preference pairs)."""
     columns = dataset.column_names
-    images.refuse_images(columns, "KTO")
     if all(column in columns for column in COLUMNS):
         return dataset, None
     try:
@@ -59,7 +58,8 @@ def unpair_if_paired(dataset: Dataset, name: str) -> tuple[Dataset, str | None]:
         rejected_answers.append(rejected)
     prompts, completions = prompts + prompts, chosen_answers + rejected_answers  # as TRL: the chosen, then the rejected
     labels = [True] * len(dataset) + [False] * len(dataset)
-    unpaired = Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels})
+    shown = {name: list(dataset[name]) * 2 for name in images.IMAGE_COLUMNS if name in columns}  # both answers' prompt
+    unpaired = Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels, **shown})
     note = (
         f"{len(dataset)} preference pairs unpaired into {len(unpaired)} examples (chosen: label true, rejected: "
         "label false), as TRL's unpair_preference_dataset does"
@@ -78,7 +78,9 @@ def kl_partners(count: int, seed: int) -> list[int]:
     return partners
 
 
-def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_length, where) -> dict[str, Any]:
+def _tokenize(
+    example, index, tokenizer, *, partner, max_length, max_prompt_length, where, pictures=None, column=None, roots=()
+) -> dict[str, Any]:
     prompt, completion, label = example["prompt"], example["completion"], example["label"]
     if not isinstance(label, bool):
         raise DataError(
@@ -95,13 +97,23 @@ def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_leng
         problem = chat.conversation_problem(prompt + completion, "completion", assistant_from=len(prompt))
     else:
         problem = None if completion.strip() else f"'completion' is {'only whitespace' if completion else 'empty'}"
+    data, shown = [], []
+    if problem is None and column is not None:  # the prompt's pictures, in both rows (the KL row's too)
+        try:
+            data, shown = paired.pictures_of(example, prompt, dict(zip(SIDES, (completion, partner))), column, roots)
+        except ValueError as error:
+            problem = str(error)
     if problem:
         raise DataError(f"{where}: {problem}. Fix or remove that example.")
     row: dict[str, Any] = {"index": index, "label": label}
     for side, answer in zip(SIDES, (completion, partner)):
-        ids, mask = paired.tokenize_side(
-            tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length
-        )
+        try:
+            ids, mask = paired.tokenize_side(
+                tokenizer, prompt, answer, max_length=max_length, max_prompt_length=max_prompt_length,
+                pictures=pictures, shown=shown,
+            )  # fmt: skip
+        except ValueError as error:  # a cut through a picture
+            raise DataError(f"{where}: {error}. Fix or remove that example.") from None
         if side == "completion" and sum(mask[1:]) == 0:
             raise DataError(
                 f"{where}: its completion has no token left after truncation to "
@@ -109,6 +121,8 @@ def _tokenize(example, index, tokenizer, *, partner, max_length, max_prompt_leng
             )
         row[f"{side}_input_ids"], row[f"{side}_targets"] = ids, shifted_targets(ids, mask)
     row["length"] = max(len(row["completion_input_ids"]), len(row["kl_input_ids"]))
+    if column is not None:
+        row["images"] = data
     row["key"] = paired.content_key(row, SIDES)
     return row
 
@@ -122,15 +136,20 @@ def tokenize_examples(
     max_prompt_length: int | None = None,
     num_proc: int | None = None,
     name: str = "train",
+    pictures: images.ImageInputs | None = None,
+    image_roots: tuple = (),
 ) -> tuple[Dataset, dict[str, Any]]:
     """Examples as `completion_input_ids`/`completion_targets` (the example), `kl_input_ids`/`kl_targets` (its prompt
     with its partner's completion), `label`, `index`, `key` (`paired.content_key` of both rows) and `length`,
     with counts for the run summary. DataError when a split has one class only (train) or labels that are not
-    booleans."""
+    booleans. With an `images` (or `image`) column, `pictures` (the model's processor) expands the prompt's image
+    parts in both rows, which keep the pictures' bytes (`images`)."""
     if len(dataset) == 0:
         raise DataError(f"the {name} split is empty: there is nothing to train or evaluate on")
     carving, pair_count = files.carving_of(dataset), len(dataset)
     dataset, note = unpair_if_paired(dataset, name)
+    column = images.image_column(dataset.column_names)
+    images.require_reader(column, pictures, name)
 
     def where(index: int) -> str:
         """Example `index`, as the user's data numbers it (pairs unpaired: the chosen ones, then the rejected)."""
@@ -167,6 +186,9 @@ def tokenize_examples(
             max_length=max_length,
             max_prompt_length=max_prompt_length,
             where=where(index),
+            pictures=pictures,
+            column=column,
+            roots=tuple(image_roots),
         ),
         with_indices=True,
         remove_columns=dataset.column_names,
@@ -186,6 +208,7 @@ def tokenize_examples(
     return examples, stats
 
 
-def collator(pad_token_id: int) -> paired.PairCollator:
-    """B examples -> 2B rows (the examples, then their KL rows), `pair_index`, `pair_key` and `label`."""
-    return paired.PairCollator(pad_token_id, sides=SIDES, per_example=("label",))
+def collator(pad_token_id: int, pictures=None) -> paired.PairCollator:
+    """B examples -> 2B rows (the examples, then their KL rows), `pair_index`, `pair_key` and `label`; rows showing
+    pictures get their pixel values from `pictures` (the model's processor)."""
+    return paired.PairCollator(pad_token_id, sides=SIDES, per_example=("label",), pictures=pictures)
