@@ -81,6 +81,17 @@ def test_an_image_in_a_reply_is_never_a_target(pictures):
     assert trained_text(pictures.tokenizer, row) == "red circle<|end|>blue square<|end|>"
 
 
+def test_the_image_column_and_prompt_completion_rows_take_pictures_as_trl_reads_them(pictures):
+    """TRL's other vision forms: one picture per row in `image`, and conversational prompt/completion rows (loss on
+    the completion only)."""
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which?"}]}]
+    answer = [{"role": "assistant", "content": [{"type": "text", "text": "red circle"}]}]
+    rows = [{"image": picture(0), "prompt": question, "completion": answer}]
+    row = tokenized(rows, pictures.tokenizer, pictures)[0]
+    assert row["input_ids"].count(pictures.image_token_id) == 16 and len(row["images"]) == 1
+    assert trained_text(pictures.tokenizer, row) == "red circle<|end|>"
+
+
 def test_collated_rows_give_the_model_its_pixels_and_a_loss(pictures):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
