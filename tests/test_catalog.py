@@ -303,6 +303,16 @@ def test_cp_config_copies_it_with_its_recipe_and_what_it_names(tmp_path, capsys)
     ) in out
 
 
+def test_cp_of_a_config_with_pictures_copies_the_pictures_its_rows_name_and_reports_them_in_one_line(tmp_path, capsys):
+    dest = tmp_path / "project"
+    assert cli.main(["cp", "sft/demo_shapes", str(dest)]) == 0
+    out = capsys.readouterr().out
+    row = json.loads((dest / "demo" / "assets" / "shapes" / "train.jsonl").read_text().splitlines()[0])
+    assert (dest / "demo" / "assets" / "shapes" / row["images"][0]).is_file()  # ../shapes_images/..., beside it
+    assert len(list((dest / "demo" / "assets" / "shapes_images").glob("*.png"))) == 1320
+    assert "demo/assets/shapes_images/ (1320 files)" in out and out.count("shapes_images") == 1
+
+
 def test_cp_recipe_copies_the_script_all_its_configs_and_what_they_name(tmp_path):
     assert cli.main(["cp", "sft", str(tmp_path)]) == 0
     configs = sorted(SFT_CONFIGS.glob("*.yaml"))

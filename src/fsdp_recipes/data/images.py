@@ -40,6 +40,25 @@ def require_reader(column: str | None, pictures, name: str) -> None:
         )
 
 
+def pictures_named_in(folder: Path) -> list[Path]:
+    """The picture files a local dataset folder's JSON lines name by relative path, found as the data reads them
+    (from the folder): what a copy of the folder needs beside it (`fsdp-recipes cp`)."""
+    import json
+
+    found = set()
+    for data_file in sorted(folder.rglob("*.jsonl")):
+        for line in data_file.read_text().splitlines():
+            if '"image' not in line:
+                continue
+            row = json.loads(line)
+            for column in IMAGE_COLUMNS:
+                named = row.get(column)
+                for value in named if isinstance(named, list) else [named]:
+                    if isinstance(value, str) and not Path(value).is_absolute() and (folder / value).is_file():
+                        found.add((folder / value).resolve())
+    return sorted(found)
+
+
 def images_of(example: dict[str, Any], column: str) -> list:
     value = example.get(column)
     if value is None:

@@ -9,8 +9,7 @@ Shapes of Hub models come from the estimator's own `model_shapes/<hub id>/config
 package data), so estimates need no network.
 
 In a checkout, the folders are read in place; an installed wheel carries copies of them under fsdp_recipes/bundled/
-(setup.py puts them there), at the same relative paths.
-"""
+(setup.py puts them there), at the same relative paths."""
 
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 
 from fsdp_recipes.common.errors import ConfigError, UserError
 from fsdp_recipes.common.sizes import parse_size
+from fsdp_recipes.data import images
 from fsdp_recipes.distributed.accelerate_config import LaunchLayout, fsdp_settings, read_accelerate_yaml
 from fsdp_recipes.distributed.launch_checks import ERROR
 from fsdp_recipes.tools import method_copies
@@ -306,9 +306,8 @@ class Catalog:
 
     # --- copies --------------------------------------------------------------------------------------------------
     def needs(self, config: RecipeConfig) -> list[tuple[Path, str]]:
-        """Files the config's launch command and values name that exist under the root (relative path, why). What
-        runs wrote is not an input to copy: a config's `output_dir`, and a model another run left under outputs/ (the
-        demo chain's), which would bring its checkpoints along."""
+        """Files the config's launch command and values name under the root (relative path, why). What runs wrote is
+        not an input to copy: `output_dir`, and a model a run left under outputs/ (it would bring its checkpoints)."""
         found: list[tuple[Path, str]] = []
         if config.launch and config.launch.accelerate_config:
             found.append((Path(config.launch.accelerate_config), "the Accelerate config its launch command names"))
@@ -326,8 +325,11 @@ class Catalog:
         source = self.root / value
         if Path(value).parts[:1] == (RUN_OUTPUTS,) or not (source.is_file() or value.strip("./")):
             return []
+        root, why = self.root.resolve(), f"{config.name}.yaml names {value} as {key}"
         files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if "__pycache__" not in p.parts)
-        return [(p.relative_to(self.root), f"{config.name}.yaml names {value} as {key}") for p in files if p.is_file()]
+        if key == "dataset_name" and source.is_dir():  # the pictures its rows name, kept beside it
+            files += [p for p in images.pictures_named_in(source) if p.is_relative_to(root)]
+        return [(p.resolve().relative_to(root), why) for p in files if p.is_file()]
 
     def copy_plan(self, item: Recipe | RecipeConfig) -> list[tuple[Path, str, bool]]:
         """(path relative to the root, why, primary) for everything `cp` copies for `item`: a recipe with all its
@@ -384,7 +386,7 @@ class Catalog:
                 f"{', '.join(str(dest / path) for path in conflicts)} exists and differs from the packaged "
                 "file: pass --force to overwrite it, or copy into another folder (nothing was copied)"
             )
-        report = [f"into {dest}/:"]
+        report, groups = [f"into {dest}/:"], {}
         for source, path, why, primary in files:
             target, wanted = dest / path, content(source, path)
             if target.exists() and target.read_bytes() == wanted:
@@ -395,7 +397,10 @@ class Catalog:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(wanted)
                 status = "copied"
-            report.append(f"  {path}  ({why}; {status})")
+            groups.setdefault((path.parent, why, status), []).append(path)
+        for (folder, why, status), paths in groups.items():  # a folder of many (a dataset's pictures): one line
+            listed = paths if len(paths) <= 10 else [f"{folder}/ ({len(paths)} files)"]
+            report += [f"  {p}  ({why}; {status})" for p in listed]
         return report + self._how_to_run(item, dest)
 
     def _copy_one(self, item: Recipe | RecipeConfig, dest: Path, *, force: bool) -> list[str]:
