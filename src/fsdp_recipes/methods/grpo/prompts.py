@@ -6,6 +6,7 @@ placeholders become each picture's tokens, and the reward functions receive the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from fsdp_recipes.common.errors import DataError
@@ -118,11 +119,25 @@ def load_prompts(
         prompt_ids.append(ids)
     columns = {name: list(dataset[name]) for name in names if name != column}
     if image_column is not None:  # the reward functions' view: PIL images, whatever the data holds
-        opened = [[images.open_image(data) for data in row] for row in shown]
-        columns[image_column] = opened if image_column == "images" else [row[0] if row else None for row in opened]
+        columns[image_column] = OpenedPictures(shown, single=image_column == "image")
     return Prompts(
         prompts, prompt_ids, columns, truncated, reset_texts if reset is not None else None, shown if given else None
     )
+
+
+class OpenedPictures(Sequence):
+    """A column of each prompt's pictures as PIL images (one per prompt for `image`), opened when read: the file
+    bytes stay the only copy (thousands of decoded pictures would not fit in memory)."""
+
+    def __init__(self, shown: list[list[bytes]], *, single: bool):
+        self.shown, self.single = shown, single
+
+    def __len__(self) -> int:
+        return len(self.shown)
+
+    def __getitem__(self, index: int):
+        opened = [images.open_image(data) for data in self.shown[index]]
+        return (opened[0] if opened else None) if self.single else opened
 
 
 def _with_pictures(ids, prompt, given, column: str, pictures, roots, shown: list, where: str) -> list[int]:
