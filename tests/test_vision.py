@@ -500,6 +500,36 @@ def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_l
     assert "freeze_vision_tower: the model (llama) is text-only" in refusal(tmp_path, capsys, frozen)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "mistral3"])
+def test_pictures_of_different_sizes_share_a_batch(family, request, tmp_path):
+    """Qwen-VL and Pixtral keep a picture's proportions, so pictures of one batch make different numbers of tokens:
+    their rows, pixel values and the model's count of image tokens agree."""
+    import torch
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    from fsdp_recipes.data import rows
+    from fsdp_recipes.data.images import GridImageProcessor, ImageInputs
+    from fsdp_recipes.train.losses import TokenLoss
+
+    inputs, model = request.getfixturevalue(family)
+    if family == "qwen2_5_vl":  # its fixture resizes every picture to one size: here from 28x28 to 112x112 pixels
+        ranged = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14)
+        inputs = ImageInputs(GridImageProcessor(ranged, inputs.tokenizer, inputs.tokenizer.chat_template))
+    wide, small = tmp_path / "wide.png", tmp_path / "small.png"
+    Image.new("RGB", (64, 32), "red").save(wide)
+    Image.new("RGB", (32, 32), "blue").save(small)
+    examples = [{**two_turns(), "images": [str(wide), str(small)]}, {**two_turns(), "images": [str(small), str(wide)]}]
+    built = rows.build_rows(tokenized(examples, inputs.tokenizer, inputs), max_length=400, packing=False)
+    counts = [row["input_ids"].count(inputs.image_token_id) for row in built]
+    wide_tokens = len([t for t in inputs.expansion(Image.open(wide)) if t == inputs.image_token_id])
+    small_tokens = len([t for t in inputs.expansion(Image.open(small)) if t == inputs.image_token_id])
+    assert wide_tokens != small_tokens and counts == [wide_tokens + small_tokens] * 2
+    batch = rows.collate_rows(list(built), inputs.tokenizer.pad_token_id, inputs)
+    with torch.no_grad():  # the model checks its image tokens against the pictures' features
+        assert torch.isfinite(TokenLoss(model).loss_sum(model.eval(), batch))
+
+
 @pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "idefics3"])
 def test_each_familys_processor_round_trips_through_the_exported_folder(family, pictures, request, tmp_path):
     """What export writes (the processor's save_pretrained) loads back as the run loads it, and makes the same

@@ -132,7 +132,9 @@ class ExpandingProcessor:
     def tokens_for(self, image) -> str:
         raise NotImplementedError
 
-    def __call__(self, text: list[str], images: list, add_special_tokens: bool = True, return_tensors=None) -> dict:
+    def __call__(
+        self, text: list[str], images: list, add_special_tokens: bool = True, return_tensors=None, padding=False
+    ) -> dict:
         images = [one for image in images for one in (image if isinstance(image, list) else [image])]
         pending, expanded = list(images), []
         for piece in text:
@@ -141,7 +143,10 @@ class ExpandingProcessor:
             for part in parts[1:]:
                 out += self.tokens_for(pending.pop(0)) + part
             expanded.append(out)
-        encoded = dict(self.tokenizer(expanded, add_special_tokens=add_special_tokens, return_tensors=return_tensors))
+        encoded = self.tokenizer(
+            expanded, add_special_tokens=add_special_tokens, return_tensors=return_tensors, padding=padding
+        )
+        encoded = dict(encoded)
         return {**encoded, **(self.pixels(images, return_tensors) if images and return_tensors else {})}
 
     def apply_chat_template(self, *args, **kwargs):
@@ -277,7 +282,10 @@ class ImageInputs:
         inputs = {}
         if flat:  # the processor's own call, so its pictures are resized as it resized them to count their tokens
             one_each = [[image] for image in flat]  # one text per picture (Gemma 3's processor counts them per text)
-            processed = self.processor(text=[self.placeholder] * len(flat), images=one_each, return_tensors="pt")
+            # (padded: pictures of one batch may make different numbers of tokens, Qwen-VL's and Pixtral's)
+            processed = self.processor(
+                text=[self.placeholder] * len(flat), images=one_each, return_tensors="pt", padding=True
+            )
             inputs = {key: value for key, value in processed.items() if key in PIXEL_INPUTS}
         if self.needs_token_types:
             inputs["token_type_ids"] = (input_ids == self.image_token_id).long()
