@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
             f"(per_device_train_batch_size x processes x gradient_accumulation_steps = {completions_per_step})"
         )
     task = run.on_every_rank(
-        lambda: grpo_task.load_task(config, tokenizer, device=accelerator.device, pictures=run.pictures),
+        lambda: grpo_task.load_task(
+            config, tokenizer, device=accelerator.device, pictures=run.pictures, data_parallel_size=world
+        ),
         main_process_first=True,
     )  # (a vision-language model's processor, run.pictures, reads the prompts' pictures)
     data = task.data

@@ -500,6 +500,40 @@ def test_images_for_a_text_model_a_blind_template_and_freezing_a_tower_a_model_l
     assert "freeze_vision_tower: the model (llama) is text-only" in refusal(tmp_path, capsys, frozen)
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_a_batch_without_pictures_runs_the_tower_on_a_blank_one_and_its_losses_do_not_change(family, pictures, request):
+    """Under FSDP every rank's forward must run the same modules: a micro-batch of rows without pictures (text rows
+    in data that mixes both) gets a blank picture as a sequence of its own after its last row."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fsdp_recipes.data import rows
+    from fsdp_recipes.models.vision import vision_parts
+    from fsdp_recipes.train.losses import TokenLoss
+
+    if family == "llava":
+        torch.manual_seed(0)
+        inputs, model = pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
+    else:
+        inputs, model = request.getfixturevalue(family)
+    text = [{"messages": [{"role": "user", "content": [{"type": "text", "text": f"name colour {i}"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": []}
+            for i in range(2)]  # fmt: skip
+    built = list(rows.build_rows(tokenized(text, inputs.tokenizer, inputs), max_length=200, packing=False))
+    pad = inputs.tokenizer.pad_token_id
+    with_blank, plain = rows.collate_rows(built, pad, inputs), rows.collate_rows(built, pad)
+    assert "pixel_values" in with_blank and with_blank["real_tokens"].tolist() == plain["real_tokens"].tolist()
+    encoded = []
+    hook = vision_parts(model)[0].register_forward_hook(lambda *_: encoded.append(1))
+    with torch.no_grad():
+        blank, alone = (TokenLoss(model).token_losses(model.eval(), batch) for batch in (with_blank, plain))
+    hook.remove()
+    assert len(encoded) == 1  # the tower ran for the blank picture
+    width = plain["input_ids"].shape[1]
+    torch.testing.assert_close(blank[:, :width], alone, rtol=1e-5, atol=1e-6)
+    assert not blank[:, width:].any()  # the blank picture's tokens are never targets
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "mistral3"])
 def test_pictures_of_different_sizes_share_a_batch(family, request, tmp_path):
     """Qwen-VL and Pixtral keep a picture's proportions, so pictures of one batch make different numbers of tokens:
@@ -750,6 +784,23 @@ def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_r
     # one grey for every picture (Idefics3 takes all-zero pictures for padding)
     blank = {key: torch.full_like(value, 0.5) if key == "pixel_values" else value for key, value in batch.items()}
     assert not torch.allclose(rollouts.completion_log_probs(model, blank, 1.0)[0], padded)
+
+
+def test_grpo_prompts_with_and_without_pictures_are_refused_over_several_ranks(tmp_path, pictures):
+    from fsdp_recipes.common.errors import DataError
+    from fsdp_recipes.methods.grpo.task import load_task
+    from helpers.recipes import load_recipe
+    from helpers.vision import shapes_prompts, vision_grpo_values
+
+    folder = shapes_prompts(tmp_path / "prompts", count=4)
+    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    rows[1] = {**rows[1], "images": [], "prompt": [{"role": "user", "content": "name a colour"}]}
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    values = vision_grpo_values(folder, tmp_path / "out", reward_funcs=["exact_match"])
+    config = load_recipe("grpo").GRPOConfig(**values)
+    assert len(load_task(config, pictures.tokenizer, device="cpu", pictures=pictures, data_parallel_size=1).data) == 4
+    with pytest.raises(DataError, match="prompts 1 of the train split show no picture while others do"):
+        load_task(config, pictures.tokenizer, device="cpu", pictures=pictures, data_parallel_size=2)
 
 
 def test_grpo_refuses_what_cannot_take_pictures_yet(pictures):

@@ -13,14 +13,18 @@ PROCESSOR = REPO / "demo" / "assets" / "shapes_processor"
 LLAVA = REPO / "demo" / "tiny_llava.json"
 
 
-def shapes_subset(folder: Path, count: int = 24) -> Path:
-    """The demo's first pictures (`count` to train on, 8 held out), their paths made absolute (the rows move)."""
+def shapes_subset(folder: Path, count: int = 24, text_only: int = 0) -> Path:
+    """The demo's first pictures (`count` to train on, 8 held out), their paths made absolute (the rows move); the
+    last `text_only` training rows ask about a colour's name with no picture (data that mixes both)."""
     folder.mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):
         lines = (SHAPES / f"{split}.jsonl").read_text().splitlines()[: count if split == "train" else 8]
         rows = [json.loads(line) for line in lines]
-        for row in rows:
+        for index, row in enumerate(rows):
             row["images"] = [str((SHAPES / path).resolve()) for path in row["images"]]
+            if split == "train" and index >= count - text_only:
+                row["images"] = []
+                row["messages"][0]["content"] = [{"type": "text", "text": f"name colour {index}"}]
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return folder
 

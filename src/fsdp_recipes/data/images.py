@@ -18,8 +18,12 @@ from typing import Any
 import torch
 
 from fsdp_recipes.common.errors import DataError
+from fsdp_recipes.data.rows import IGNORE_INDEX
 
-IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list per row, or one image per row
+IMAGE_COLUMNS = ("images", "image")
+IGNORE_TARGET = (
+    -100
+)  # data.rows.IGNORE_INDEX (rows imports this module)  # TRL's names: a list per row, or one image per row
 # what a collated batch of rows with pictures adds to the forward's inputs (those the processor returns)
 PIXEL_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
 VISION_INPUTS = (*PIXEL_INPUTS, "token_type_ids", "mm_token_type_ids")
@@ -250,6 +254,25 @@ class ImageInputs:
         """The tokens the processor writes for this picture in place of its placeholder."""
         encoded = self.processor(text=[self.placeholder], images=[image], add_special_tokens=False)
         return list(encoded["input_ids"][0])
+
+    def with_blank_picture(self, row: dict) -> dict:
+        """`row` with a blank picture's tokens after it, as an example of its own (positions from 0, no targets),
+        and the picture: a batch that holds it runs the vision tower; nothing else attends to it, so no loss or
+        gradient changes."""
+        if not hasattr(self, "_blank"):
+            from PIL import Image
+
+            buffer = io.BytesIO()
+            Image.new("RGB", (64, 64), "white").save(buffer, format="PNG")
+            self._blank = (self.expansion(open_image(buffer.getvalue())), buffer.getvalue())
+        tokens, picture = self._blank
+        return {
+            **row,
+            "input_ids": list(row["input_ids"]) + tokens,
+            "targets": list(row["targets"]) + [IGNORE_INDEX] * len(tokens),
+            "position_ids": list(row["position_ids"]) + list(range(len(tokens))),
+            "images": [picture],
+        }
 
     def last_image_token(self, ids: list[int]) -> int:
         """Where the last picture's tokens end (-1 without pictures): a cut must keep everything before it."""

@@ -72,7 +72,12 @@ def build_rows(tokenized: Dataset, *, max_length: int, packing: bool) -> Dataset
 def collate_rows(rows: list[dict[str, list[int]]], pad_token_id: int, pictures=None) -> dict[str, torch.Tensor]:
     """Right-pads rows to the longest. Padding gets its own positions (restarting at 0), so it forms a separate
     sequence that no real token attends to, and IGNORE_INDEX targets. Rows with pictures get their pixel values
-    from `pictures` (data.images.ImageInputs, the model's processor)."""
+    from `pictures` (data.images.ImageInputs, the model's processor); a batch of a vision-language model without any
+    picture gets a blank one in a sequence of its own (`ImageInputs.with_blank_picture`), so that its vision tower runs
+    at every forward on every rank, as FSDP's collectives need, without changing any loss or gradient."""
+    real_tokens = [len(row["input_ids"]) for row in rows]
+    if pictures is not None and not any(row.get("images") for row in rows):
+        rows = [*rows[:-1], pictures.with_blank_picture(rows[-1])]
     width = max(len(row["input_ids"]) for row in rows)
     input_ids, targets, positions = [], [], []
     for row in rows:
@@ -84,7 +89,7 @@ def collate_rows(rows: list[dict[str, list[int]]], pad_token_id: int, pictures=N
         "input_ids": torch.tensor(input_ids, dtype=torch.long),
         "targets": torch.tensor(targets, dtype=torch.long),
         "position_ids": torch.tensor(positions, dtype=torch.long),
-        "real_tokens": torch.tensor([len(row["input_ids"]) for row in rows], dtype=torch.long),
+        "real_tokens": torch.tensor(real_tokens, dtype=torch.long),
     }
     if pictures is not None:
         batch.update(pictures.pixel_inputs(batch["input_ids"], [row.get("images") or [] for row in rows]))

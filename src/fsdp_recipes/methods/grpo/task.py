@@ -72,7 +72,9 @@ class Task:
         )  # fmt: skip
 
 
-def load_task(config, tokenizer, *, device, pictures: images.ImageInputs | None = None) -> Task:
+def load_task(
+    config, tokenizer, *, device, pictures: images.ImageInputs | None = None, data_parallel_size: int = 1
+) -> Task:
     """The run's task, from its config (the GRPO settings groups and the data fields); ConfigError or DataError when a reward
     function, a tool, the environment, the chat template or the data cannot serve. `pictures`: a vision-language
     model's processor (the run's), for prompts with images."""
@@ -96,6 +98,14 @@ def load_task(config, tokenizer, *, device, pictures: images.ImageInputs | None 
     )  # fmt: skip
     if data.images is not None and (problem := picture_problem(config, tools)):
         raise ConfigError(f"the prompts show pictures, and {problem}")
+    without = [index for index, shown in enumerate(data.images or []) if not shown]
+    if without and len(without) < len(data) and data_parallel_size > 1:
+        raise DataError(
+            f"prompts {', '.join(map(str, without[:5]))}{'...' if len(without) > 5 else ''} of the {split} split show "
+            f"no picture while others do: with {data_parallel_size} data-parallel ranks a rank whose micro-batch has "
+            "no picture would skip the vision tower the others run, and FSDP's collectives would not match (not "
+            "built yet for GRPO). Give every prompt a picture, train the two kinds in separate runs, or use one rank"
+        )
     weights = config.weights() + [1.0] * (len(functions) - len(config.reward_funcs))
     return Task(
         data, functions, weights, tools, environment, config.max_tool_calling_iterations, config.tool_timeout, pictures
