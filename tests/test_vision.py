@@ -672,6 +672,10 @@ def test_dpo_pairs_with_images_train_the_answers_alone_and_their_log_probs_see_t
             TokenLoss(model).token_losses(model, {**batch, "pixel_values": 0 * batch["pixel_values"]})
         )
     assert not torch.allclose(seen, blank)  # the answers' log-probabilities depend on the pictures
+    # the implicit form (whole conversations, the prompt what they share) gives the same pairs
+    implicit = raw.map(lambda e: {"chosen": e["prompt"] + e["chosen"], "rejected": e["prompt"] + e["rejected"]})
+    implicit = paired.tokenize_pairs(implicit.remove_columns("prompt"), tokenizer, max_length=80, pictures=pictures)[0]
+    assert implicit["chosen_input_ids"] == pairs["chosen_input_ids"] and implicit["key"] == pairs["key"]
     # the same text with another picture is another pair: precomputed reference values are never mixed up
     other = raw.map(lambda example: {"images": [picture(5)]})
     others = paired.tokenize_pairs(other, tokenizer, max_length=80, pictures=pictures)[0]
