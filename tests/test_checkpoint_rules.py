@@ -190,7 +190,12 @@ def test_a_parameter_without_a_gradient_yet_gets_adamws_fresh_state_so_a_checkpo
         optimizer.zero_grad(set_to_none=True)
         before = [p.clone() for p in unused.parameters()]
         if complete:
+            pending = [torch.ones_like(p) for p in used.parameters()]  # a gradient being accumulated: kept as it is
+            for parameter, grad in zip(used.parameters(), pending):
+                parameter.grad = grad
             complete_optimizer_state(optimizer)
+            assert all(p.grad is g for p, g in zip(used.parameters(), pending))
+            optimizer.zero_grad(set_to_none=True)
             assert all(
                 optimizer.state[p]["step"] == 0 and not optimizer.state[p]["exp_avg"].any()
                 for p in before and unused.parameters()

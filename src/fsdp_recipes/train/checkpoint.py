@@ -174,23 +174,23 @@ def complete_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     reads, experts no token reached) the state AdamW would create at its first gradient: zero moments, step 0. A
     checkpoint then holds a state for every parameter, which torch's distributed loading expects (it fills a fresh
     optimizer's state for all of them before reading); the updates that follow are those of the run without it."""
-    missing = [
-        p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p not in optimizer.state
-    ]
+    held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}  # restored after
+    missing = {p for p in held if p.requires_grad and p not in optimizer.state}  # (by identity)
     if not missing:
         return
-    for parameter in missing:
-        parameter.grad = torch.zeros_like(parameter)
+    for parameter in held:  # AdamW steps only the parameters with a gradient: the missing ones, at rate 0
+        parameter.grad = torch.zeros_like(parameter) if parameter in missing else None
     rates = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:  # AdamW steps only the parameters with a gradient; at rate 0 none moves
+    for group in optimizer.param_groups:
         group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
     try:
         optimizer.step()
     finally:
         for group, rate in zip(optimizer.param_groups, rates):
             group["lr"] = rate
+        for parameter, grad in held.items():
+            parameter.grad = grad
         for parameter in missing:
-            parameter.grad = None
             optimizer.state[parameter]["step"].zero_()  # as it was before its first gradient
 
 
