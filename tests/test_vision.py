@@ -30,6 +30,17 @@ def picture(index: int) -> str:
     return str(REPO / "demo" / "assets" / "shapes_images" / f"test-{index:04d}.png")
 
 
+def family_model(family: str, pictures, request):
+    """(ImageInputs, model) of a family: the demo's Llava with its processor, or the family's fixture."""
+    if family != "llava":
+        return request.getfixturevalue(family)
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    return pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
+
+
 def two_turns(image_in_reply: bool = False) -> dict:
     """A picture in the first user turn, another in the second (after its text), and a third in a reply if asked."""
     reply = [{"type": "text", "text": "blue square"}] + ([{"type": "image"}] if image_in_reply else [])
@@ -505,17 +516,12 @@ def test_a_batch_without_pictures_runs_the_tower_on_a_blank_one_and_its_losses_d
     """Under FSDP every rank's forward must run the same modules: a micro-batch of rows without pictures (text rows
     in data that mixes both) gets a blank picture as a sequence of its own after its last row."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from fsdp_recipes.data import rows
     from fsdp_recipes.models.vision import vision_parts
     from fsdp_recipes.train.losses import TokenLoss
 
-    if family == "llava":
-        torch.manual_seed(0)
-        inputs, model = pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
-    else:
-        inputs, model = request.getfixturevalue(family)
+    inputs, model = family_model(family, pictures, request)
     text = [{"messages": [{"role": "user", "content": [{"type": "text", "text": f"name colour {i}"}]},
                           {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": []}
             for i in range(2)]  # fmt: skip
@@ -594,16 +600,11 @@ def test_packed_rows_with_pictures_give_each_example_the_losses_it_has_alone(fam
     one it has in a row of its own. Llava and Gemma 3 keep the examples apart by their restarting positions (Gemma 3's
     picture tokens see each other both ways, within their example); Qwen-VL's 3-D positions are each example's own."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from fsdp_recipes.data import rows
     from fsdp_recipes.train.losses import IGNORE_INDEX, TokenLoss
 
-    if family == "llava":
-        torch.manual_seed(0)
-        inputs, model = pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
-    else:
-        inputs, model = request.getfixturevalue(family)
+    inputs, model = family_model(family, pictures, request)
     model.eval()
     examples = [two_turns(), two_turns(image_in_reply=True), {**two_turns(), "images": [picture(3), picture(4)]}]
     tokens = tokenized(examples, inputs.tokenizer, inputs)
@@ -730,7 +731,6 @@ def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_r
     model's own unpadded forward of that prompt, picture and completion (Qwen: its 3-D positions, from the mask)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from fsdp_recipes.methods.grpo import prompts as prompts_lib
     from fsdp_recipes.methods.grpo import rollouts
@@ -738,11 +738,7 @@ def test_grpo_scores_completions_with_their_prompts_pictures_as_the_model_does_r
     from fsdp_recipes.models.vision import vision_parts
     from fsdp_recipes.train import generation
 
-    if family == "llava":
-        torch.manual_seed(0)
-        inputs, model = pictures, AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(LLAVA))
-    else:
-        inputs, model = request.getfixturevalue(family)
+    inputs, model = family_model(family, pictures, request)
     model.eval()
     tokenizer = inputs.tokenizer
     rows = [
