@@ -147,10 +147,14 @@ def vision_block_classes(model: torch.nn.Module) -> list[str]:
     return [max(stacks)[1]] if stacks else []
 
 
+def rope_index_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that computes the model's rotary positions from its pictures (Qwen-VL's 3-D positions, from the
+    input ids, the attention mask and the pictures' grids: positions passed in would be text positions), or None."""
+    return next((module for module in model.modules() if hasattr(module, "get_rope_index")), None)
+
+
 def computes_own_positions(model: torch.nn.Module) -> bool:
-    """Whether the model computes its rotary positions from the pictures itself (Qwen-VL's 3-D positions, from the
-    input ids, the attention mask and the pictures' grids): positions passed in would be text positions."""
-    return any(hasattr(module, "get_rope_index") for module in model.modules())
+    return rope_index_module(model) is not None
 
 
 def vision_positions(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -160,9 +164,9 @@ def vision_positions(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     model computes them for a row of one example, and given with the text positions first ([4, rows, width]: the model
     keeps examples apart by that first row)."""
     positions = batch["position_ids"]
-    if not computes_own_positions(model):
+    core = rope_index_module(model)  # one walk over the modules per forward
+    if core is None:
         return positions
-    core = next(module for module in model.modules() if hasattr(module, "get_rope_index"))
     merge = core.config.vision_config.spatial_merge_size**2
     grids = list(batch.get("image_grid_thw", torch.empty(0, 3, dtype=torch.long)))
     spatial = torch.zeros((3, *positions.shape), dtype=positions.dtype, device=positions.device)
